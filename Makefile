@@ -1,0 +1,32 @@
+# The project's commands. `make demo` and `make test` are the two a newcomer needs.
+PY := .venv/bin/python
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+
+.PHONY: setup models serve demo test test-fast bench bench-quick clean
+
+setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
+	@bash scripts/setup.sh
+
+models: setup  ## build the tiny random-weight pipelines offline into models/
+	@$(PY) -m engine_lib.tiny_models --pipeline all --preset tiny
+
+serve: models  ## run tritonserver on the local model repository (Ctrl-C stops it)
+	@$(PY) -m engine_lib.serving.launcher serve
+
+demo: models  ## start the server, generate one image with the client, stop the server
+	@$(PY) scripts/demo.py
+
+test: models  ## unit, engine, pipeline and real-tritonserver tests
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: models  ## everything but the real-tritonserver tests
+	@$(PY) -m pytest -q tests --ignore=tests/serving --ignore=tests/client $(PYTEST_ARGS)
+
+bench: models  ## the full benchmark (about 30 min): writes benchmarks/results and docs/benchmarks.md
+	@$(PY) -m benchmarks.run $(BENCH_ARGS)
+
+bench-quick: models  ## the quick benchmark (under 5 min)
+	@$(PY) -m benchmarks.run --quick $(BENCH_ARGS)
+
+clean:
+	rm -rf models out build .pytest_cache

@@ -1,0 +1,106 @@
+"""EngineConfig: every model parameter, its default and its strict parser, in one place.
+
+Triton hands `config.pbtxt` `parameters` over as strings; `EngineConfig.from_parameters`
+parses them strictly ("false" is false, "flase" is an error) and names the
+parameter and its allowed values in every error. docs/configuration.md is checked
+against `EngineConfig` by a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from engine_lib.request import ConfigError
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One model instance's engine settings (see docs/configuration.md)."""
+
+    # which pipeline and weights
+    pipeline: str = "qwen_image"
+    model_path: str = ""  # empty: $DIFFUSION_MODEL_PATH, else the tiny model built by `make models`
+    device: str = "auto"  # auto: cuda if available, else cpu; or cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    # execution mode (the seed's table)
+    step_execution: bool = False
+    max_num_seqs: int = 1
+    request_batch_max_wait_ms: float = 0.0
+    cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
+    # limits, checked per request at the Triton edge
+    max_height: int = 1024
+    max_width: int = 1024
+    max_steps: int = 100
+    max_num_images: int = 4
+    max_prompt_chars: int = 4096
+    max_queue: int = 64
+    # defaults for inputs a request leaves out
+    default_height: int = 64
+    default_width: int = 64
+    default_steps: int = 4
+    # start-up
+    warmup: bool = True
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
+        """Parse Triton `parameters` (string values, or Triton's {"string_value": ...} dicts)."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, raw in params.items():
+            if isinstance(raw, Mapping):
+                raw = raw.get("string_value", "")
+            if name not in known:
+                raise ConfigError(f"unknown parameter '{name}'; known parameters: {', '.join(sorted(known))}")
+            values[name] = _parse(name, known[name].type, str(raw))
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ConfigError(f"parameter 'device': {self.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"parameter 'dtype': {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not math.isfinite(self.request_batch_max_wait_ms) or self.request_batch_max_wait_ms < 0:
+            raise ConfigError(
+                f"parameter 'request_batch_max_wait_ms': {self.request_batch_max_wait_ms} must be a finite number >= 0"
+            )
+        for name in ("max_num_seqs", "max_height", "max_width", "max_steps", "max_num_images",
+                     "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        config = dataclasses.replace(self, **changes)
+        config.validate()
+        return config
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    text = raw.strip()
+    if type_name in (bool, "bool"):
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"parameter '{name}': {raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+    if type_name in (int, "int"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"parameter '{name}': {raw!r} is not an integer") from None
+    if type_name in (float, "float"):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"parameter '{name}': {raw!r} is not a number") from None
+    return text

@@ -1,0 +1,317 @@
+"""DiffusionEngine: mode selection, the busy loop, output streams, abort, close, warm-up.
+
+One busy-loop thread owns the device. Its tick reads like nano-vllm's `step()`:
+schedule, execute, update, emit. Every other thread only enqueues (add_request,
+abort, close) under the engine's one lock and wakes the loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from engine_lib.config import EngineConfig
+from engine_lib.request import (
+    ConfigError,
+    DiffusionOutput,
+    DiffusionRequest,
+    EngineError,
+    EngineUnavailableError,
+    RequestCancelledError,
+    SamplingParams,
+)
+from engine_lib.runner import ModelRunner, RunnerResult
+from engine_lib.sched.base import Scheduler, SchedulerOutput
+from engine_lib.sched.keys import request_batch_key, step_batch_key
+from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
+from engine_lib.sched.step_scheduler import StepScheduler
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[DiffusionOutput], None]
+
+
+class EngineMode(enum.Enum):
+    REQUEST_BATCH = "request_batch"
+    STEP_BATCH = "step_batch"
+
+
+@dataclass(frozen=True)
+class TickStats:
+    """One busy-loop tick, handed to tick listeners (metrics) as plain numbers."""
+
+    mode: EngineMode
+    batch_size: int  # requests in the forward
+    seconds: float  # wall time of the tick's device work
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's own counters: what is alive right now."""
+
+    num_waiting: int
+    num_running: int
+    num_runner_states: int  # step states the runner holds
+    num_streams: int  # open output streams / sinks
+    thread_alive: bool
+
+
+class OutputStream:
+    """One request's outputs: zero or more intermediate items, then exactly one final item."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: "queue.Queue[DiffusionOutput]" = queue.Queue()
+
+    def put(self, output: DiffusionOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: Optional[float] = None) -> DiffusionOutput:
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[DiffusionOutput]:
+        while True:
+            item = self._queue.get()
+            yield item
+            if item.is_final:
+                return
+
+    def result(self, timeout: Optional[float] = None) -> DiffusionOutput:
+        """Wait for and return the final output (intermediate ones are skipped)."""
+        while True:
+            item = self.get(timeout=timeout)
+            if item.is_final:
+                return item
+
+
+def select_mode(config: EngineConfig, adapter) -> EngineMode:
+    """The seed's table, plus the load-time capability checks (the message names the setting)."""
+    if config.step_execution:
+        if not adapter.supports_step_execution:
+            raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")
+        return EngineMode.STEP_BATCH
+    if config.max_num_seqs > 1 and not adapter.supports_request_batch:
+        raise ConfigError(
+            f"pipeline '{adapter.name}' does not support request batching: set max_num_seqs=1 "
+            "(or step_execution=true if it supports step execution)"
+        )
+    return EngineMode.REQUEST_BATCH
+
+
+class DiffusionEngine:
+    """Owns the device through one busy-loop thread; everything else only enqueues."""
+
+    def __init__(self, adapter, config: EngineConfig, scheduler: Optional[Scheduler] = None,
+                 tick_listener: Optional[Callable[[TickStats], None]] = None):
+        self.adapter = adapter
+        self.config = config
+        self.mode = select_mode(config, adapter)
+        self.runner = ModelRunner(adapter)
+        self.scheduler = scheduler or self._make_scheduler()
+        self._execute = self._execute_batch if self.mode is EngineMode.REQUEST_BATCH else self._execute_step
+        self._tick_listener = tick_listener
+        # Shared with callers' threads, guarded by _cond: scheduler, _sinks, _pending_aborts, _closed.
+        self._cond = threading.Condition()
+        self._sinks: dict[str, Sink] = {}
+        self._pending_aborts: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
+        self._thread.start()
+        logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
+                    adapter.name, self.mode.value, config.max_num_seqs)
+
+    def _make_scheduler(self) -> Scheduler:
+        key_fields = self.adapter.key_fields
+        if self.mode is EngineMode.REQUEST_BATCH:
+            return RequestScheduler(self.config.max_num_seqs, lambda p: request_batch_key(p, key_fields(p)))
+        return StepScheduler(self.config.max_num_seqs, lambda p: step_batch_key(p, key_fields(p)))
+
+    @classmethod
+    def make_engine(cls, config: EngineConfig, adapter=None,
+                    tick_listener: Optional[Callable[[TickStats], None]] = None) -> "DiffusionEngine":
+        """Load the adapter (unless given), build the engine, start its thread, warm up.
+
+        If warm-up fails the engine is closed and the error re-raised.
+        """
+        if adapter is None:
+            from engine_lib.pipelines.registry import load_adapter
+
+            adapter = load_adapter(config)
+        engine = cls(adapter, config, tick_listener=tick_listener)
+        try:
+            if config.warmup:
+                engine.warmup()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def warmup(self, timeout: float = 600.0) -> None:
+        """Run one small request through the real path, so the first user request is not the slow one."""
+        params = SamplingParams(prompt="warm-up", height=self.config.default_height, width=self.config.default_width,
+                                num_inference_steps=max(2, min(self.config.default_steps, 2)))
+        self.adapter.validate(params)
+        start = time.monotonic()
+        final = self.add_request("__warmup__", params).result(timeout=timeout)
+        if final.error is not None:
+            raise RuntimeError(f"warm-up failed: {final.error}") from final.error
+        logger.info("engine warm-up done in %.2fs", time.monotonic() - start)
+
+    # -- caller side (any thread) --------------------------------------------
+    def add_request(self, request_id: str, params: SamplingParams,
+                    sink: Optional[Sink] = None) -> Optional[OutputStream]:
+        """Admit a request and return at once.
+
+        Without `sink` an OutputStream is returned; with one, every output is
+        passed to `sink(output)` from the engine thread (it must not block).
+        Raises InvalidInputError (adapter checks), EngineUnavailableError (closed,
+        or `max_queue` requests already waiting), ValueError (duplicate active id).
+        """
+        self.adapter.validate(params)
+        stream = None
+        if sink is None:
+            stream = OutputStream(request_id)
+            sink = stream.put
+        with self._cond:
+            if self._closed:
+                raise EngineUnavailableError("engine is shutting down")
+            if self.scheduler.num_waiting >= self.config.max_queue:
+                raise EngineUnavailableError(
+                    f"queue full: {self.scheduler.num_waiting} requests waiting (max_queue={self.config.max_queue})")
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already active")
+            self.scheduler.add_request(DiffusionRequest(request_id, params))
+            self._sinks[request_id] = sink
+            self._cond.notify_all()
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort waiting or running requests: each ends with a final CANCELLED output
+        and its runner state is freed by the busy loop at once (also when idle)."""
+        with self._cond:
+            self._pending_aborts.extend(request_ids)
+            self._cond.notify_all()
+
+    def drop_stream(self, request_id: str) -> None:
+        """The consumer went away: stop delivering to it. The request itself runs on and is cleaned up."""
+        with self._cond:
+            self._sinks.pop(request_id, None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Reject new requests, end every open stream with UNAVAILABLE, join the thread."""
+        with self._cond:
+            if self._closed and not self._sinks:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        logger.info("engine shutting down")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread still busy after %.1fs; its remaining outputs are dropped", timeout)
+        with self._cond:
+            sinks, self._sinks = self._sinks, {}
+            self.scheduler.abort(list(sinks))
+        for request_id, sink in sinks.items():
+            self._deliver(sink, DiffusionOutput(request_id, 0, 0, True, error=EngineUnavailableError(
+                "engine is shutting down")))
+        if not self._thread.is_alive():
+            self.runner.free(list(self.runner.states))
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
+                               len(self._sinks), self._thread.is_alive())
+
+    # -- busy loop (engine thread) -------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._pending_aborts or self.scheduler.has_requests):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                aborted = self.scheduler.abort(self._pending_aborts)
+                self._pending_aborts.clear()
+            for request in aborted:
+                self.runner.free([request.request_id])
+                self._emit_final(request, error=RequestCancelledError(f"request {request.request_id} cancelled"))
+                logger.info("cancelled request %s", request.request_id)
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - never let one tick kill the loop
+                logger.exception("engine tick failed")
+
+    def _tick(self) -> None:
+        with self._cond:
+            self._maybe_wait_for_admission()
+            if self._closed:
+                return
+            sched_out = self.scheduler.schedule()
+            new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
+            running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
+        self.runner.free(sched_out.finished_ids)
+        if sched_out.is_empty:
+            return
+        start = time.monotonic()
+        try:
+            result = self._execute(new, running)
+        except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
+            result = RunnerResult()
+            for request in new + running:
+                result.fail(request.request_id, exc)
+            self.runner.free([r.request_id for r in new + running])
+        seconds = time.monotonic() - start
+        with self._cond:
+            ended = self.scheduler.update_from_output(sched_out, result.output)
+        self._emit(new + running, ended, result)
+        if self._tick_listener is not None:
+            self._tick_listener(TickStats(self.mode, len(new) + len(running), seconds))
+
+    def _maybe_wait_for_admission(self) -> None:
+        """Request mode only: let a burst accumulate before the first wave (the seed's four conditions)."""
+        wait_s = self.config.request_batch_max_wait_ms / 1000.0
+        if (self.mode is EngineMode.REQUEST_BATCH and wait_s > 0 and self.config.max_num_seqs > 1
+                and self.adapter.supports_request_batch and self.scheduler.num_running == 0
+                and self.scheduler.num_waiting > 0):
+            wait_for_admission(self._cond, lambda: self.scheduler.num_waiting, self.config.max_num_seqs,
+                               wait_s, lambda: self._closed or bool(self._pending_aborts))
+
+    def _execute_batch(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
+        return self.runner.execute_batch(new + running)
+
+    def _execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
+        return self.runner.execute_step(new, running)
+
+    # -- output streams --------------------------------------------------------
+    def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerResult) -> None:
+        ended_ids = {r.request_id for r in ended}
+        for request in scheduled:
+            preview = result.previews.get(request.request_id)
+            if request.request_id not in ended_ids and preview is not None:
+                self._emit_output(DiffusionOutput(request.request_id, request.step_index, request.num_steps,
+                                                  False, images=preview))
+        for request in ended:
+            self._emit_final(request, images=result.images.get(request.request_id), error=request.error)
+
+    def _emit_final(self, request: DiffusionRequest, images=None, error: Optional[EngineError] = None) -> None:
+        step = request.num_steps if error is None else request.step_index
+        self._emit_output(DiffusionOutput(request.request_id, step, request.num_steps, True,
+                                          images=images, error=error))
+
+    def _emit_output(self, output: DiffusionOutput) -> None:
+        with self._cond:
+            sink = self._sinks.pop(output.request_id, None) if output.is_final else self._sinks.get(output.request_id)
+        if sink is not None:
+            self._deliver(sink, output)
+
+    @staticmethod
+    def _deliver(sink: Sink, output: DiffusionOutput) -> None:
+        try:
+            sink(output)
+        except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
+            logger.exception("output sink for %s failed", output.request_id)
