@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -65,7 +66,7 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+        if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
             raise ConfigError(f"parameter 'device': {self.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
         if self.dtype not in DTYPES:
             raise ConfigError(f"parameter 'dtype': {self.dtype!r} is not one of {', '.join(DTYPES)}")

@@ -1,0 +1,291 @@
+"""RequestScheduler with hand-made runner outputs (no model), and the admission wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
+from engine_lib.sched import RequestScheduler, RunnerOutput, request_batch_key, wait_for_admission
+
+
+def req(request_id: str, **overrides) -> DiffusionRequest:
+    return DiffusionRequest(request_id, SamplingParams(prompt=f"prompt {request_id}", **overrides))
+
+
+def finish_all(sched_out) -> RunnerOutput:
+    return RunnerOutput(finished=set(sched_out.scheduled_ids))
+
+
+def make(max_num_seqs: int = 1) -> RequestScheduler:
+    return RequestScheduler(max_num_seqs, request_batch_key)
+
+
+def test_rejects_capacity_below_one():
+    with pytest.raises(ValueError):
+        RequestScheduler(0, request_batch_key)
+
+
+def test_single_request_lifecycle():
+    sched = make()
+    a = req("a")
+    sched.add_request(a)
+    assert (sched.num_waiting, sched.num_running, a.status) == (1, 0, RequestStatus.WAITING)
+    assert sched.get_request("a") is a
+
+    out = sched.schedule()
+    assert (out.new_ids, out.running_ids, out.finished_ids) == (["a"], [], [])
+    assert (sched.num_waiting, sched.num_running, a.status) == (0, 1, RequestStatus.RUNNING)
+
+    ended = sched.update_from_output(out, finish_all(out))
+    assert ended == [a] and a.status is RequestStatus.FINISHED and a.error is None
+    assert (sched.num_waiting, sched.num_running, sched.has_requests) == (0, 0, False)
+    assert sched.get_request("a") is None
+
+    nxt = sched.schedule()
+    assert nxt.is_empty and nxt.finished_ids == ["a"]  # reported once, so the runner can free state
+    assert sched.schedule().finished_ids == []
+
+
+def test_fifo_with_capacity_one():
+    sched = make(1)
+    for rid in "abc":
+        sched.add_request(req(rid))
+    order = []
+    while sched.has_requests:
+        out = sched.schedule()
+        order.extend(out.new_ids)
+        assert len(out.new_ids) == 1
+        sched.update_from_output(out, finish_all(out))
+    assert order == ["a", "b", "c"]
+
+
+def test_compatible_requests_batched_up_to_max_num_seqs():
+    sched = make(3)
+    for i in range(5):
+        sched.add_request(req(f"r{i}", seed=i))  # seeds differ: still compatible
+    out = sched.schedule()
+    assert out.new_ids == ["r0", "r1", "r2"]
+    assert (sched.num_running, sched.num_waiting) == (3, 2)
+    sched.update_from_output(out, finish_all(out))
+    out = sched.schedule()
+    assert out.new_ids == ["r3", "r4"]
+
+
+def test_incompatible_head_blocks_later_compatible():
+    sched = make(4)
+    sched.add_request(req("a", height=64))
+    sched.add_request(req("b", height=128))
+    sched.add_request(req("c", height=64))  # compatible with "a" but behind "b"
+    waves = []
+    while sched.has_requests:
+        out = sched.schedule()
+        waves.append(out.new_ids)
+        sched.update_from_output(out, finish_all(out))
+    assert waves == [["a"], ["b"], ["c"]]
+
+
+def test_different_step_counts_do_not_share_a_wave():
+    sched = make(4)
+    sched.add_request(req("a", num_inference_steps=4))
+    sched.add_request(req("b", num_inference_steps=8))
+    assert sched.schedule().new_ids == ["a"]
+
+
+def test_schedule_is_empty_while_a_wave_is_in_flight():
+    sched = make(2)
+    sched.add_request(req("a"))
+    out = sched.schedule()
+    sched.add_request(req("b"))
+    assert sched.schedule().is_empty
+    sched.update_from_output(out, finish_all(out))
+    assert sched.schedule().new_ids == ["b"]
+
+
+def test_duplicate_active_id_rejected_and_reusable_after_end():
+    sched = make()
+    sched.add_request(req("a"))
+    with pytest.raises(ValueError, match="already active"):
+        sched.add_request(req("a"))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="already active"):
+        sched.add_request(req("a"))
+    sched.update_from_output(out, finish_all(out))
+    sched.add_request(req("a"))  # the old one ended: the id is free again
+    assert sched.num_waiting == 1
+
+
+def test_abort_waiting_request():
+    sched = make(2)
+    a, b = req("a"), req("b")
+    sched.add_request(a)
+    sched.add_request(b)
+    assert sched.abort(["a", "unknown"]) == [a]
+    assert a.status is RequestStatus.ABORTED and sched.get_request("a") is None
+    out = sched.schedule()
+    assert out.new_ids == ["b"] and out.finished_ids == ["a"]
+    assert sched.abort(["a"]) == []  # already ended: ignored
+
+
+def test_abort_running_request_drops_its_result_and_keeps_batch_mates():
+    sched = make(2)
+    a, b = req("a"), req("b")
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert sched.abort(["a"]) == [a]
+    assert a.status is RequestStatus.ABORTED and sched.num_running == 1
+    ended = sched.update_from_output(out, finish_all(out))
+    assert ended == [b] and b.status is RequestStatus.FINISHED
+    assert a.status is RequestStatus.ABORTED  # the late result does not revive it
+    assert sorted(sched.schedule().finished_ids) == ["a", "b"]
+
+
+def test_abort_whole_wave_still_needs_update_before_next_wave():
+    sched = make(1)
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    out = sched.schedule()
+    sched.abort(["a"])
+    assert sched.schedule().is_empty  # the runner is still busy with the wave
+    assert sched.update_from_output(out, RunnerOutput()) == []
+    assert sched.schedule().new_ids == ["b"]
+
+
+def test_error_output_marks_only_that_request_failed():
+    sched = make(2)
+    a, b = req("a"), req("b")
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    error = PipelineError("boom")
+    ended = sched.update_from_output(out, RunnerOutput(finished={"b"}, errors={"a": error}))
+    assert ended == [a, b]
+    assert a.status is RequestStatus.FAILED and a.error is error
+    assert b.status is RequestStatus.FINISHED and b.error is None
+
+
+def test_scheduled_request_without_result_is_an_internal_error():
+    sched = make(2)
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="b"):
+        sched.update_from_output(out, RunnerOutput(finished={"a"}))
+
+
+# --- admission wait ---------------------------------------------------------------------
+
+class Queue:
+    """A waiting count behind a condition, as the engine has it."""
+
+    def __init__(self, count: int = 1):
+        self.cond = threading.Condition()
+        self.count = count
+        self.stop = False
+
+    def arrive(self, n: int = 1) -> None:
+        with self.cond:
+            self.count += n
+            self.cond.notify_all()
+
+    def wait(self, capacity: int, max_wait_s: float) -> tuple[str, float]:
+        with self.cond:
+            start = time.monotonic()
+            reason = wait_for_admission(self.cond, lambda: self.count, capacity, max_wait_s, lambda: self.stop)
+            return reason, time.monotonic() - start
+
+
+def arrive_later(queue: Queue, delays: list[float]) -> threading.Thread:
+    def run():
+        for delay in delays:
+            time.sleep(delay)
+            queue.arrive()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_admission_wait_returns_at_once_when_capacity_already_waits():
+    reason, elapsed = Queue(count=4).wait(capacity=4, max_wait_s=5.0)
+    assert reason == "capacity" and elapsed < 1.0
+
+
+def test_admission_wait_ends_when_capacity_reached_by_arrivals_from_another_thread():
+    queue = Queue(count=1)
+    thread = arrive_later(queue, [0.01, 0.01, 0.01])  # each arrival well inside the 50 ms window
+    reason, elapsed = queue.wait(capacity=4, max_wait_s=10.0)
+    thread.join()
+    assert reason == "capacity" and elapsed < 5.0
+    assert queue.count == 4
+
+
+def test_admission_wait_ends_when_count_is_stable():
+    reason, elapsed = Queue(count=1).wait(capacity=4, max_wait_s=10.0)
+    assert reason == "stable"
+    assert 0.04 <= elapsed < 5.0  # the window is 50 ms; far below the 10 s deadline
+
+
+def test_admission_wait_stable_window_is_a_fifth_of_a_short_max_wait():
+    reason, elapsed = Queue(count=1).wait(capacity=4, max_wait_s=0.1)
+    assert reason == "stable" and 0.015 <= elapsed < 0.09 + 2.0
+
+
+def test_admission_wait_arrivals_extend_the_window_until_deadline():
+    queue = Queue(count=1)
+    # arrivals every 5 ms keep the count growing (window 50 ms) past the 0.3 s deadline
+    thread = arrive_later(queue, [0.005] * 100)
+    reason, elapsed = queue.wait(capacity=1000, max_wait_s=0.3)
+    assert reason == "deadline"
+    assert 0.29 <= elapsed < 3.0
+    thread.join()
+
+
+def test_admission_wait_ends_when_stopped():
+    queue = Queue(count=1)
+
+    def stop_later():
+        time.sleep(0.02)
+        with queue.cond:
+            queue.stop = True
+            queue.cond.notify_all()
+
+    threading.Thread(target=stop_later, daemon=True).start()
+    # keep the count growing so neither "stable" nor the 10 s deadline ends the wait first
+    feeder = arrive_later(queue, [0.01] * 5)
+    reason, elapsed = queue.wait(capacity=1000, max_wait_s=10.0)
+    feeder.join()
+    assert reason == "stopped" and elapsed < 5.0
+
+
+def test_admission_wait_stopped_before_it_starts():
+    queue = Queue(count=1)
+    queue.stop = True
+    assert queue.wait(capacity=4, max_wait_s=10.0)[0] == "stopped"
+
+
+def test_admission_wait_with_a_fake_clock_never_blocks_past_the_deadline():
+    now = [0.0]
+
+    class FakeCondition:
+        def wait(self, timeout):
+            assert 0 < timeout <= 0.05 + 1e-9
+            now[0] += timeout
+
+    reason = wait_for_admission(FakeCondition(), lambda: 1, 4, 0.2, lambda: False, clock=lambda: now[0])
+    assert reason == "stable" and now[0] == pytest.approx(0.04)
+
+
+def test_admission_wait_with_a_fake_clock_ends_at_the_deadline_while_arrivals_continue():
+    now = [0.0]
+    count = [0]
+
+    class FakeCondition:
+        def wait(self, timeout):
+            now[0] += min(timeout, 0.01)  # an arrival wakes it every 10 ms
+            count[0] += 1
+
+    reason = wait_for_admission(FakeCondition(), lambda: count[0], 1000, 0.2, lambda: False, clock=lambda: now[0])
+    assert reason == "deadline" and now[0] == pytest.approx(0.2)

@@ -1,0 +1,205 @@
+"""StepScheduler with hand-made runner outputs (no model): progress, joining, errors, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
+from engine_lib.sched import RunnerOutput, SchedulerOutput, StepScheduler, step_batch_key
+
+
+def req(request_id: str, steps: int = 3, **overrides) -> DiffusionRequest:
+    return DiffusionRequest(request_id, SamplingParams(prompt=request_id, num_inference_steps=steps, **overrides))
+
+
+def make(max_num_seqs: int = 4) -> StepScheduler:
+    return StepScheduler(max_num_seqs, step_batch_key)
+
+
+class FakeRunner:
+    """Advances every scheduled request one step, as the real runner's tick does."""
+
+    def __init__(self, sched: StepScheduler):
+        self.sched = sched
+        self.prepared: list[str] = []
+
+    def tick(self, out: SchedulerOutput, **extra) -> RunnerOutput:
+        self.prepared.extend(out.new_ids)
+        progress = {rid: self.sched.get_request(rid).step_index + 1 for rid in out.scheduled_ids}
+        return RunnerOutput(step_index=progress, **extra)
+
+
+def run_tick(sched: StepScheduler, runner: FakeRunner):
+    out = sched.schedule()
+    ended = sched.update_from_output(out, runner.tick(out))
+    return out, ended
+
+
+def test_single_request_lifecycle_over_n_ticks():
+    sched = make(1)
+    runner = FakeRunner(sched)
+    a = req("a", steps=3)
+    sched.add_request(a)
+    seen = []
+    for tick in range(3):
+        out = sched.schedule()
+        assert out.new_ids == (["a"] if tick == 0 else [])
+        assert out.running_ids == ([] if tick == 0 else ["a"])
+        assert a.status is RequestStatus.RUNNING
+        ended = sched.update_from_output(out, runner.tick(out))
+        seen.append(a.step_index)
+        assert ended == ([a] if tick == 2 else [])
+    assert seen == [1, 2, 3]
+    assert a.status is RequestStatus.FINISHED and not sched.has_requests
+    out = sched.schedule()
+    assert out.is_empty and out.finished_ids == ["a"]
+
+
+def test_different_step_counts_share_ticks():
+    sched = make(4)
+    runner = FakeRunner(sched)
+    short, long = req("short", steps=2), req("long", steps=4)
+    sched.add_request(short)
+    sched.add_request(long)
+    out, ended = run_tick(sched, runner)
+    assert out.new_ids == ["short", "long"] and ended == []
+    out, ended = run_tick(sched, runner)
+    assert out.running_ids == ["short", "long"] and ended == [short]
+    out, ended = run_tick(sched, runner)
+    assert out.running_ids == ["long"] and out.finished_ids == ["short"]
+    out, ended = run_tick(sched, runner)
+    assert ended == [long] and long.step_index == 4
+
+
+def test_request_admitted_mid_denoise_joins_at_next_tick():
+    sched = make(4)
+    runner = FakeRunner(sched)
+    a = req("a", steps=4)
+    sched.add_request(a)
+    out = sched.schedule()
+    late = req("late", steps=2)
+    sched.add_request(late)  # arrives while the tick runs
+    sched.update_from_output(out, runner.tick(out))
+    assert late.status is RequestStatus.WAITING and late.step_index == 0
+    out = sched.schedule()
+    assert out.new_ids == ["late"] and out.running_ids == ["a"]
+    sched.update_from_output(out, runner.tick(out))
+    assert (a.step_index, late.step_index) == (2, 1)
+    assert runner.prepared == ["a", "late"]
+
+
+def test_capacity_limits_running_set_and_waiting_fill_freed_slots():
+    sched = make(2)
+    runner = FakeRunner(sched)
+    for rid, steps in [("a", 1), ("b", 3), ("c", 3)]:
+        sched.add_request(req(rid, steps=steps))
+    out, ended = run_tick(sched, runner)
+    assert out.new_ids == ["a", "b"] and sched.num_waiting == 1 and [r.request_id for r in ended] == ["a"]
+    out, _ = run_tick(sched, runner)
+    assert out.running_ids == ["b"] and out.new_ids == ["c"]
+
+
+def test_incompatible_head_blocks_until_running_set_drains():
+    sched = make(4)
+    runner = FakeRunner(sched)
+    sched.add_request(req("a", steps=2, height=64))
+    sched.add_request(req("b", steps=1, height=128))
+    sched.add_request(req("c", steps=1, height=64))  # compatible with "a", but behind "b"
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == ["a"]
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == [] and out.running_ids == ["a"]
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == ["b"]  # the running set emptied: any key may start it
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == ["c"]
+
+
+def test_start_index_counts_toward_progress():
+    sched = make(1)
+    runner = FakeRunner(sched)
+    a = req("a", steps=3)
+    a.step_index = 2
+    sched.add_request(a)
+    _, ended = run_tick(sched, runner)
+    assert ended == [a] and a.step_index == 3
+
+
+@pytest.mark.parametrize("steps, start", [(0, 0), (-1, 0), (3, -1), (3, 3), (3, 7)])
+def test_invalid_step_state_rejected(steps, start):
+    sched = make()
+    bad = req("bad", steps=steps)
+    bad.step_index = start
+    with pytest.raises(ValueError, match="bad"):
+        sched.add_request(bad)
+    assert not sched.has_requests and sched.get_request("bad") is None
+
+
+def test_duplicate_active_id_rejected():
+    sched = make()
+    sched.add_request(req("a"))
+    sched.schedule()
+    with pytest.raises(ValueError, match="already active"):
+        sched.add_request(req("a"))
+
+
+def test_missing_progress_raises():
+    sched = make()
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="b"):
+        sched.update_from_output(out, RunnerOutput(step_index={"a": 1}))
+
+
+def test_progress_going_backwards_raises():
+    sched = make()
+    a = req("a", steps=4)
+    a.step_index = 2
+    sched.add_request(a)
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="step 1"):
+        sched.update_from_output(out, RunnerOutput(step_index={"a": 1}))
+
+
+def test_runner_finished_ends_request_before_its_last_step():
+    sched = make()
+    a = req("a", steps=10)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert sched.update_from_output(out, RunnerOutput(finished={"a"})) == [a]
+    assert a.status is RequestStatus.FINISHED
+
+
+def test_error_fails_only_that_request():
+    sched = make()
+    runner = FakeRunner(sched)
+    a, b = req("a", steps=3), req("b", steps=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    error = PipelineError("nan latents")
+    ended = sched.update_from_output(out, RunnerOutput(step_index={"b": 1}, errors={"a": error}))
+    assert ended == [a] and a.status is RequestStatus.FAILED and a.error is error
+    assert b.status is RequestStatus.RUNNING and b.step_index == 1
+    out = sched.schedule()
+    assert out.running_ids == ["b"] and out.finished_ids == ["a"]
+    assert runner.tick(out).step_index == {"b": 2}
+
+
+def test_abort_mid_run_and_waiting():
+    sched = make(1)
+    runner = FakeRunner(sched)
+    a, b, c = req("a", steps=5), req("b"), req("c")
+    for r in (a, b, c):
+        sched.add_request(r)
+    run_tick(sched, runner)
+    out = sched.schedule()  # tick 2 in flight
+    assert sched.abort(["a", "c", "nope"]) == [a, c]
+    assert a.status is RequestStatus.ABORTED and c.status is RequestStatus.ABORTED
+    assert (sched.num_running, sched.num_waiting) == (0, 1)
+    assert sched.update_from_output(out, runner_out=RunnerOutput(step_index={"a": 2})) == []
+    assert a.status is RequestStatus.ABORTED and a.step_index == 1  # the late result is dropped
+    out = sched.schedule()
+    assert out.new_ids == ["b"] and sorted(out.finished_ids) == ["a", "c"]
+    assert sched.abort(["a"]) == []

@@ -1,0 +1,123 @@
+"""EngineConfig.from_parameters: strict parsing of Triton's string parameters, errors that name the parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine_lib.config import EngineConfig
+from engine_lib.request import ConfigError
+
+
+def parse(**params) -> EngineConfig:
+    return EngineConfig.from_parameters(params)
+
+
+def test_no_parameters_gives_the_defaults():
+    assert parse() == EngineConfig()
+
+
+@pytest.mark.parametrize("text", ["false", "False", "FALSE", "0", "no", "off", " false "])
+def test_bool_false_spellings(text):
+    assert parse(step_execution="true", warmup=text).warmup is False
+
+
+@pytest.mark.parametrize("text", ["true", "True", "1", "yes", "on"])
+def test_bool_true_spellings(text):
+    assert parse(step_execution=text).step_execution is True
+
+
+@pytest.mark.parametrize("text", ["flase", "", "2", "y", "enabled"])
+def test_bool_typo_is_an_error_naming_the_parameter(text):
+    with pytest.raises(ConfigError, match="'cfg_batching'"):
+        parse(cfg_batching=text)
+
+
+def test_triton_string_value_form_accepted():
+    config = EngineConfig.from_parameters({
+        "step_execution": {"string_value": "true"},
+        "max_num_seqs": {"string_value": "4"},
+        "request_batch_max_wait_ms": {"string_value": "2.5"},
+        "device": {"string_value": "cpu"},
+    })
+    assert (config.step_execution, config.max_num_seqs, config.request_batch_max_wait_ms, config.device) == (
+        True, 4, 2.5, "cpu")
+
+
+def test_triton_string_value_form_is_parsed_as_strictly():
+    with pytest.raises(ConfigError, match="'warmup'"):
+        EngineConfig.from_parameters({"warmup": {"string_value": "flase"}})
+
+
+@pytest.mark.parametrize("text, value", [("1", 1), ("8", 8), (" 3 ", 3)])
+def test_max_num_seqs_valid(text, value):
+    assert parse(max_num_seqs=text).max_num_seqs == value
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "1.5", "four", "", "true"])
+def test_max_num_seqs_invalid(text):
+    with pytest.raises(ConfigError, match="'max_num_seqs'"):
+        parse(max_num_seqs=text)
+
+
+@pytest.mark.parametrize("text, value", [("0", 0.0), ("0.5", 0.5), ("20", 20.0)])
+def test_request_batch_max_wait_ms_valid(text, value):
+    assert parse(request_batch_max_wait_ms=text).request_batch_max_wait_ms == value
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "-1", "-0.1", "soon", ""])
+def test_request_batch_max_wait_ms_invalid(text):
+    with pytest.raises(ConfigError, match="'request_batch_max_wait_ms'"):
+        parse(request_batch_max_wait_ms=text)
+
+
+def test_unknown_parameter_rejected_and_named():
+    with pytest.raises(ConfigError, match="'max_num_seq'") as info:
+        parse(max_num_seq="2")
+    assert "max_num_seqs" in str(info.value)  # the known names are listed
+
+
+@pytest.mark.parametrize("name", ["max_height", "max_width", "max_steps", "max_num_images", "max_prompt_chars",
+                                  "max_queue", "default_height", "default_width", "default_steps"])
+def test_limits_must_be_positive_integers(name):
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        parse(**{name: "0"})
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        parse(**{name: "x"})
+    assert getattr(parse(**{name: "7"}), name) == 7
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])
+def test_device_valid(device):
+    assert parse(device=device).device == device
+
+
+@pytest.mark.parametrize("device", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "tpu"])
+def test_device_invalid(device):
+    with pytest.raises(ConfigError, match="'device'"):
+        parse(device=device)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
+def test_dtype_valid(dtype):
+    assert parse(dtype=dtype).dtype == dtype
+
+
+def test_dtype_invalid():
+    with pytest.raises(ConfigError, match="'dtype'"):
+        parse(dtype="fp8")
+
+
+def test_string_parameters_are_kept_as_text():
+    config = parse(pipeline="flux", model_path="/models/flux-tiny")
+    assert (config.pipeline, config.model_path) == ("flux", "/models/flux-tiny")
+
+
+def test_config_is_frozen_and_replace_validates():
+    config = parse(max_num_seqs="2")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 3
+    assert config.replace(max_num_seqs=4).max_num_seqs == 4
+    with pytest.raises(ConfigError, match="'max_num_seqs'"):
+        config.replace(max_num_seqs=0)
