@@ -1,0 +1,109 @@
+"""Python API of the client: `generate()` for images, `stream()` for progress too.
+
+Both talk to the decoupled diffusion models of this repository over gRPC
+streaming (tritonclient) or HTTP `generate_stream` (server-sent events). Only
+the inputs the caller sets are sent; the server applies its defaults to the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+from PIL import Image
+
+from client.events import Final, Progress, ServerError
+
+DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+DEFAULT_TIMEOUT_S = 600.0
+
+# Triton datatype of every input the models accept (see docs/DESIGN "Triton interface").
+INPUT_DTYPES = {
+    "prompt": "BYTES",
+    "negative_prompt": "BYTES",
+    "height": "INT32",
+    "width": "INT32",
+    "num_inference_steps": "INT32",
+    "guidance_scale": "FP32",
+    "true_cfg_scale": "FP32",
+    "seed": "INT64",
+    "num_images": "INT32",
+    "preview_interval": "INT32",
+    "output_format": "BYTES",
+}
+
+
+def build_inputs(
+    prompt: str,
+    *,
+    steps: Optional[int] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    seed: Optional[int] = None,
+    negative_prompt: Optional[str] = None,
+    true_cfg_scale: Optional[float] = None,
+    guidance_scale: Optional[float] = None,
+    num_images: Optional[int] = None,
+    preview_interval: int = 0,
+    output_format: Optional[str] = None,
+) -> Dict[str, Any]:
+    """The request's inputs by Triton name, leaving out everything not set."""
+    values = {
+        "prompt": prompt,
+        "negative_prompt": negative_prompt,
+        "height": height,
+        "width": width,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance_scale,
+        "true_cfg_scale": true_cfg_scale,
+        "seed": seed,
+        "num_images": num_images,
+        "preview_interval": preview_interval or None,  # 0 is the server's default
+        "output_format": output_format,
+    }
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def stream(
+    prompt: str,
+    *,
+    url: Optional[str] = None,
+    protocol: str = "grpc",
+    model: str = "qwen_image",
+    timeout: Optional[float] = DEFAULT_TIMEOUT_S,
+    output_format: Optional[str] = None,
+    **params: Any,
+) -> Iterator[Union[Progress, Final]]:
+    """Yield Progress events, then one Final, for one generation request.
+
+    `url` defaults to localhost:8001 (gRPC) or localhost:8000 (HTTP). Over HTTP
+    images are asked for as PNG (a raw tensor would travel as a JSON number
+    list) unless `output_format` says otherwise. Closing the iterator early
+    (or Ctrl-C while it waits) cancels the request: gRPC cancels the stream,
+    HTTP closes the connection. Other parameters: see `build_inputs`.
+    Raises ServerError (Triton's message), ServerUnreachableError,
+    RequestTimeoutError.
+    """
+    if protocol not in DEFAULT_URLS:
+        raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+    if protocol == "http" and output_format is None:
+        output_format = "png"
+    inputs = build_inputs(prompt, output_format=output_format, **params)
+    url = url or DEFAULT_URLS[protocol]
+    if protocol == "grpc":
+        from client.grpc_transport import grpc_events
+
+        return grpc_events(url, model, inputs, INPUT_DTYPES, timeout)
+    from client.http_transport import http_events
+
+    return http_events(url, model, inputs, timeout)
+
+
+def generate(prompt: str, **kwargs: Any) -> List[Image.Image]:
+    """Generate images for `prompt` and return them; same arguments as `stream`."""
+    final = None
+    for event in stream(prompt, **kwargs):
+        if isinstance(event, Final):
+            final = event
+    if final is None:
+        raise ServerError("the server ended the request without a final image")
+    return final.images

@@ -1,0 +1,54 @@
+"""What a streaming generation yields, and the errors it can raise.
+
+Plain dataclasses so the CLI (and any caller) can tell progress from the
+final result without knowing which protocol carried them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from PIL import Image
+
+
+@dataclass
+class Progress:
+    """One intermediate response: denoise step `step` of `num_steps` finished."""
+
+    step: int
+    num_steps: int
+    previews: Optional[List[Image.Image]] = None
+
+
+@dataclass
+class Final:
+    """The last response of a request: the finished images."""
+
+    images: List[Image.Image]
+    num_steps: Optional[int] = None
+
+
+class ClientError(Exception):
+    """Base of the client's errors; the CLI prints its message without a traceback."""
+
+
+class ServerError(ClientError):
+    """The server answered the request with an error; carries Triton's message."""
+
+    def __init__(self, message: str, status: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class ServerUnreachableError(ClientError):
+    """No connection to the server (wrong address, server down or gone mid-stream)."""
+
+
+class RequestTimeoutError(ClientError, TimeoutError):
+    """The request did not finish within the client's timeout (it is cancelled)."""
+
+
+class ResponseFormatError(ClientError, ValueError):
+    """A response did not have the outputs this client expects (a model/client mismatch)."""

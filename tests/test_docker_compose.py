@@ -1,0 +1,137 @@
+"""Static checks of the GPU deployment files (no Docker engine needed).
+
+They pin what a GPU host needs and is easy to lose in an edit: the GPU
+reservation, shared memory for the Python backend, the ports, a readiness
+healthcheck, a drain-friendly stop, weights from DIFFUSION_MODEL_PATH, and a
+pinned Triton base image that installs requirements.txt.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def _size_bytes(text) -> int:
+    """Compose byte sizes: an int, or '8gb', '512m', ..."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(text).strip().lower())
+    assert match, f"unparsable size {text!r}"
+    return int(match.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2)]
+
+
+def _seconds(text) -> float:
+    """Compose durations such as '150s', '2m30s', '30m'."""
+    total = 0.0
+    for number, unit in re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", str(text)):
+        total += float(number) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}[unit]
+    assert total > 0, f"unparsable duration {text!r}"
+    return total
+
+
+@pytest.fixture(scope="module")
+def service() -> dict:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    assert "tritonserver" in compose["services"], "docker-compose.yml needs a 'tritonserver' service"
+    return compose["services"]["tritonserver"]
+
+
+def _volumes(service: dict) -> dict:
+    """Mount target -> host source for the short syntax `source:target[:mode]` (source may hold ${X:-y})."""
+    mounts = {}
+    for volume in service["volumes"]:
+        spec = re.sub(r":(ro|rw)$", "", volume)
+        source, _, target = spec.rpartition(":")
+        mounts[target] = source
+    return mounts
+
+
+def _command(service: dict) -> list:
+    command = service["command"]
+    return command.split() if isinstance(command, str) else list(command)
+
+
+def test_built_from_the_project_dockerfile(service):
+    build = service["build"]
+    assert (ROOT / build.get("context", ".") / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+
+
+def test_runs_tritonserver_on_the_mounted_model_repository(service):
+    command = _command(service)
+    assert command[0] == "tritonserver"
+    repo_args = [a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")]
+    assert repo_args, "tritonserver needs --model-repository"
+    mounts = _volumes(service)
+    assert repo_args[0] in mounts, f"{repo_args[0]} is not a mounted volume"
+    assert mounts[repo_args[0]].rstrip("/") == "./model_repository"
+
+
+def test_python_backend_shared_memory_fits_in_shm_size(service):
+    shm_args = [a for a in _command(service) if a.startswith("--backend-config=python,shm-default-byte-size=")]
+    assert shm_args, "set the Python backend's shm-default-byte-size"
+    shm_default = int(shm_args[0].rsplit("=", 1)[1])
+    assert shm_default >= 16 << 20, "a few 1024x1024 images need more than 16 MiB"
+    assert _size_bytes(service["shm_size"]) >= 4 * shm_default, "shm_size must hold several stub regions"
+
+
+def test_weights_and_hf_cache(service):
+    env = service["environment"]
+    assert "DIFFUSION_MODEL_PATH" in env and env["DIFFUSION_MODEL_PATH"], "point DIFFUSION_MODEL_PATH at weights"
+    hf_home = env["HF_HOME"]
+    assert hf_home in _volumes(service), "HF_HOME must be a mounted folder so downloads survive restarts"
+
+
+def test_reserves_an_nvidia_gpu(service):
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+
+
+def test_publishes_http_grpc_and_metrics_ports(service):
+    published = {str(p).split(":")[-1] for p in service["ports"]}
+    assert {"8000", "8001", "8002"} <= published
+
+
+def test_healthcheck_asks_for_readiness(service):
+    check = service["healthcheck"]
+    test = " ".join(check["test"]) if isinstance(check["test"], list) else check["test"]
+    assert "/v2/health/ready" in test
+    assert _seconds(check["start_period"]) >= 300, "weights take minutes to load; do not mark unhealthy early"
+
+
+def test_stop_grace_period_covers_the_drain(service):
+    exit_timeout = [a for a in _command(service) if a.startswith("--exit-timeout-secs=")]
+    drain_s = int(exit_timeout[0].split("=")[1]) if exit_timeout else 30  # tritonserver's default
+    assert _seconds(service["stop_grace_period"]) > drain_s, "SIGKILL must not come before Triton's drain ends"
+
+
+def test_dockerfile_base_image_is_a_pinned_triton_tag():
+    from_lines = [line.split() for line in DOCKERFILE.read_text().splitlines() if line.upper().startswith("FROM ")]
+    assert from_lines, "Dockerfile has no FROM"
+    image = from_lines[0][1]
+    match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d{2}\.\d{2})-py3", image)
+    assert match, f"base image {image!r} is not a pinned nvcr.io tritonserver -py3 tag"
+    assert "latest" not in image
+
+
+def test_dockerfile_installs_requirements_txt_and_the_project():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^COPY\s+requirements\.txt\b", text, re.M), "copy requirements.txt (the one place for pins)"
+    assert re.search(r"pip install[^\n]*-r\s+\S*requirements", text), "install the pinned requirements"
+    assert re.search(r"pip install[^\n]*\s\.\s*$", text, re.M), "install the project itself"
+    # every path the image copies must exist in the repository
+    for src in re.findall(r"^COPY\s+(\S+)", text, re.M):
+        assert (ROOT / src).exists(), f"Dockerfile copies {src}, which does not exist"
+
+
+def test_compose_mount_sources_are_relative_or_configurable(service):
+    """Absolute host paths would tie the file to one machine."""
+    for source in _volumes(service).values():
+        assert source.startswith(("./", "${")), f"volume source {source!r} should be relative or an env var"
