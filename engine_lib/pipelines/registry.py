@@ -1,0 +1,93 @@
+"""Pipeline name -> adapter class, and turning an EngineConfig into a loaded adapter.
+
+Adapters are named by import strings and imported on first use, so naming a
+pipeline costs nothing until it is loaded (and Flux, SD3, ... are one line each).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from engine_lib.config import EngineConfig
+from engine_lib.request import ConfigError
+
+if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
+    import torch
+
+    from engine_lib.pipelines.base import PipelineAdapter
+
+logger = logging.getLogger(__name__)
+
+ADAPTERS: dict[str, str] = {
+    "qwen_image": "engine_lib.pipelines.qwen_image:QwenImageAdapter",
+}
+
+MODEL_PATH_ENV = "DIFFUSION_MODEL_PATH"
+
+
+def get_adapter_class(name: str) -> "type[PipelineAdapter]":
+    """The adapter class registered under `name` (imported now)."""
+    if name not in ADAPTERS:
+        raise ConfigError(f"parameter 'pipeline': {name!r} is not one of {', '.join(sorted(ADAPTERS))}")
+    module_name, _, class_name = ADAPTERS[name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_device(name: str) -> "torch.device":
+    """'auto' -> cuda when available, else cpu; otherwise the named device (which must exist)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"parameter 'device': {name!r} but CUDA is not available on this host (use auto or cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"parameter 'device': {name!r} but this host has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
+    """'auto' -> bfloat16 on cuda, float32 on cpu; otherwise the named torch dtype."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"parameter 'dtype': {name!r} is not a torch dtype")
+    return dtype
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    """config.model_path, else $DIFFUSION_MODEL_PATH, else the tiny model's default directory."""
+    if config.model_path:
+        return config.model_path
+    if os.environ.get(MODEL_PATH_ENV):
+        return os.environ[MODEL_PATH_ENV]
+    from engine_lib.tiny_models import default_model_dir
+
+    return str(default_model_dir(config.pipeline, "tiny"))
+
+
+def load_adapter(config: EngineConfig) -> "PipelineAdapter":
+    """Resolve the config's pipeline, device, dtype and weights, and load the adapter once."""
+    from engine_lib.engine import select_mode
+
+    adapter_cls = get_adapter_class(config.pipeline)
+    select_mode(config, adapter_cls)  # an unsupported mode fails here, before the weights load
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_path = resolve_model_path(config)
+    if not config.model_path and not os.environ.get(MODEL_PATH_ENV) and not os.path.isdir(model_path):
+        # A hub id or an explicit path is left to from_pretrained; the silent default gets a clear message.
+        raise ConfigError(
+            f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
+            "is not built (run `python -m engine_lib.tiny_models`)"
+        )
+    adapter = adapter_cls.load(model_path, device, dtype, {"cfg_batching": config.cfg_batching})
+    logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
+    return adapter
