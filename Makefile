@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models serve demo test test-fast bench bench-quick clean
+.PHONY: setup models serve demo test bench bench-quick clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -18,9 +18,6 @@ demo: models  ## start the server, generate one image with the client, stop the 
 
 test: models  ## unit, engine, pipeline and real-tritonserver tests
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
-
-test-fast: models  ## everything but the real-tritonserver tests
-	@$(PY) -m pytest -q tests --ignore=tests/serving --ignore=tests/client $(PYTEST_ARGS)
 
 bench: models  ## the full benchmark (about 30 min): writes benchmarks/results and docs/benchmarks.md
 	@$(PY) -m benchmarks.run $(BENCH_ARGS)

@@ -1,0 +1,369 @@
+"""Start and stop the local `tritonserver` from the nvidia-pytriton wheel.
+
+The wheel ships the server binary, the Python backend and one backend stub per
+Python version, but not in the layout `tritonserver` expects. `TritonServer`
+lays out a backend directory (python/ = libtriton_python.so, the utils module
+and the stub matching this interpreter), starts the server in its own process
+group on the given ports, waits for /v2/health/ready, and stops it with a
+bounded SIGTERM -> SIGKILL of the whole group: tritonserver 2.51 can hang on
+exit while a client holds a gRPC stream (see DESIGN.md, Platform notes).
+
+CLI (for `make serve`): `python -m engine_lib.serving.launcher serve`.
+Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002),
+MODEL_REPOSITORY (<repo>/model_repository), EXIT_TIMEOUT_SECS (30).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# Shared memory between tritonserver and each Python stub: one 1024x1024 RGB image
+# is 3 MiB, a response of 4 is 12 MiB; start at 64 MiB and grow in 64 MiB steps.
+DEFAULT_SHM_BYTES = 64 * 1024 * 1024
+
+
+class TritonServerError(RuntimeError):
+    """tritonserver could not be found, did not start, or exited early (message has the log tail)."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def find_pytriton_dist() -> Path:
+    """The `pytriton/tritonserver` directory of the installed nvidia-pytriton wheel."""
+    try:
+        import pytriton  # noqa: PLC0415 (optional dependency, only the launcher needs it)
+    except ImportError as exc:
+        raise TritonServerError("nvidia-pytriton is not installed; run `bash scripts/setup.sh`") from exc
+    dist = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    if not (dist / "bin" / "tritonserver").is_file():
+        raise TritonServerError(f"no tritonserver binary under {dist}")
+    return dist
+
+
+def prepare_backend_dir(target: Path, dist: Optional[Path] = None) -> Path:
+    """Lay out `target/python/` as the Python backend for this interpreter's version; returns target."""
+    dist = dist or find_pytriton_dist()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise TritonServerError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(dist / "backends" / "python" / name, python_dir / name)
+    shutil.copy2(stub, python_dir / "triton_python_backend_stub")
+    return target
+
+
+def python_shared_libdir() -> Optional[str]:
+    """The directory of this interpreter's shared libpython, if it was built with one."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return None
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    soname = sysconfig.get_config_var("INSTSONAME") or ""
+    return libdir if soname and (Path(libdir) / soname).exists() else None
+
+
+def server_env(dist: Path, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Environment for tritonserver: the wheel's libraries, this venv's Python first on PATH."""
+    env = dict(os.environ if base is None else base)
+    libs = [str(dist.parent.parent / "nvidia_pytriton.libs")]
+    # The stub links libpython<maj.min>.so; it must be this interpreter's, not a system one of another
+    # patch level, or compiled stdlib modules (_ssl, ...) fail with undefined symbols.
+    libpython_dir = python_shared_libdir()
+    if libpython_dir:
+        libs.insert(0, libpython_dir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (*libs, env.get("LD_LIBRARY_PATH", "")) if p)
+    # The stub embeds Python and takes its prefix from the first `python3` on PATH.
+    env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.prefix) / "bin"), env.get("PATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class TritonServer:
+    """One local tritonserver process; a context manager that starts it ready and always stops it.
+
+    ```
+    with TritonServer(model_repository=repo, http_port=p1, grpc_port=p2, metrics_port=p3) as server:
+        tritonclient.grpc.InferenceServerClient(server.grpc_url) ...
+    ```
+    """
+
+    def __init__(
+        self,
+        model_repository: Optional[os.PathLike | str] = None,
+        *,
+        http_port: Optional[int] = None,
+        grpc_port: Optional[int] = None,
+        metrics_port: Optional[int] = None,
+        address: str = "0.0.0.0",
+        log_path: Optional[os.PathLike | str] = None,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
+        exit_timeout_s: Optional[int] = None,
+        log_verbose: int = 0,
+        extra_args: Sequence[str] = (),
+        env: Optional[Mapping[str, str]] = None,
+    ):
+        self.model_repository = Path(
+            model_repository or os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY
+        ).resolve()
+        self.http_port = http_port or _env_int("HTTP_PORT", 8000)
+        self.grpc_port = grpc_port or _env_int("GRPC_PORT", 8001)
+        self.metrics_port = metrics_port or _env_int("METRICS_PORT", 8002)
+        self.address = address
+        self.shm_bytes = shm_bytes
+        self.exit_timeout_s = exit_timeout_s if exit_timeout_s is not None else _env_int("EXIT_TIMEOUT_SECS", 30)
+        self.log_verbose = log_verbose
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        self.log_path = Path(log_path) if log_path else self._workdir / "tritonserver.log"
+        # Unique per server: two servers on one host must not share shm region names.
+        self.shm_prefix = f"dtriton{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self.process: Optional[subprocess.Popen] = None
+        self._log_file = None
+
+    # -- addresses ---------------------------------------------------------------
+    @property
+    def _host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._host}:{self.metrics_port}/metrics"
+
+    # -- lifecycle -----------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        dist = find_pytriton_dist()
+        args = [
+            str(dist / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.address}",
+            f"--grpc-address={self.address}",
+            f"--metrics-address={self.address}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+            f"--backend-config=python,shm-default-byte-size={self.shm_bytes}",
+            f"--backend-config=python,shm-growth-byte-size={self.shm_bytes}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
+        return args + self.extra_args
+
+    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Start the server and wait until /v2/health/ready (every model loaded)."""
+        assert self.process is None, "server already started"
+        dist = find_pytriton_dist()
+        backend_dir = prepare_backend_dir(self._workdir / "backends", dist)
+        env = server_env(dist)
+        env.update(self.extra_env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(backend_dir), env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stubs die with it
+        )
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise TritonServerError(
+                    f"tritonserver exited with code {self.process.returncode} before it was ready; "
+                    f"log tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the server process only (e.g. SIGTERM to test a drain); `stop()` still bounds the exit."""
+        if self.is_running():
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> Optional[int]:
+        """Wait up to timeout_s for the server to exit; returns its exit code, or None if still running."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 15.0) -> Optional[int]:
+        """SIGTERM the server, wait up to grace_s, then SIGKILL its process group. Bounded; idempotent."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            _signal_group(process.pid, signal.SIGTERM, only_leader=True)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in the group (the server after the grace period, orphaned stubs) is killed.
+        _signal_group(process.pid, signal.SIGKILL)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        _wait_group_gone(process.pid, timeout_s=5.0)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        self._remove_shm_regions()
+        shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+        try:
+            self._workdir.rmdir()  # empty unless it holds the default log
+        except OSError:
+            pass
+        return process.returncode
+
+    def _remove_shm_regions(self) -> None:
+        """A killed server leaves its Python-backend shm regions in /dev/shm; remove ours."""
+        shm = Path("/dev/shm")
+        if shm.is_dir():
+            for path in shm.glob(f"{self.shm_prefix}*"):
+                path.unlink(missing_ok=True)
+
+    def cleanup(self) -> None:
+        """Stop the server and remove its work directory (a log given by `log_path` elsewhere stays)."""
+        self.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> "TritonServer":
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+
+def _signal_group(pid: int, sig: int, only_leader: bool = False) -> None:
+    try:
+        if only_leader:
+            os.kill(pid, sig)
+        else:
+            os.killpg(pid, sig)  # start_new_session made the server its group's leader
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait (bounded) until no process of the group is left, so callers can reuse its ports and shm."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def serve(argv: Optional[Sequence[str]] = None) -> int:
+    """Run tritonserver in the foreground until Ctrl-C or SIGTERM, logging to the console."""
+    parser = argparse.ArgumentParser(prog="python -m engine_lib.serving.launcher")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="start tritonserver on the model repository and wait")
+    p.add_argument("--model-repository", default=None, help="default: $MODEL_REPOSITORY or <repo>/model_repository")
+    p.add_argument("--http-port", type=int, default=None, help="default: $HTTP_PORT or 8000")
+    p.add_argument("--grpc-port", type=int, default=None, help="default: $GRPC_PORT or 8001")
+    p.add_argument("--metrics-port", type=int, default=None, help="default: $METRICS_PORT or 8002")
+    p.add_argument("--address", default="0.0.0.0")
+    p.add_argument("--log-file", default=None, help="default: the console")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    log_path = args.log_file or "/dev/stdout"
+    server = TritonServer(
+        args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, address=args.address, log_path=log_path, log_verbose=args.log_verbose,
+    )
+    stop_requested = []
+
+    def _request_stop(signum, _frame):
+        stop_requested.append(signum)
+
+    signal.signal(signal.SIGINT, _request_stop)
+    signal.signal(signal.SIGTERM, _request_stop)
+    print(f"launcher: starting tritonserver on {server.model_repository} "
+          f"(http {server.http_port}, grpc {server.grpc_port}, metrics {server.metrics_port})", flush=True)
+    try:
+        server.start(timeout_s=args.start_timeout)
+    except TritonServerError as exc:
+        print(f"launcher: {exc}", file=sys.stderr, flush=True)
+        server.cleanup()
+        return 1
+    print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}); Ctrl-C stops", flush=True)
+    while not stop_requested and server.is_running():
+        time.sleep(0.5)
+    print("launcher: stopping tritonserver", flush=True)
+    code = server.stop()
+    server.cleanup()
+    print(f"launcher: stopped (exit code {code})", flush=True)
+    return 0 if stop_requested else (code or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

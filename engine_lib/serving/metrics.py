@@ -1,0 +1,131 @@
+"""Custom Prometheus metrics of one model, served on Triton's /metrics port.
+
+Hot paths (the engine's tick listener, the sender thread) only put plain
+numbers on a queue; this module's own thread applies them to
+`pb_utils.MetricFamily` metrics (each update is a round trip to tritonserver)
+and samples the engine's counters (`engine.stats()`) twice a second, so the
+waiting/running gauges and the runner-state count are visible to operators and
+tests. Every metric carries the label `model`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+OUTCOMES = ("success", "error", "cancelled", "rejected")
+SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+# (name, description) of each gauge and the EngineStats field it shows.
+GAUGES = {
+    "num_waiting": ("diffusion_requests_waiting", "Requests admitted and waiting for the engine"),
+    "num_running": ("diffusion_requests_running", "Requests the engine is running"),
+    "num_runner_states": ("diffusion_runner_states", "Per-request step states the runner holds"),
+    "num_streams": ("diffusion_open_streams", "Engine output streams still open"),
+}
+HISTOGRAMS = {
+    "batch_size": ("diffusion_batch_size", "Requests per engine forward (one per tick)", BATCH_BUCKETS),
+    "tick_seconds": ("diffusion_tick_seconds", "Device time of one engine tick (a step or a request batch)",
+                     SECONDS_BUCKETS),
+    "first_response_seconds": ("diffusion_time_to_first_response_seconds",
+                               "From execute() to a request's first response", SECONDS_BUCKETS),
+    "latency_seconds": ("diffusion_request_latency_seconds",
+                        "From execute() to a request's final response (successes and errors)", SECONDS_BUCKETS),
+}
+
+
+class ModelMetrics:
+    """Records from any thread without blocking; applies on its own thread."""
+
+    _STOP = object()
+
+    def __init__(self, pb_utils: Any, model_name: str, stats: Optional[Callable[[], Any]] = None,
+                 log: Callable[[str], None] = print, sample_interval_s: float = 0.5):
+        self._stats = stats
+        self._log = log
+        self._sample_interval_s = sample_interval_s
+        self._queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        labels = {"model": model_name}
+        family = pb_utils.MetricFamily
+        # Families must outlive their metrics (the Python backend checks), so both are kept.
+        self._families = []
+
+        def make(name: str, description: str, kind: Any):
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        requests = make("diffusion_requests_total", "Requests by outcome: success, error, cancelled, rejected",
+                        family.COUNTER)
+        self._outcomes = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
+        self._gauges = {field: make(name, text, family.GAUGE).Metric(labels=labels)
+                        for field, (name, text) in GAUGES.items()}
+        self._histograms = {key: make(name, text, family.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+                            for key, (name, text, buckets) in HISTOGRAMS.items()}
+        self._thread = threading.Thread(target=self._run, name=f"{model_name}-metrics", daemon=True)
+
+    def start(self, stats: Optional[Callable[[], Any]] = None) -> None:
+        if stats is not None:
+            self._stats = stats
+        self._thread.start()
+
+    # -- hot-path recorders: plain numbers onto the queue ----------------------------
+    def tick(self, tick_stats: Any) -> None:
+        """The engine's tick listener (engine thread)."""
+        self._queue.put(("observe", "batch_size", float(tick_stats.batch_size)))
+        self._queue.put(("observe", "tick_seconds", float(tick_stats.seconds)))
+
+    def request_done(self, outcome: str, latency_s: Optional[float]) -> None:
+        self._queue.put(("outcome", outcome, latency_s))
+
+    def first_response(self, seconds: float) -> None:
+        self._queue.put(("observe", "first_response_seconds", float(seconds)))
+
+    # -- applying thread --------------------------------------------------------------
+    def _run(self) -> None:
+        next_sample = 0.0
+        while True:
+            try:
+                item = self._queue.get(timeout=max(0.0, next_sample - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if item is not None and item[0] is self._STOP:
+                return
+            try:
+                if item is not None:
+                    self._apply(item)
+                if time.monotonic() >= next_sample:
+                    self._sample()
+                    next_sample = time.monotonic() + self._sample_interval_s
+            except Exception as exc:  # noqa: BLE001 - metrics must never take the model down
+                self._log(f"metrics update failed: {exc!r}")
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "observe":
+            self._histograms[item[1]].observe(item[2])
+        elif item[0] == "outcome":
+            _, outcome, latency = item
+            self._outcomes[outcome].increment(1)
+            if latency is not None:
+                self._histograms["latency_seconds"].observe(latency)
+
+    def _sample(self) -> None:
+        if self._stats is None:
+            return
+        stats = self._stats()
+        for field, gauge in self._gauges.items():
+            gauge.set(float(getattr(stats, field)))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Apply what is queued, then release metrics before their families."""
+        if self._thread.is_alive():
+            self._queue.put((self._STOP,))
+            self._thread.join(timeout_s)
+        try:
+            self._sample()  # final gauges: what the closed engine still holds
+        except Exception as exc:  # noqa: BLE001
+            self._log(f"metrics update failed: {exc!r}")
+        self._outcomes, self._gauges, self._histograms = {}, {}, {}
+        self._families = []

@@ -1,0 +1,213 @@
+"""The one thread that does every `response_sender.send()` and polls cancellation.
+
+A send is a blocking round trip to tritonserver, so neither `execute()` nor the
+engine's busy loop may do it. Everything reaches this thread through one FIFO
+queue: a stream is opened before its request enters the engine, so its outputs
+always find it. Every request ends with exactly one FINAL-flagged response: its
+final output, its error, CANCELLED after a client cancel, or UNAVAILABLE when
+the sender stops with the stream still open.
+
+Triton's gRPC stream carries an error's message but neither its code nor its
+request id, and HTTP generate_stream answers 400 for every code (measured on
+2.51), so both lead the message: "INVALID_ARG: [request id: r1] input 'height': ...".
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from engine_lib.request import DiffusionOutput, EngineError, EngineUnavailableError, RequestCancelledError
+from engine_lib.serving.tensors import output_arrays
+
+ERROR_CODES = ("INVALID_ARG", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+
+
+@dataclass
+class OpenStream:
+    """One request's response stream (owned by the sender thread once opened)."""
+
+    request_id: str  # the engine's id (unique)
+    client_id: str  # what the client called it ("" if nothing), for messages and log lines
+    response_sender: Any
+    output_format: str
+    start: float  # time.monotonic() at execute()
+    first_response_at: Optional[float] = None
+
+
+def error_message(error: BaseException, client_id: str = "") -> tuple[str, str]:
+    """(code, message) for an error; unknown exceptions are INTERNAL."""
+    code = getattr(error, "code", "INTERNAL")
+    if code not in ERROR_CODES:
+        code = "INTERNAL"
+    request = f"[request id: {client_id}] " if client_id else ""
+    return code, f"{code}: {request}{error}"
+
+
+class ResponseSender:
+    """Drains engine outputs into Triton responses on its own thread.
+
+    `pb_utils` is Triton's `triton_python_backend_utils` module (passed in so this
+    module imports without Triton); `abort` is the engine's abort(ids);
+    `metrics` records outcomes and latencies (see metrics.py); `log` takes one line.
+    """
+
+    _STOP = object()
+
+    def __init__(self, pb_utils: Any, abort: Callable[[list[str]], None], metrics: Any,
+                 log: Callable[[str], None], model_name: str, poll_interval_s: float = 0.05):
+        self._pb = pb_utils
+        self._abort = abort
+        self._metrics = metrics
+        self._log = log
+        self._model_name = model_name
+        self._poll_interval_s = poll_interval_s
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._streams: dict[str, OpenStream] = {}  # owned by the sender thread only
+        self._thread = threading.Thread(target=self._run, name=f"{model_name}-sender", daemon=True)
+
+    # -- producers (any thread; never block) --------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def open(self, stream: OpenStream) -> None:
+        """Register a stream; call before the request enters the engine."""
+        self._queue.put(("open", stream))
+
+    def enqueue(self, output: DiffusionOutput) -> None:
+        """The engine's sink: called from the busy loop, so it only enqueues."""
+        self._queue.put(("output", output))
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End an opened stream whose request never entered the engine (e.g. queue full)."""
+        self._queue.put(("fail", request_id, error))
+
+    def reject(self, response_sender: Any, error: BaseException, client_id: str) -> None:
+        """Answer a request that was never opened (bad input) with one FINAL error."""
+        self._queue.put(("reject", response_sender, error, client_id))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, end still-open streams with UNAVAILABLE, join the thread."""
+        self._queue.put((self._STOP,))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._log(f"{self._model_name}: sender thread still busy after {timeout_s:.1f} s")
+
+    # -- the sender thread ---------------------------------------------------------
+    def _run(self) -> None:
+        next_poll = time.monotonic() + self._poll_interval_s
+        while True:
+            timeout = max(0.0, next_poll - time.monotonic())
+            try:
+                message = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                if message[0] is self._STOP:
+                    self._drain_and_end_all()
+                    return
+                self._handle(message)
+            if time.monotonic() >= next_poll:
+                self._poll_cancellations()
+                next_poll = time.monotonic() + self._poll_interval_s
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        try:
+            if kind == "open":
+                stream = message[1]
+                self._streams[stream.request_id] = stream
+            elif kind == "output":
+                self._on_output(message[1])
+            elif kind == "fail":
+                stream = self._streams.pop(message[1], None)
+                if stream is not None:
+                    self._send_error(stream.response_sender, message[2], stream.client_id)
+                    self._metrics.request_done("rejected", None)
+            elif kind == "reject":
+                self._send_error(message[1], message[2], message[3])
+                self._metrics.request_done("rejected", None)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not stop the thread
+            self._log(f"{self._model_name}: sender error on {kind}: {exc!r}")
+
+    def _on_output(self, output: DiffusionOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # already ended (cancelled by the client): drop what the engine still had
+        now = time.monotonic()
+        if output.is_final:
+            del self._streams[output.request_id]
+        try:
+            if output.error is not None:
+                self._send_error(stream.response_sender, output.error, stream.client_id)
+            else:
+                arrays = output_arrays(output, stream.output_format)
+                response = self._pb.InferenceResponse(
+                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
+                flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.is_final else 0
+                stream.response_sender.send(response, flags=flags)
+        except Exception as exc:  # noqa: BLE001 - the stream cannot be answered any more
+            self._log(f"{self._model_name}: send failed for request {stream.request_id}: {exc!r}")
+            if not output.is_final:
+                self._streams.pop(output.request_id, None)
+                self._abort([output.request_id])
+            self._metrics.request_done("error", None)
+            return
+        if stream.first_response_at is None:
+            stream.first_response_at = now
+            self._metrics.first_response(now - stream.start)
+        if output.is_final:
+            outcome = "success" if output.error is None else _outcome_of(output.error)
+            self._metrics.request_done(outcome, now - stream.start)
+        else:
+            self._check_cancelled(stream)
+
+    def _poll_cancellations(self) -> None:
+        for stream in list(self._streams.values()):
+            self._check_cancelled(stream)
+
+    def _check_cancelled(self, stream: OpenStream) -> None:
+        try:
+            cancelled = stream.response_sender.is_cancelled()
+        except Exception:  # noqa: BLE001 - treat an unreachable stream as cancelled
+            cancelled = True
+        if not cancelled:
+            return
+        self._streams.pop(stream.request_id, None)
+        self._abort([stream.request_id])
+        self._log(f"{self._model_name}: cancelled request {stream.request_id}")
+        try:
+            self._send_error(stream.response_sender, RequestCancelledError("cancelled by the client"),
+                             stream.client_id)
+        except Exception as exc:  # noqa: BLE001
+            self._log(f"{self._model_name}: could not end cancelled request {stream.request_id}: {exc!r}")
+        self._metrics.request_done("cancelled", None)
+
+    def _drain_and_end_all(self) -> None:
+        while True:
+            try:
+                message = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] is not self._STOP:
+                self._handle(message)
+        for stream in list(self._streams.values()):
+            self._on_output(DiffusionOutput(stream.request_id, 0, 0, True,
+                                            error=EngineUnavailableError("model is shutting down")))
+
+    def _send_error(self, response_sender: Any, error: BaseException, client_id: str) -> None:
+        code, message = error_message(error, client_id)
+        triton_code = getattr(self._pb.TritonError, code, self._pb.TritonError.INTERNAL)
+        response = self._pb.InferenceResponse(error=self._pb.TritonError(message, triton_code))
+        response_sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+
+def _outcome_of(error: EngineError) -> str:
+    return "cancelled" if getattr(error, "code", "") == "CANCELLED" else "error"

@@ -1,0 +1,202 @@
+"""Test-side helpers: one gRPC stream per request, HTTP SSE reading, /metrics scraping.
+
+One stream per request because Triton's gRPC stream hands errors to the
+callback without their request id.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+MODEL = "qwen_image"
+INPUT_TYPES = {
+    "prompt": ("BYTES", np.object_),
+    "negative_prompt": ("BYTES", np.object_),
+    "height": ("INT32", np.int32),
+    "width": ("INT32", np.int32),
+    "num_inference_steps": ("INT32", np.int32),
+    "guidance_scale": ("FP32", np.float32),
+    "true_cfg_scale": ("FP32", np.float32),
+    "seed": ("INT64", np.int64),
+    "num_images": ("INT32", np.int32),
+    "preview_interval": ("INT32", np.int32),
+    "output_format": ("BYTES", np.object_),
+}
+
+
+def make_inputs(**values: Any) -> list[grpcclient.InferInput]:
+    """Scalars become [1] tensors of the model's datatype; a (datatype, array) pair is sent as given."""
+    inputs = []
+    for name, value in values.items():
+        if isinstance(value, tuple):
+            datatype, array = value
+        else:
+            datatype, dtype = INPUT_TYPES[name]
+            if isinstance(value, str):
+                value = value.encode("utf-8")
+            array = np.array([value], dtype=dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+@dataclass
+class StreamResult:
+    """Everything one request's stream delivered."""
+
+    responses: list = field(default_factory=list)  # tritonclient InferResult, in arrival order
+    errors: list = field(default_factory=list)  # InferenceServerException
+
+    @property
+    def num_final(self) -> int:
+        flagged = sum(1 for r in self.responses if is_final_response(r))
+        return flagged + len(self.errors)  # our errors are always FINAL
+
+    @property
+    def final(self):
+        assert self.responses and is_final_response(self.responses[-1]), "no final response"
+        return self.responses[-1]
+
+    @property
+    def error(self) -> InferenceServerException:
+        assert self.errors, f"expected an error, got {len(self.responses)} responses"
+        return self.errors[-1]
+
+    def steps(self) -> list[int]:
+        return [int(r.as_numpy("step")[0]) for r in self.responses]
+
+
+def is_final_response(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+class RequestStream:
+    """One request on its own gRPC stream."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self._queue: "queue.Queue[tuple]" = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self._queue.put((result, error)))
+        self.result = StreamResult()
+        self.request_id = ""
+
+    def send(self, request_id: str = "", model: str = MODEL, **inputs: Any) -> "RequestStream":
+        self.request_id = request_id
+        self.client.async_stream_infer(model, make_inputs(**inputs), request_id=request_id,
+                                       enable_empty_final_response=True)
+        return self
+
+    def _take(self, timeout: float) -> bool:
+        """Store the next item; True if it ended the request."""
+        result, error = self._queue.get(timeout=timeout)
+        if error is not None:
+            self.result.errors.append(error)
+            return True
+        self.result.responses.append(result)
+        return is_final_response(result)
+
+    def wait_first(self, timeout: float = 60.0) -> StreamResult:
+        """Wait for the first response (or error)."""
+        self._take(timeout)
+        return self.result
+
+    def collect(self, timeout: float = 120.0, settle_s: float = 0.3) -> StreamResult:
+        """Read until the final response, then a little longer to catch anything sent after it."""
+        deadline = time.monotonic() + timeout
+        ended = self.result.num_final > 0
+        while not ended:
+            ended = self._take(max(0.01, deadline - time.monotonic()))
+        end = time.monotonic() + settle_s
+        while time.monotonic() < end:
+            try:
+                self._take(max(0.01, end - time.monotonic()))
+            except queue.Empty:
+                break
+        return self.result
+
+    def cancel(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def run_request(url: str, timeout: float = 120.0, request_id: str = "", **inputs: Any) -> StreamResult:
+    stream = RequestStream(url)
+    try:
+        return stream.send(request_id, **inputs).collect(timeout)
+    finally:
+        stream.close()
+
+
+# -- HTTP ---------------------------------------------------------------------------
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def sse_events(body: bytes) -> list[dict]:
+    """The JSON objects of a server-sent-events body (`data: {...}` lines)."""
+    events = []
+    for line in body.decode("utf-8").splitlines():
+        if line.startswith("data:"):
+            events.append(json.loads(line[len("data:"):]))
+    return events
+
+
+# -- metrics -------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape(metrics_url: str) -> dict[tuple, float]:
+    """{(name, frozenset(labels)): value} of a Prometheus text page."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        pairs = frozenset(re.findall(r'(\w+)="([^"]*)"', labels or ""))
+        samples[(name, pairs)] = float(value)
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for_metric(metrics_url: str, name: str, expected: float, timeout: float = 10.0,
+                    **labels: str) -> Optional[float]:
+    """Poll until the metric equals `expected`; returns the last value seen."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = metric(scrape(metrics_url), name, **labels)
+        if value == expected:
+            return value
+        time.sleep(0.2)
+    return value

@@ -1,0 +1,125 @@
+"""The launcher: backend layout, environment, start/ready/stop, load errors in the message, bounded stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_lib.serving.launcher import (
+    REPO_ROOT,
+    TritonServer,
+    TritonServerError,
+    find_pytriton_dist,
+    prepare_backend_dir,
+    server_env,
+)
+
+from .conftest import free_port, write_repository
+
+
+def make_server(repo: Path, tmp_path: Path, **kwargs) -> TritonServer:
+    return TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                        address="127.0.0.1", log_path=tmp_path / "server.log", **kwargs)
+
+
+def test_backend_dir_holds_the_python_backend_for_this_interpreter(tmp_path):
+    backend = prepare_backend_dir(tmp_path / "backends") / "python"
+    assert sorted(p.name for p in backend.iterdir()) == [
+        "libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"]
+    stub = backend / "triton_python_backend_stub"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    expected = find_pytriton_dist() / "python_backend_stubs" / version / "triton_python_backend_stub"
+    assert stub.read_bytes() == expected.read_bytes() and os.access(stub, os.X_OK)
+
+
+def test_server_env_puts_the_wheel_libs_and_this_venv_first():
+    dist = find_pytriton_dist()
+    env = server_env(dist, {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"})
+    libs = env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert str(dist.parent.parent / "nvidia_pytriton.libs") in libs and libs[-1] == "/opt/lib"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.prefix) / "bin")
+    assert str(REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_empty_repository_starts_and_stops_cleanly(tmp_path):
+    (tmp_path / "repo").mkdir()
+    server = make_server(tmp_path / "repo", tmp_path)
+    with server:
+        assert server.is_ready() and server.is_running()
+    assert server.process.returncode == 0
+    assert "Started GRPCInferenceService" in server.log_text()
+    assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+
+
+def test_config_error_fails_the_load_with_the_parameter_named(tmp_path):
+    repo = write_repository(tmp_path / "repo", step_execution="flase")
+    server = make_server(repo, tmp_path)
+    with pytest.raises(TritonServerError) as info:
+        server.start(timeout_s=120)
+    assert "parameter 'step_execution'" in str(info.value) and "not a boolean" in str(info.value)
+    assert not server.is_running()
+
+
+HANGING_MODEL = textwrap.dedent('''
+    import time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("y", np.zeros(1, np.float32))]) for _ in requests]
+
+        def finalize(self):
+            time.sleep(600)  # a model that never finishes unloading
+''')
+
+
+def test_stop_is_bounded_when_the_server_hangs(tmp_path):
+    model = tmp_path / "repo" / "hang"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(HANGING_MODEL)
+    (model / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninstance_group [{ kind: KIND_CPU }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n')
+    server = make_server(tmp_path / "repo", tmp_path, exit_timeout_s=300).start(timeout_s=120)
+    stub_pids = subprocess.run(["pgrep", "-g", str(server.process.pid)], capture_output=True,
+                               text=True).stdout.split()
+    assert len(stub_pids) >= 2  # the server and its model's stub share the process group
+    start = time.monotonic()
+    code = server.stop(grace_s=2.0)
+    assert time.monotonic() - start < 15.0  # grace 2 s + kill; loose on a loaded machine
+    assert code == -signal.SIGKILL
+    assert subprocess.run(["pgrep", "-g", str(server.process.pid)], capture_output=True).returncode == 1
+    server.cleanup()
+
+
+def test_cli_serves_until_interrupted(tmp_path):
+    (tmp_path / "repo").mkdir()
+    ports = [str(free_port()) for _ in range(3)]
+    env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=ports[0], GRPC_PORT=ports[1],
+               METRICS_PORT=ports[2])
+    cli = subprocess.Popen([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address", "127.0.0.1",
+                            "--log-file", str(tmp_path / "cli.log")],
+                           env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = cli.stdout.readline()
+            lines.append(line)
+            if "ready" in line or not line:
+                break
+        assert any(f"grpc 127.0.0.1:{ports[1]}" in line for line in lines), lines
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(timeout=30) == 0
+        assert "stopped (exit code 0)" in cli.stdout.read()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
