@@ -29,6 +29,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cfg", type=float, dest="true_cfg_scale", help="true_cfg_scale")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--num-images", type=_positive)
-    gen.add_argument("--preview-every", type=_positive, help="save a preview every K steps")
-    gen.add_argument("--preview-dir", type=Path, help="where previews go (with --preview-every)")
+    gen.add_argument("--preview-every", type=_non_negative, default=1,
+                     help="a progress response with a preview every K steps (default 1; 0: final image only)")
+    gen.add_argument("--preview-dir", type=Path, help="save the previews here")
     gen.add_argument("--out", type=Path, default=Path("out.png"),
                      help="output PNG; several images become out-0.png, out-1.png, ...")
     gen.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC")
@@ -61,8 +69,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.height is not None or args.width is not None:
             parser.error("--size cannot be combined with --height/--width")
         args.height = args.width = args.size
-    if args.preview_every and args.preview_dir is None:
-        parser.error("--preview-every needs --preview-dir")
     return args
 
 

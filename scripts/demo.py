@@ -30,7 +30,7 @@ def main() -> int:
     try:
         command = [sys.executable, "-m", "client", "generate", "--url", server.grpc_url,
                    "--prompt", "a red cube on a blue floor", "--steps", "8", "--size", "64", "--seed", "1",
-                   "--preview-every", "2", "--out", str(out)]
+                   "--out", str(out)]
         print("demo: " + " ".join(command[1:]), flush=True)
         code = subprocess.call(command, cwd=ROOT)
     finally:

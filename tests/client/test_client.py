@@ -55,7 +55,7 @@ def test_size_sets_height_and_width_and_unset_options_stay_none():
     "argv",
     [
         ["--size", "64", "--height", "32"],  # ambiguous size
-        ["--preview-every", "2"],  # previews with nowhere to go
+        ["--preview-every", "-1"],
         ["--steps", "0"],
         ["--size", "-8"],
     ],
