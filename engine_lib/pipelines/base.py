@@ -17,6 +17,7 @@ Request-local state (latents, scheduler copy, generator, step index) lives in
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -96,13 +97,37 @@ class DiffusionRequestBatch:
         return len(self.requests)
 
 
+# The optional request inputs every image adapter uses (Triton input names = SamplingParams fields).
+COMMON_INPUTS = frozenset({"height", "width", "num_inference_steps", "seed", "num_images", "output_format"})
+# Every optional SamplingParams field and its default: a field at its default counts as not sent.
+OPTIONAL_INPUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name != "prompt"}
+
+
 class PipelineAdapter(ABC):
-    """One diffusers pipeline behind the engine's contracts."""
+    """One diffusers pipeline behind the engine's contracts.
+
+    Capability flags (class attributes, read by the engine, the serving layer and
+    the capability table in docs/pipelines.md):
+
+    * `supports_request_batch`, `supports_step_execution`, `supports_previews`;
+    * `supported_inputs`: the optional inputs (Triton input names, which are
+      SamplingParams field names; `prompt` is always required) this pipeline
+      uses. `validate` rejects any other one that is not at its default, and the
+      serving layer can reject an unused input that was sent at all;
+    * `cfg_kind`: "" (none), "cfg" (`guidance_scale` > 1 runs an unconditional
+      pass, as SD3) or "true_cfg" (`negative_prompt` + `true_cfg_scale` > 1, as
+      Qwen-Image and Flux);
+    * `per_row_guidance`: rows of one forward may carry different
+      `guidance_scale` values (embedded guidance, as Flux).
+    """
 
     name: ClassVar[str]
     supports_request_batch: ClassVar[bool] = False
     supports_step_execution: ClassVar[bool] = False
     supports_previews: ClassVar[bool] = False
+    supported_inputs: ClassVar[frozenset[str]] = COMMON_INPUTS
+    cfg_kind: ClassVar[str] = ""
+    per_row_guidance: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
@@ -124,6 +149,12 @@ class PipelineAdapter(ABC):
 
     def validate(self, params: SamplingParams) -> None:
         """Pipeline-specific input checks; raise InvalidInputError naming the input."""
+        for name, default in OPTIONAL_INPUT_DEFAULTS.items():
+            value = getattr(params, name)
+            if name not in self.supported_inputs and value != default:
+                raise InvalidInputError(
+                    name, f"{value!r}: {self.name} does not use this input (it uses: "
+                          f"{', '.join(sorted(self.supported_inputs))})")
         m = self.size_multiple
         for name in ("height", "width"):
             value = getattr(params, name)

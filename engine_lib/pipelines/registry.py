@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, str] = {
     "qwen_image": "engine_lib.pipelines.qwen_image:QwenImageAdapter",
+    "flux": "engine_lib.pipelines.flux:FluxAdapter",
+    "sd3": "engine_lib.pipelines.sd3:SD3Adapter",
 }
 
 MODEL_PATH_ENV = "DIFFUSION_MODEL_PATH"

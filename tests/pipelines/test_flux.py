@@ -1,0 +1,123 @@
+"""The Flux adapter against `FluxPipeline.__call__`, on the tiny random-weight pipeline (CPU, float32).
+
+Solo runs (request mode and step mode) must be bitwise what diffusers gives;
+batched runs may differ only by batch-size dependent CPU kernels (FLOAT_BOUND).
+The shared suite (parity_checks.FlowMatchParitySuite) runs here; this module
+adds what is Flux's own: per-row embedded guidance and the text length in the keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine_lib.config import EngineConfig
+from engine_lib.pipelines.flux import DEFAULT_GUIDANCE_SCALE, FluxAdapter
+from engine_lib.pipelines.flow_match import to_uint8
+from engine_lib.pipelines.registry import get_adapter_class, load_adapter
+from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.sched.keys import step_batch_key
+from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
+                           make_reference)
+
+# Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
+# (one test runs the default).
+TEXT_LENGTH = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_flux_dir():
+    from engine_lib.tiny_models import ensure_model
+
+    return ensure_model("flux", "tiny")
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_flux_dir) -> FluxAdapter:
+    """Loaded through the registry, as the engine loads it (cfg_batching on, the default)."""
+    adapter = load_adapter(EngineConfig(pipeline="flux", model_path=str(tiny_flux_dir), device="cpu", dtype="float32"))
+    assert isinstance(adapter, FluxAdapter) and adapter.cfg_batching
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def bitwise_adapter(adapter) -> FluxAdapter:
+    """cfg_batching off: FluxPipeline runs true CFG as two forwards of B rows."""
+    return FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"cfg_batching": False})
+
+
+def pipe_kwargs(p: SamplingParams) -> dict:
+    kwargs = dict(negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale)
+    if p.guidance_scale is not None:
+        kwargs["guidance_scale"] = p.guidance_scale
+    if p.max_sequence_length is not None:
+        kwargs["max_sequence_length"] = p.max_sequence_length
+    return kwargs
+
+
+@pytest.fixture(scope="module")
+def reference(adapter):
+    return make_reference(adapter, pipe_kwargs)
+
+
+class TestFluxParity(FlowMatchParitySuite):
+    BASE = dict(max_sequence_length=TEXT_LENGTH)
+    NO_CFG = dict(guidance_scale=2.5)
+    CFG = dict(guidance_scale=2.5, negative_prompt="bad quality, blurry", true_cfg_scale=4.0)
+
+
+params = TestFluxParity.params
+
+
+def test_per_row_guidance_in_one_forward_matches_solo(adapter, reference):
+    """Rows with different embedded guidance (and the default) share one forward and each matches its solo run."""
+    scales = [None, 1.0, 3.5, 6.0]
+    arrivals = [Arrival(i // 2, f"r{i}", params(PROMPTS[i], steps=3 + i % 2, seed=40 + i, guidance_scale=g))
+                for i, g in enumerate(scales)]
+    result = drive_steps(adapter, arrivals, float_output=True)
+    assert max(result.batch_sizes) == 4
+    diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
+    print(f"flux per-row guidance: max abs diff per request {['%.2e' % d for d in diffs]}")
+    # Unset is diffusers' default (3.5), and the guidance matters.
+    default = dataclasses.replace(arrivals[0].params, guidance_scale=DEFAULT_GUIDANCE_SCALE)
+    assert_close_images(result.images["r0"], reference(default), to_uint8)
+    other_guidance = dataclasses.replace(arrivals[1].params, guidance_scale=6.0)
+    assert image_diff(result.images["r1"], reference(other_guidance)) > 1e-3
+
+
+def test_text_length_is_part_of_the_keys(adapter):
+    short, default = params(), dataclasses.replace(params(), max_sequence_length=None)
+    assert adapter.key_fields(short) == (("text_length", TEXT_LENGTH),)
+    assert adapter.key_fields(default) == (("text_length", 512),)
+    assert step_batch_key(short, adapter.key_fields(short)) != step_batch_key(default, adapter.key_fields(default))
+    # Seeds, prompts and step counts never split a step batch.
+    other = params(PROMPTS[2], steps=7, seed=9)
+    assert step_batch_key(short, adapter.key_fields(short)) == step_batch_key(other, adapter.key_fields(other))
+
+
+def test_max_sequence_length_option_sets_the_default(adapter):
+    configured = FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 64})
+    assert configured.text_length(SamplingParams(prompt="x")) == 64
+    assert configured.text_length(SamplingParams(prompt="x", max_sequence_length=16)) == 16
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 1024})
+
+
+def test_guidance_is_rejected_by_checkpoints_without_guidance_embeddings(adapter, monkeypatch):
+    adapter.validate(params(guidance_scale=0.0))
+    from diffusers.configuration_utils import FrozenDict
+
+    transformer = adapter.pipe.transformer
+    monkeypatch.setattr(transformer, "_internal_dict", FrozenDict({**transformer.config, "guidance_embeds": False}))
+    assert not transformer.config.guidance_embeds
+    adapter.validate(params(guidance_scale=None))
+    with pytest.raises(InvalidInputError) as info:
+        adapter.validate(params(guidance_scale=3.5))
+    assert info.value.input_name == "guidance_scale"
+
+
+def test_registry_and_flags():
+    assert get_adapter_class("flux") is FluxAdapter
+    assert FluxAdapter.supports_request_batch and FluxAdapter.supports_step_execution and FluxAdapter.supports_previews
+    assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.per_row_guidance

@@ -1,0 +1,132 @@
+"""Flux and SD3 behind a real tritonserver: gRPC streaming with previews, HTTP generate_stream,
+parity of a served image with the diffusers pipeline, and INVALID_ARG for an input SD3 does not use.
+
+One server for the module, holding both models on their tiny pipelines (`model_path`
+set per model: $DIFFUSION_MODEL_PATH is shared by every model of a server).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+from engine_lib.serving.launcher import REPO_ROOT, TritonServer
+
+from .conftest import free_port, set_parameter
+from .streaming import RequestStream, post_json, run_request, sse_events
+
+MODELS = ("flux", "sd3")
+
+
+@pytest.fixture(scope="module")
+def model_dirs():
+    from engine_lib.tiny_models import ensure_model
+
+    return {name: ensure_model(name, "tiny") for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dirs):
+    """The shipped flux and sd3 configurations (step execution, max_num_seqs 4), on the tiny models."""
+    tmp = tmp_path_factory.mktemp("flux_sd3")
+    repo = tmp / "repository"
+    for name in MODELS:
+        shutil.copytree(REPO_ROOT / "model_repository" / name, repo / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        config = repo / name / "config.pbtxt"
+        config.write_text(set_parameter(config.read_text(), "model_path", str(model_dirs[name])))
+    srv = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                       address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
+                       env={"OMP_NUM_THREADS": "1"})  # two model processes share the CPU cores
+    srv.start(timeout_s=300)
+    yield srv
+    srv.cleanup()
+
+
+def test_both_models_load_their_pipelines(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    index = {m.name: m.state for m in client.get_model_repository_index().models}
+    assert index == {"flux": "READY", "sd3": "READY"}
+    log = server.log_text()
+    for name in MODELS:
+        assert f"{name}: loaded pipeline={name}" in log
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("flux", dict(guidance_scale=2.0, negative_prompt="blurry", true_cfg_scale=3.0)),
+    ("sd3", dict(guidance_scale=5.0, negative_prompt="blurry")),
+])
+def test_grpc_streams_previews_then_one_final_image(server, model, extra):
+    """Three concurrent requests (different step counts, so they share step batches) with previews."""
+    cases = [dict(prompt=f"a {color} square", height=48, width=64, num_inference_steps=steps, seed=i,
+                  preview_interval=1, **extra)
+             for i, (color, steps) in enumerate((("red", 3), ("green", 4), ("blue", 2)))]
+    streams = [RequestStream(server.grpc_url).send(f"{model}-{i}", model=model, **case) for i, case in enumerate(cases)]
+    try:
+        results = [stream.collect(timeout=180) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+    for case, result in zip(cases, results):
+        assert not result.errors, result.errors
+        assert result.num_final == 1
+        assert result.steps() == list(range(1, case["num_inference_steps"] + 1))
+        for response in result.responses:  # every step a preview, then the final image
+            image = response.as_numpy("image")
+            assert image.dtype == np.uint8 and image.shape == (1, 48, 64, 3)
+        assert bool(result.final.as_numpy("is_final")[0])
+    finals = [r.final.as_numpy("image") for r in results]
+    assert not np.array_equal(finals[0], finals[1])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_served_image_is_the_diffusers_image(server, model_dirs, model):
+    """A request alone on the server gives exactly `pipe(...)`'s image for the same seed and defaults
+    (computed here on one CPU thread, as the server runs)."""
+    import diffusers
+
+    cls = {"flux": diffusers.FluxPipeline, "sd3": diffusers.StableDiffusion3Pipeline}[model]
+    pipe = cls.from_pretrained(str(model_dirs[model]), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = pipe("a lighthouse at dusk", height=32, width=32, num_inference_steps=3,
+                        generator=torch.Generator().manual_seed(11), output_type="np").images
+    finally:
+        torch.set_num_threads(threads)
+    result = run_request(server.grpc_url, model=model, request_id="parity", prompt="a lighthouse at dusk",
+                         height=32, width=32, num_inference_steps=3, seed=11)
+    assert not result.errors, result.errors
+    np.testing.assert_array_equal(result.final.as_numpy("image"), (expected * 255).round().astype(np.uint8))
+
+
+def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
+    result = run_request(server.grpc_url, model="sd3", request_id="bad-cfg", prompt="x", true_cfg_scale=4.0)
+    assert not result.responses and len(result.errors) == 1
+    message = result.error.message()
+    assert message.startswith("INVALID_ARG: [request id: bad-cfg] ") and "'true_cfg_scale'" in message
+    assert "does not use" in message
+    result = run_request(server.grpc_url, model="flux", request_id="bad-size", prompt="x", height=36)
+    assert result.error.message().startswith("INVALID_ARG: [request id: bad-size] ")
+    assert "'height'" in result.error.message()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_http_generate_stream_ends_with_a_decodable_png(server, model):
+    body = {"prompt": "a blue circle", "height": 32, "width": 48, "num_inference_steps": 3,
+            "preview_interval": 1, "output_format": "png", "seed": 3}
+    status, reply = post_json(f"http://{server.http_url}/v2/models/{model}/generate_stream", body)
+    assert status == 200, reply
+    events = sse_events(reply)
+    assert [e["step"] for e in events] == [1, 2, 3]
+    assert [e["is_final"] for e in events] == [False, False, True]
+    image = Image.open(io.BytesIO(base64.b64decode(events[-1]["image_png"])))
+    assert image.format == "PNG" and image.size == (48, 32)
