@@ -28,7 +28,7 @@ class EngineConfig:
 
     # which pipeline and weights
     pipeline: str = "qwen_image"
-    model_path: str = ""  # empty: $DIFFUSION_MODEL_PATH, else the tiny model built by `make models`
+    model_path: str = ""  # empty: $DIFFUSION_MODEL_PATH_<PIPELINE>, $DIFFUSION_MODEL_PATH, else the tiny model
     device: str = "auto"  # auto: cuda if available, else cpu; or cpu, cuda, cuda:N
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     # execution mode (the seed's table)
@@ -36,6 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
+    max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
     # limits, checked per request at the Triton edge
     max_height: int = 1024
     max_width: int = 1024
@@ -74,6 +75,9 @@ class EngineConfig:
             raise ConfigError(
                 f"parameter 'request_batch_max_wait_ms': {self.request_batch_max_wait_ms} must be a finite number >= 0"
             )
+        if self.max_sequence_length < 0:
+            raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be >= 0 "
+                              "(0: the pipeline's default)")
         for name in ("max_num_seqs", "max_height", "max_width", "max_steps", "max_num_images",
                      "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
             if getattr(self, name) < 1:

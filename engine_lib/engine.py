@@ -126,10 +126,10 @@ class DiffusionEngine:
                     adapter.name, self.mode.value, config.max_num_seqs)
 
     def _make_scheduler(self) -> Scheduler:
-        key_fields = self.adapter.key_fields
+        key_fields, per_row = self.adapter.key_fields, self.adapter.per_row_guidance
         if self.mode is EngineMode.REQUEST_BATCH:
-            return RequestScheduler(self.config.max_num_seqs, lambda p: request_batch_key(p, key_fields(p)))
-        return StepScheduler(self.config.max_num_seqs, lambda p: step_batch_key(p, key_fields(p)))
+            return RequestScheduler(self.config.max_num_seqs, lambda p: request_batch_key(p, key_fields(p), per_row))
+        return StepScheduler(self.config.max_num_seqs, lambda p: step_batch_key(p, key_fields(p), per_row))
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,

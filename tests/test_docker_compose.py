@@ -84,9 +84,18 @@ def test_python_backend_shared_memory_fits_in_shm_size(service):
 
 def test_weights_and_hf_cache(service):
     env = service["environment"]
-    assert "DIFFUSION_MODEL_PATH" in env and env["DIFFUSION_MODEL_PATH"], "point DIFFUSION_MODEL_PATH at weights"
+    for pipeline in ("QWEN_IMAGE", "FLUX", "SD3"):
+        name = f"DIFFUSION_MODEL_PATH_{pipeline}"
+        assert env.get(name), f"point {name} at weights"
     hf_home = env["HF_HOME"]
     assert hf_home in _volumes(service), "HF_HOME must be a mounted folder so downloads survive restarts"
+
+
+def test_loads_only_the_chosen_model(service):
+    """Every model loads at start in the default mode; with weights for one pipeline the others would fail."""
+    command = _command(service)
+    assert "--model-control-mode=explicit" in command
+    assert any(a.startswith("--load-model=") for a in command)
 
 
 def test_reserves_an_nvidia_gpu(service):

@@ -126,6 +126,9 @@ class PipelineAdapter(ABC):
     supports_step_execution: ClassVar[bool] = False
     supports_previews: ClassVar[bool] = False
     supported_inputs: ClassVar[frozenset[str]] = COMMON_INPUTS
+    # What the diffusers pipeline's __call__ uses for an input a request leaves out
+    # (applied at the Triton edge, so equal requests get equal compatibility keys).
+    default_inputs: ClassVar[dict] = {}
     cfg_kind: ClassVar[str] = ""
     per_row_guidance: ClassVar[bool] = False
 

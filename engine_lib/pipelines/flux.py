@@ -47,6 +47,7 @@ class FluxAdapter(FlowMatchAdapter):
                                         "max_sequence_length"}
     cfg_kind = "true_cfg"
     per_row_guidance = True
+    default_inputs = {"guidance_scale": DEFAULT_GUIDANCE_SCALE}
     default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     max_max_sequence_length = MAX_SEQUENCE_LENGTH
 

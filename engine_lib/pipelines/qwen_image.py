@@ -42,6 +42,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     supported_inputs = COMMON_INPUTS | {"negative_prompt", "true_cfg_scale", "guidance_scale", "preview_interval",
                                         "max_sequence_length"}
     cfg_kind = "true_cfg"
+    default_inputs = {"true_cfg_scale": 4.0}  # QwenImagePipeline.__call__'s default
     default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     max_max_sequence_length = MAX_SEQUENCE_LENGTH
     min_steps = 2  # Qwen-Image's shift_terminal schedule gives NaN sigmas for a single step

@@ -64,12 +64,17 @@ def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     return dtype
 
 
+def model_path_from_env(pipeline: str) -> str:
+    """$DIFFUSION_MODEL_PATH_<PIPELINE> (e.g. ..._QWEN_IMAGE), else $DIFFUSION_MODEL_PATH, else ""."""
+    return os.environ.get(f"{MODEL_PATH_ENV}_{pipeline.upper()}") or os.environ.get(MODEL_PATH_ENV, "")
+
+
 def resolve_model_path(config: EngineConfig) -> str:
-    """config.model_path, else $DIFFUSION_MODEL_PATH, else the tiny model's default directory."""
+    """config.model_path, else the environment (see model_path_from_env), else the tiny model's directory."""
     if config.model_path:
         return config.model_path
-    if os.environ.get(MODEL_PATH_ENV):
-        return os.environ[MODEL_PATH_ENV]
+    if model_path_from_env(config.pipeline):
+        return model_path_from_env(config.pipeline)
     from engine_lib.tiny_models import default_model_dir
 
     return str(default_model_dir(config.pipeline, "tiny"))
@@ -84,12 +89,13 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_path = resolve_model_path(config)
-    if not config.model_path and not os.environ.get(MODEL_PATH_ENV) and not os.path.isdir(model_path):
+    if not config.model_path and not model_path_from_env(config.pipeline) and not os.path.isdir(model_path):
         # A hub id or an explicit path is left to from_pretrained; the silent default gets a clear message.
         raise ConfigError(
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
             "is not built (run `python -m engine_lib.tiny_models`)"
         )
-    adapter = adapter_cls.load(model_path, device, dtype, {"cfg_batching": config.cfg_batching})
+    options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None}
+    adapter = adapter_cls.load(model_path, device, dtype, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter

@@ -40,6 +40,7 @@ class SD3Adapter(FlowMatchAdapter):
     supports_previews = True
     supported_inputs = COMMON_INPUTS | {"negative_prompt", "guidance_scale", "preview_interval", "max_sequence_length"}
     cfg_kind = "cfg"
+    default_inputs = {"guidance_scale": DEFAULT_GUIDANCE_SCALE}
     cfg_order = ("uncond", "cond")  # torch.cat([negative_prompt_embeds, prompt_embeds]) in __call__
     default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
     max_max_sequence_length = MAX_SEQUENCE_LENGTH

@@ -50,8 +50,12 @@ def _optional_int(value: Optional[int]) -> Optional[int]:
     return None if value is None else int(value)
 
 
-def step_batch_key(params: SamplingParams, extra: tuple = ()) -> StepBatchKey:
-    """The step-mode key: step counts and current step indices may differ."""
+def step_batch_key(params: SamplingParams, extra: tuple = (), per_row_guidance: bool = False) -> StepBatchKey:
+    """The step-mode key: step counts and current step indices may differ.
+
+    per_row_guidance: the pipeline takes a guidance value per row (embedded
+    guidance, as Flux), so guidance_scale does not split batches.
+    """
     do_cfg = params.do_true_cfg
     lora_name = params.lora_name or None  # "" means no LoRA
     key = StepBatchKey(
@@ -61,7 +65,7 @@ def step_batch_key(params: SamplingParams, extra: tuple = ()) -> StepBatchKey:
         num_images=int(params.num_images),
         do_true_cfg=do_cfg,
         true_cfg_scale=float(params.true_cfg_scale) if do_cfg else None,
-        guidance_scale=_optional_float(params.guidance_scale),
+        guidance_scale=None if per_row_guidance else _optional_float(params.guidance_scale),
         lora_name=lora_name,
         lora_scale=float(params.lora_scale) if lora_name is not None else None,
         max_sequence_length=_optional_int(params.max_sequence_length),
@@ -71,6 +75,6 @@ def step_batch_key(params: SamplingParams, extra: tuple = ()) -> StepBatchKey:
     return key
 
 
-def request_batch_key(params: SamplingParams, extra: tuple = ()) -> RequestBatchKey:
+def request_batch_key(params: SamplingParams, extra: tuple = (), per_row_guidance: bool = False) -> RequestBatchKey:
     """The request-mode key: the step key's fields plus the step count."""
-    return RequestBatchKey(step_batch_key(params, extra), int(params.num_inference_steps))
+    return RequestBatchKey(step_batch_key(params, extra, per_row_guidance), int(params.num_inference_steps))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -103,8 +104,9 @@ def parse_inputs(inputs: Mapping[str, Optional[np.ndarray]], config: EngineConfi
                  size_multiple: int = 16, adapter: Any = None) -> SamplingParams:
     """Build SamplingParams from a request's input arrays (None or absent: the input was not sent).
 
-    Missing inputs take `config`'s defaults (default_height/width/steps) or
-    SamplingParams' own. `adapter.validate(params)` runs last, for what only
+    Missing inputs take `config`'s defaults (default_height/width/steps), the
+    adapter's `default_inputs` (the diffusers pipeline's own defaults), a random
+    seed, or SamplingParams' own. Inputs the adapter does not use are refused. `adapter.validate(params)` runs last, for what only
     the pipeline knows (e.g. a step count its scheduler cannot run).
     """
     given = {name: value for name, value in inputs.items() if value is not None}
@@ -113,8 +115,15 @@ def parse_inputs(inputs: Mapping[str, Optional[np.ndarray]], config: EngineConfi
         raise InvalidInputError(unknown[0], f"unknown input; known inputs: {', '.join(INPUT_SPECS)}")
     if "prompt" not in given:
         raise InvalidInputError("prompt", "is required")
+    if adapter is not None:
+        unused = sorted(set(given) - set(adapter.supported_inputs) - {"prompt"})
+        if unused:
+            raise InvalidInputError(unused[0], f"is not used by pipeline '{adapter.name}' (it uses: prompt, "
+                                               f"{', '.join(sorted(set(adapter.supported_inputs) & set(INPUT_SPECS)))})")
 
-    fields: dict[str, Any] = {}
+    # Left-out inputs: the pipeline's own defaults, and a fresh random seed (as diffusers without a generator).
+    fields: dict[str, Any] = dict(adapter.default_inputs) if adapter is not None else {}
+    fields["seed"] = secrets.randbelow(INT32_MAX)
     fields["prompt"] = _text("prompt", given["prompt"], config.max_prompt_chars)
     if not fields["prompt"].strip():
         raise InvalidInputError("prompt", "must not be empty")

@@ -101,3 +101,13 @@ def test_importing_sched_does_not_import_torch():
             "engine_lib.sched.step_scheduler; sys.exit(3 if 'torch' in sys.modules else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"rc={result.returncode} stderr={result.stderr}"
+
+
+def test_per_row_guidance_lets_guidance_scales_share_a_batch():
+    """Flux takes guidance per row: different guidance_scale values share both keys; elsewhere they split."""
+    from engine_lib.sched.keys import request_batch_key, step_batch_key
+
+    a, b = params(guidance_scale=2.0), params(guidance_scale=5.0)
+    for key in (step_batch_key, request_batch_key):
+        assert key(a) != key(b)
+        assert key(a, per_row_guidance=True) == key(b, per_row_guidance=True)

@@ -31,7 +31,36 @@ def parse(**values):
 
 def test_defaults_come_from_the_config_and_sampling_params():
     params = parse(prompt="a cat")
-    assert params == SamplingParams(prompt="a cat", height=32, width=48, num_inference_steps=5)
+    assert params == SamplingParams(prompt="a cat", height=32, width=48, num_inference_steps=5, seed=params.seed)
+
+
+def test_a_left_out_seed_is_random():
+    assert len({parse(prompt="a cat").seed for _ in range(5)}) > 1
+
+
+class FakeAdapter:
+    """Only what parse_inputs reads from an adapter: its inputs, their defaults, and validate()."""
+
+    name = "fake"
+    supported_inputs = frozenset({"height", "width", "num_inference_steps", "seed", "guidance_scale"})
+    default_inputs = {"guidance_scale": 7.0}
+
+    def validate(self, params):
+        pass
+
+
+def test_pipeline_defaults_fill_left_out_inputs():
+    params = parse_inputs({"prompt": tensor("prompt", "x")}, CONFIG, adapter=FakeAdapter())
+    assert params.guidance_scale == 7.0
+    sent = parse_inputs({"prompt": tensor("prompt", "x"), "guidance_scale": tensor("guidance_scale", 2.0)},
+                        CONFIG, adapter=FakeAdapter())
+    assert sent.guidance_scale == 2.0
+
+
+def test_inputs_the_pipeline_does_not_use_are_refused():
+    inputs = {"prompt": tensor("prompt", "x"), "negative_prompt": tensor("negative_prompt", "y")}
+    with pytest.raises(InvalidInputError, match="'negative_prompt': is not used by pipeline 'fake'"):
+        parse_inputs(inputs, CONFIG, adapter=FakeAdapter())
 
 
 def test_every_input_parsed():
