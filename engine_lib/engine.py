@@ -26,7 +26,7 @@ from engine_lib.request import (
     SamplingParams,
 )
 from engine_lib.runner import ModelRunner, RunnerResult
-from engine_lib.sched.base import Scheduler, SchedulerOutput
+from engine_lib.sched.base import Scheduler
 from engine_lib.sched.keys import request_batch_key, step_batch_key
 from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
 from engine_lib.sched.step_scheduler import StepScheduler

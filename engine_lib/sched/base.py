@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
-from engine_lib.request import DiffusionRequest, EngineError, SamplingParams
+from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, SamplingParams
 
 KeyFn = Callable[[SamplingParams], Hashable]
 
@@ -49,17 +50,38 @@ class RunnerOutput:
 
 
 class Scheduler(ABC):
-    """FIFO admission into a running set that shares one compatibility key."""
+    """FIFO admission into a running set that shares one compatibility key.
+
+    The bookkeeping both schedulers share lives here: the waiting queue, the
+    running set, each active request's key, abort, and the ids that ended since
+    the last tick. Subclasses decide what one tick schedules. Not thread-safe:
+    the engine calls it under its lock. Only a scheduler writes request status.
+    """
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.key_fn = key_fn
+        self._waiting: deque[DiffusionRequest] = deque()
+        self._running: dict[str, DiffusionRequest] = {}  # insertion order is admission order
+        self._requests: dict[str, DiffusionRequest] = {}  # every active (waiting or running) request
+        self._keys: dict[str, Hashable] = {}
+        self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
 
-    @abstractmethod
     def add_request(self, request: DiffusionRequest) -> None:
-        """Queue a request; a duplicate active request id raises ValueError."""
+        """Queue a request; a duplicate active request id (or a request not WAITING) raises ValueError."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already active")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
+        self._check_request(request)
+        self._keys[request.request_id] = self.key_fn(request.params)
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def _check_request(self, request: DiffusionRequest) -> None:
+        """Mode-specific admission checks (raise ValueError)."""
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
@@ -69,22 +91,49 @@ class Scheduler(ABC):
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[DiffusionRequest]:
         """Apply the runner's results; return the requests that ended this tick."""
 
-    @abstractmethod
     def abort(self, request_ids: list[str]) -> list[DiffusionRequest]:
-        """Abort waiting or running requests; return those that were active."""
+        """Abort waiting or running requests (unknown ids are ignored); return those that were active."""
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.WAITING:
+                self._waiting.remove(request)
+            request.status = RequestStatus.ABORTED
+            self._end(request)
+            aborted.append(request)
+        return aborted
 
-    @abstractmethod
     def get_request(self, request_id: str) -> Optional[DiffusionRequest]:
         """The active (waiting or running) request with this id, if any."""
+        return self._requests.get(request_id)
 
     @property
-    @abstractmethod
-    def num_waiting(self) -> int: ...
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     @property
-    @abstractmethod
-    def num_running(self) -> int: ...
+    def num_running(self) -> int:
+        return len(self._running)
 
     @property
     def has_requests(self) -> bool:
         return self.num_waiting > 0 or self.num_running > 0
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Move the head of the queue into the running set."""
+        request = self._waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+        out.new_ids.append(request.request_id)
+
+    def _take_ended_ids(self) -> list[str]:
+        ended, self._ended_ids = self._ended_ids, []
+        return ended
+
+    def _end(self, request: DiffusionRequest) -> None:
+        self._running.pop(request.request_id, None)
+        del self._requests[request.request_id]
+        del self._keys[request.request_id]
+        self._ended_ids.append(request.request_id)

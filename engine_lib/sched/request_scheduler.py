@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from typing import Callable, Hashable, Optional
+from typing import Callable, Optional
 
 from engine_lib.request import DiffusionRequest, RequestStatus
 from engine_lib.sched.base import KeyFn, RunnerOutput, Scheduler, SchedulerOutput
@@ -28,34 +27,16 @@ class RequestScheduler(Scheduler):
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn):
         super().__init__(max_num_seqs, key_fn)
-        self._waiting: deque[DiffusionRequest] = deque()
-        self._running: dict[str, DiffusionRequest] = {}
-        self._requests: dict[str, DiffusionRequest] = {}  # every active (waiting or running) request
-        self._keys: dict[str, Hashable] = {}
         self._wave: Optional[list[str]] = None  # ids scheduled and not yet updated
-        self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
-
-    def add_request(self, request: DiffusionRequest) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already active")
-        if request.status is not RequestStatus.WAITING:
-            raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
-        self._keys[request.request_id] = self.key_fn(request.params)
-        self._requests[request.request_id] = request
-        self._waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._ended_ids)
-        self._ended_ids = []
+        out = SchedulerOutput(finished_ids=self._take_ended_ids())
         if self._wave is not None or not self._waiting:
             return out
         head_key = self._keys[self._waiting[0].request_id]
         while (self._waiting and len(out.new_ids) < self.max_num_seqs
                and self._keys[self._waiting[0].request_id] == head_key):
-            request = self._waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self._running[request.request_id] = request
-            out.new_ids.append(request.request_id)
+            self._admit(out)
         self._wave = list(out.new_ids)
         return out
 
@@ -79,36 +60,6 @@ class RequestScheduler(Scheduler):
                 request.status = RequestStatus.FINISHED
             self._end(request)
         return live
-
-    def abort(self, request_ids: list[str]) -> list[DiffusionRequest]:
-        aborted = []
-        for request_id in request_ids:
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            if request.status is RequestStatus.WAITING:
-                self._waiting.remove(request)
-            request.status = RequestStatus.ABORTED
-            self._end(request)
-            aborted.append(request)
-        return aborted
-
-    def get_request(self, request_id: str) -> Optional[DiffusionRequest]:
-        return self._requests.get(request_id)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    def _end(self, request: DiffusionRequest) -> None:
-        self._running.pop(request.request_id, None)
-        del self._requests[request.request_id]
-        del self._keys[request.request_id]
-        self._ended_ids.append(request.request_id)
 
 
 def wait_for_admission(cond: threading.Condition, num_waiting: Callable[[], int], capacity: int,

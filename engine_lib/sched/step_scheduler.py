@@ -9,53 +9,30 @@ at different steps share ticks; the runner reports each one's progress.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Hashable, Optional
-
 from engine_lib.request import DiffusionRequest, RequestStatus
-from engine_lib.sched.base import KeyFn, RunnerOutput, Scheduler, SchedulerOutput
+from engine_lib.sched.base import RunnerOutput, Scheduler, SchedulerOutput
 
 
 class StepScheduler(Scheduler):
     """Continuous batching over denoise steps. Not thread-safe: the engine locks."""
 
-    def __init__(self, max_num_seqs: int, key_fn: KeyFn):
-        super().__init__(max_num_seqs, key_fn)
-        self._waiting: deque[DiffusionRequest] = deque()
-        self._running: dict[str, DiffusionRequest] = {}  # insertion order is admission order
-        self._requests: dict[str, DiffusionRequest] = {}  # every active (waiting or running) request
-        self._keys: dict[str, Hashable] = {}
-        self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
-
-    def add_request(self, request: DiffusionRequest) -> None:
-        """Queue a request; raises ValueError for a duplicate active id or an invalid step state."""
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already active")
-        if request.status is not RequestStatus.WAITING:
-            raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
+    def _check_request(self, request: DiffusionRequest) -> None:
+        """A step request needs steps to run and a start index inside them."""
         if request.num_steps <= 0:
             raise ValueError(f"request {request.request_id!r}: num_inference_steps must be > 0, got {request.num_steps}")
         if not 0 <= request.step_index < request.num_steps:
             raise ValueError(f"request {request.request_id!r}: step_index {request.step_index} "
                              f"is outside [0, {request.num_steps})")
-        self._keys[request.request_id] = self.key_fn(request.params)
-        self._requests[request.request_id] = request
-        self._waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._ended_ids)
-        self._ended_ids = []
+        out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._take_ended_ids())
         running_key = self._keys[out.running_ids[0]] if out.running_ids else None
         while self._waiting and len(self._running) < self.max_num_seqs:
-            head = self._waiting[0]
-            key = self._keys[head.request_id]
+            key = self._keys[self._waiting[0].request_id]
             if self._running and key != running_key:
                 break
             running_key = key
-            self._waiting.popleft()
-            head.status = RequestStatus.RUNNING
-            self._running[head.request_id] = head
-            out.new_ids.append(head.request_id)
+            self._admit(out)
         return out
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[DiffusionRequest]:
@@ -88,33 +65,3 @@ class StepScheduler(Scheduler):
             self._end(request)
             ended.append(request)
         return ended
-
-    def abort(self, request_ids: list[str]) -> list[DiffusionRequest]:
-        aborted = []
-        for request_id in request_ids:
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            if request.status is RequestStatus.WAITING:
-                self._waiting.remove(request)
-            request.status = RequestStatus.ABORTED
-            self._end(request)
-            aborted.append(request)
-        return aborted
-
-    def get_request(self, request_id: str) -> Optional[DiffusionRequest]:
-        return self._requests.get(request_id)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    def _end(self, request: DiffusionRequest) -> None:
-        self._running.pop(request.request_id, None)
-        del self._requests[request.request_id]
-        del self._keys[request.request_id]
-        self._ended_ids.append(request.request_id)
