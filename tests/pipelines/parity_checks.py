@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_lib.config import EngineConfig
 from engine_lib.pipelines.base import DiffusionRequestBatch, InputBatch, PipelineAdapter, StepRequestState
 from engine_lib.pipelines.flow_match import to_uint8
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
@@ -26,6 +27,17 @@ from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingPara
 # docs/pipelines.md); this bound is two orders of magnitude above that.
 FLOAT_BOUND = 1e-4
 MAX_UINT8_CHANGED_FRACTION = 0.001  # pixels allowed to differ, by at most 1 level
+
+
+def load_tiny_adapter(pipeline: str, adapter_cls: type) -> PipelineAdapter:
+    """The tiny model of `pipeline`, loaded through the registry as the engine loads it (CPU, float32)."""
+    from engine_lib.pipelines.registry import load_adapter
+    from engine_lib.tiny_models import ensure_model
+
+    model_dir = ensure_model(pipeline, "tiny")
+    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32"))
+    assert isinstance(adapter, adapter_cls) and adapter.cfg_batching  # cfg_batching on is the default
+    return adapter
 
 
 @dataclass(frozen=True)

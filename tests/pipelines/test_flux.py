@@ -12,14 +12,13 @@ import dataclasses
 
 import pytest
 
-from engine_lib.config import EngineConfig
 from engine_lib.pipelines.flux import DEFAULT_GUIDANCE_SCALE, FluxAdapter
 from engine_lib.pipelines.flow_match import to_uint8
-from engine_lib.pipelines.registry import get_adapter_class, load_adapter
+from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import step_batch_key
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           make_reference)
+                           load_tiny_adapter, make_reference)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
 # (one test runs the default).
@@ -27,18 +26,8 @@ TEXT_LENGTH = 32
 
 
 @pytest.fixture(scope="module")
-def tiny_flux_dir():
-    from engine_lib.tiny_models import ensure_model
-
-    return ensure_model("flux", "tiny")
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_flux_dir) -> FluxAdapter:
-    """Loaded through the registry, as the engine loads it (cfg_batching on, the default)."""
-    adapter = load_adapter(EngineConfig(pipeline="flux", model_path=str(tiny_flux_dir), device="cpu", dtype="float32"))
-    assert isinstance(adapter, FluxAdapter) and adapter.cfg_batching
-    return adapter
+def adapter() -> FluxAdapter:
+    return load_tiny_adapter("flux", FluxAdapter)
 
 
 @pytest.fixture(scope="module")

@@ -12,31 +12,20 @@ import dataclasses
 
 import pytest
 
-from engine_lib.config import EngineConfig
 from engine_lib.pipelines.flow_match import to_uint8
-from engine_lib.pipelines.registry import get_adapter_class, load_adapter
+from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.sd3 import DEFAULT_GUIDANCE_SCALE, SD3Adapter
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import step_batch_key
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           make_reference)
+                           load_tiny_adapter, make_reference)
 
 TEXT_LENGTH = 32  # T5 tokens after CLIP's 77 (diffusers' default, 256, runs in one test)
 
 
 @pytest.fixture(scope="module")
-def tiny_sd3_dir():
-    from engine_lib.tiny_models import ensure_model
-
-    return ensure_model("sd3", "tiny")
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_sd3_dir) -> SD3Adapter:
-    """Loaded through the registry, as the engine loads it (cfg_batching on, the default)."""
-    adapter = load_adapter(EngineConfig(pipeline="sd3", model_path=str(tiny_sd3_dir), device="cpu", dtype="float32"))
-    assert isinstance(adapter, SD3Adapter) and adapter.cfg_batching
-    return adapter
+def adapter() -> SD3Adapter:
+    return load_tiny_adapter("sd3", SD3Adapter)
 
 
 @pytest.fixture(scope="module")
