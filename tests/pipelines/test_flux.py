@@ -18,7 +18,7 @@ from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import step_batch_key
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, make_reference)
+                           load_tiny_adapter, make_reference, with_cfg_batching)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
 # (one test runs the default).
@@ -33,21 +33,12 @@ def adapter() -> FluxAdapter:
 @pytest.fixture(scope="module")
 def bitwise_adapter(adapter) -> FluxAdapter:
     """cfg_batching off: FluxPipeline runs true CFG as two forwards of B rows."""
-    return FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"cfg_batching": False})
-
-
-def pipe_kwargs(p: SamplingParams) -> dict:
-    kwargs = dict(negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale)
-    if p.guidance_scale is not None:
-        kwargs["guidance_scale"] = p.guidance_scale
-    if p.max_sequence_length is not None:
-        kwargs["max_sequence_length"] = p.max_sequence_length
-    return kwargs
+    return with_cfg_batching(adapter, False)
 
 
 @pytest.fixture(scope="module")
 def reference(adapter):
-    return make_reference(adapter, pipe_kwargs)
+    return make_reference(adapter, ("negative_prompt", "true_cfg_scale", "guidance_scale", "max_sequence_length"))
 
 
 class TestFluxParity(FlowMatchParitySuite):

@@ -15,7 +15,7 @@ import pytest
 from engine_lib.pipelines.flow_match import to_uint8
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.sd3 import DEFAULT_GUIDANCE_SCALE, SD3Adapter
-from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.request import InvalidInputError
 from engine_lib.sched.keys import step_batch_key
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
                            load_tiny_adapter, make_reference)
@@ -34,18 +34,9 @@ def bitwise_adapter(adapter) -> SD3Adapter:
     return adapter
 
 
-def pipe_kwargs(p: SamplingParams) -> dict:
-    kwargs = dict(negative_prompt=p.negative_prompt)
-    if p.guidance_scale is not None:
-        kwargs["guidance_scale"] = p.guidance_scale
-    if p.max_sequence_length is not None:
-        kwargs["max_sequence_length"] = p.max_sequence_length
-    return kwargs
-
-
 @pytest.fixture(scope="module")
 def reference(adapter):
-    return make_reference(adapter, pipe_kwargs)
+    return make_reference(adapter, ("negative_prompt", "guidance_scale", "max_sequence_length"))
 
 
 class TestSD3Parity(FlowMatchParitySuite):
