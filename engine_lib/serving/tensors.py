@@ -118,8 +118,8 @@ def parse_inputs(inputs: Mapping[str, Optional[np.ndarray]], config: EngineConfi
     if adapter is not None:
         unused = sorted(set(given) - set(adapter.supported_inputs) - {"prompt"})
         if unused:
-            raise InvalidInputError(unused[0], f"is not used by pipeline '{adapter.name}' (it uses: prompt, "
-                                               f"{', '.join(sorted(set(adapter.supported_inputs) & set(INPUT_SPECS)))})")
+            uses = ", ".join(["prompt", *sorted(set(adapter.supported_inputs) & set(INPUT_SPECS))])
+            raise InvalidInputError(unused[0], f"{adapter.name} does not use this input (it uses: {uses})")
 
     # Left-out inputs: the pipeline's own defaults, and a fresh random seed (as diffusers without a generator).
     fields: dict[str, Any] = dict(adapter.default_inputs) if adapter is not None else {}

@@ -59,7 +59,7 @@ def test_pipeline_defaults_fill_left_out_inputs():
 
 def test_inputs_the_pipeline_does_not_use_are_refused():
     inputs = {"prompt": tensor("prompt", "x"), "negative_prompt": tensor("negative_prompt", "y")}
-    with pytest.raises(InvalidInputError, match="'negative_prompt': is not used by pipeline 'fake'"):
+    with pytest.raises(InvalidInputError, match="'negative_prompt': fake does not use this input"):
         parse_inputs(inputs, CONFIG, adapter=FakeAdapter())
 
 
