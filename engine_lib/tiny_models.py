@@ -409,6 +409,8 @@ _QWEN_PRESETS = {
     "tiny": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=[8, 4, 4]),
     # bench: sized so that denoising dominates the cost (numbers in the module docstring).
     "bench": dict(num_layers=6, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=[16, 24, 24]),
+    # gpu: for benchmarks/gpu.sh on a CUDA host (unmeasured so far); built only when asked for.
+    "gpu": dict(num_layers=12, attention_head_dim=128, num_attention_heads=12, axes_dims_rope=[32, 48, 48]),
 }
 
 

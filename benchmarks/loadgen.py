@@ -1,0 +1,405 @@
+"""Load generator: closed-loop concurrency and open-loop Poisson arrivals over tritonclient gRPC.
+
+Each virtual client owns one session with at most one request in flight:
+for the decoupled models a `StreamingSession` (one gRPC stream, so an error
+response, which carries no request id, belongs to the one request in flight),
+for the non-decoupled baseline an `InferSession` (plain blocking `infer`).
+
+Every request is checked: exactly one response with `is_final` true, exactly
+one Triton FINAL flag, nothing after it, and an image of shape
+[num_images, height, width, 3] uint8. A request that fails any check counts as
+an error, never as a completion.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from benchmarks.workloads import RequestSpec
+
+DEFAULT_TIMEOUT_S = 900.0
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; times are time.perf_counter() seconds."""
+
+    request_id: str
+    spec: RequestSpec
+    scheduled: float = 0.0  # arrival time (open loop) or send time (closed loop)
+    sent: float = 0.0
+    first_response: Optional[float] = None
+    first_preview: Optional[float] = None
+    done: Optional[float] = None
+    num_responses: int = 0
+    num_final_flags: int = 0  # Triton's triton_final_response flag
+    num_final_outputs: int = 0  # responses whose is_final output is true
+    late_responses: int = 0  # responses that arrived after the FINAL flag
+    image_shape: Optional[tuple] = None
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.check_error() is None
+
+    def check_error(self) -> Optional[str]:
+        """Why this request does not count as a correct completion (None when it does)."""
+        if self.error is not None:
+            return self.error
+        if self.num_final_flags != 1:
+            return f"{self.num_final_flags} FINAL flags"
+        if self.num_final_outputs != 1:
+            return f"{self.num_final_outputs} responses with is_final=true"
+        if self.late_responses:
+            return f"{self.late_responses} responses after FINAL"
+        want = (self.spec.num_images, self.spec.height, self.spec.width, 3)
+        if self.image_shape != want:
+            return f"image shape {self.image_shape}, expected {want}"
+        return None
+
+    @property
+    def latency(self) -> Optional[float]:
+        return None if self.done is None else self.done - self.scheduled
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["spec"] = self.spec.to_dict()
+        out["ok"] = self.ok
+        out["check_error"] = self.check_error()
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+
+
+def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) -> list:
+    """tritonclient InferInputs for a spec; the baseline (batch_dim) takes [1, 1] tensors and no previews."""
+    import tritonclient.grpc as grpcclient
+
+    values = [("prompt", "BYTES", np.array([spec.prompt.encode()], dtype=np.object_)),
+              ("height", "INT32", np.array([spec.height], dtype=np.int32)),
+              ("width", "INT32", np.array([spec.width], dtype=np.int32)),
+              ("num_inference_steps", "INT32", np.array([spec.steps], dtype=np.int32)),
+              ("seed", "INT64", np.array([spec.seed], dtype=np.int64))]
+    if streaming:
+        values.append(("num_images", "INT32", np.array([spec.num_images], dtype=np.int32)))
+        values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
+    inputs = []
+    for name, dtype, array in values:
+        if batch_dim:
+            array = array.reshape(1, 1)
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+# ---------------------------------------------------------------------------
+# Sessions: one virtual client, one request in flight
+
+
+class StreamingSession:
+    """One gRPC stream to a decoupled model."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import tritonclient.grpc as grpcclient
+
+        self.model = model
+        self.timeout_s = timeout_s
+        self._client = grpcclient.InferenceServerClient(url)
+        self._responses: "queue.Queue[tuple]" = queue.Queue()
+        self._previous: Optional[RequestRecord] = None
+        self._client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error) -> None:
+        self._responses.put((time.perf_counter(), result, error))
+
+    def _restart_stream(self) -> None:
+        self._client.stop_stream(cancel_requests=True)
+        self._responses = queue.Queue()
+        self._client.start_stream(callback=self._on_response)
+
+    def _drain_late(self) -> None:
+        """Responses still queued belong to the previous request: they arrived after its FINAL."""
+        while True:
+            try:
+                self._responses.get_nowait()
+            except queue.Empty:
+                return
+            if self._previous is not None:
+                self._previous.late_responses += 1
+
+    def run(self, record: RequestRecord) -> RequestRecord:
+        self._drain_late()
+        self._previous = record
+        record.sent = time.perf_counter()
+        try:
+            self._client.async_stream_infer(self.model, infer_inputs(record.spec, streaming=True),
+                                            request_id=record.request_id, enable_empty_final_response=True)
+        except Exception as exc:  # noqa: BLE001 - any client failure is this request's error
+            record.error = f"send failed: {exc}"
+            self._restart_stream()
+            return record
+        deadline = record.sent + self.timeout_s
+        while True:
+            try:
+                t, result, error = self._responses.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                record.error = f"no FINAL within {self.timeout_s:.0f} s"
+                self._restart_stream()
+                return record
+            if error is not None:
+                record.error = str(error)
+                record.done = t
+                self._restart_stream()  # an error has no request id: start clean
+                return record
+            if self._handle(record, t, result):
+                return record
+
+    @staticmethod
+    def _handle(record: RequestRecord, t: float, result) -> bool:
+        """Account one response; True once the FINAL flag arrived."""
+        response = result.get_response()
+        if response.id != record.request_id:
+            return False  # a stray from an earlier request on this stream
+        record.num_responses += 1
+        if record.first_response is None:
+            record.first_response = t
+        names = {out.name for out in response.outputs}
+        is_final = bool(result.as_numpy("is_final").reshape(-1)[0]) if "is_final" in names else False
+        if "image" in names:
+            if is_final:
+                record.image_shape = tuple(int(d) for d in result.as_numpy("image").shape)
+            elif record.first_preview is None:
+                record.first_preview = t
+        if is_final:
+            record.num_final_outputs += 1
+        params = response.parameters
+        if "triton_final_response" in params and params["triton_final_response"].bool_param:
+            record.num_final_flags += 1
+            record.done = t
+            return True
+        return False
+
+    def close(self) -> None:
+        self._drain_late()
+        # A held stream keeps tritonserver 2.51 from shutting down (DESIGN.md): always stop it.
+        self._client.stop_stream(cancel_requests=True)
+        self._client.close()
+
+
+class InferSession:
+    """Plain (non-decoupled) gRPC inference, as a client of the naive baseline does it."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import tritonclient.grpc as grpcclient
+
+        self.model = model
+        self.timeout_s = timeout_s
+        self._client = grpcclient.InferenceServerClient(url)
+
+    def run(self, record: RequestRecord) -> RequestRecord:
+        record.sent = time.perf_counter()
+        try:
+            result = self._client.infer(self.model, infer_inputs(record.spec, streaming=False, batch_dim=True),
+                                        request_id=record.request_id, client_timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            record.error = str(exc)
+            record.done = time.perf_counter()
+            return record
+        record.done = record.first_response = time.perf_counter()
+        record.num_responses = record.num_final_flags = record.num_final_outputs = 1
+        record.image_shape = tuple(int(d) for d in result.as_numpy("image").shape)
+        return record
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: a model on a server, streaming (decoupled) or not."""
+
+    url: str
+    model: str
+    streaming: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def open(self):
+        cls = StreamingSession if self.streaming else InferSession
+        return cls(self.url, self.model, self.timeout_s)
+
+
+# ---------------------------------------------------------------------------
+# Runs
+
+
+@dataclass
+class RunResult:
+    """The records of one closed- or open-loop run, with its wall-clock span."""
+
+    kind: str  # "closed" or "open"
+    records: list[RequestRecord]
+    concurrency: Optional[int] = None
+    offered_rate: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _ids(tag: str) -> Iterable[str]:
+    return (f"{tag}-{i}" for i in itertools.count())
+
+
+def run_closed_loop(target: Target, specs: Sequence[RequestSpec], concurrency: int, tag: str = "c") -> RunResult:
+    """`concurrency` virtual clients each send their next request as soon as the last one ends."""
+    sessions = [target.open() for _ in range(concurrency)]
+    ids = _ids(tag)
+    jobs = iter(list(specs))
+    lock = threading.Lock()
+    records: list[RequestRecord] = []
+
+    def client(session) -> None:
+        while True:
+            with lock:
+                spec = next(jobs, None)
+                if spec is None:
+                    return
+                record = RequestRecord(next(ids), spec)
+                records.append(record)
+            record.scheduled = time.perf_counter()
+            session.run(record)
+
+    try:
+        _run_threads([lambda s=s: client(s) for s in sessions])
+    finally:
+        for session in sessions:
+            session.close()
+    return RunResult("closed", records, concurrency=concurrency)
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """n arrival offsets (seconds from the start) of a Poisson process of `rate` per second."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, seed: int = 0,
+                  max_outstanding: int = 32, tag: str = "p") -> RunResult:
+    """Poisson arrivals at `rate` requests/s; latency counts from the arrival, not the send.
+
+    A pool of `max_outstanding` sessions carries the requests; if all are busy a
+    request waits (and that wait is part of its latency, as it would be for users).
+    """
+    offsets = poisson_arrivals(len(specs), rate, seed)
+    sessions = [target.open() for _ in range(min(max_outstanding, len(specs)))]
+    jobs: "queue.Queue[Optional[RequestRecord]]" = queue.Queue()
+    records = [RequestRecord(rid, spec) for rid, spec in zip(_ids(tag), specs)]
+
+    def dispatcher() -> None:
+        start = time.perf_counter() + 0.05
+        for record, offset in zip(records, offsets):
+            record.scheduled = start + offset
+            delay = record.scheduled - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            jobs.put(record)
+        for _ in sessions:
+            jobs.put(None)
+
+    def client(session) -> None:
+        while True:
+            record = jobs.get()
+            if record is None:
+                return
+            session.run(record)
+
+    try:
+        _run_threads([dispatcher] + [lambda s=s: client(s) for s in sessions])
+    finally:
+        for session in sessions:
+            session.close()
+    return RunResult("open", records, offered_rate=rate)
+
+
+def _run_threads(bodies: Sequence[Callable[[], None]]) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(body):
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(b,), daemon=True) for b in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def summarize(run: RunResult, solo_latency: Optional[dict] = None, slo_factor: float = 3.0) -> dict:
+    """Throughput, latency percentiles, time to first preview, SLO attainment and errors of a run.
+
+    SLO: a request meets it when it completes correctly within slo_factor x the
+    solo latency of its shape and step count (`solo_latency[spec.shape_key]`).
+    Errors count as misses.
+    """
+    ok = [r for r in run.records if r.ok]
+    errors = [r for r in run.records if not r.ok]
+    latencies = [r.latency for r in ok]
+    span = None
+    if ok:
+        span = max(r.done for r in ok) - min(r.scheduled for r in run.records)
+    previews = [r.first_preview - r.scheduled for r in ok if r.first_preview is not None]
+    firsts = [r.first_response - r.scheduled for r in ok if r.first_response is not None]
+    out = {
+        "kind": run.kind,
+        "concurrency": run.concurrency,
+        "offered_rate": run.offered_rate,
+        "requests": len(run.records),
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted({r.check_error() for r in errors})[:3],
+        "duration_s": span,
+        "requests_per_s": (len(ok) / span) if span else None,
+        "images_per_s": (sum(r.spec.num_images for r in ok) / span) if span else None,
+        "latency_mean_s": float(np.mean(latencies)) if latencies else None,
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p95_s": percentile(latencies, 95),
+        "latency_p99_s": percentile(latencies, 99),
+        "first_response_p50_s": percentile(firsts, 50),
+        "first_preview_p50_s": percentile(previews, 50),
+        "latencies_s": latencies,
+    }
+    if solo_latency:
+        def meets(r: RequestRecord) -> bool:
+            return r.ok and r.latency <= slo_factor * solo_latency[r.spec.shape_key]
+
+        out["slo_attainment"] = sum(map(meets, run.records)) / len(run.records) if run.records else None
+        by_shape: dict[str, list[bool]] = {}
+        for r in run.records:
+            by_shape.setdefault(r.spec.shape_key, []).append(meets(r))
+        out["slo_by_shape"] = {k: {"requests": len(v), "attainment": sum(v) / len(v)} for k, v in by_shape.items()}
+    return out

@@ -1,0 +1,209 @@
+"""The offline limit and a per-phase profile: the same pipeline called in-process, no server.
+
+`OfflineLimit` times the plain diffusers call `pipe(prompt=[...], ...)` with a
+batch list and the engine adapter's fused `forward` over the same batch; the
+faster of the two is the throughput a server could reach at that batch size if
+serving cost nothing.
+
+`phase_profile` times one request's phases (prompt encode, one denoise step,
+scheduler step, VAE decode) solo and in a batch, per request, plus the top
+operators of one denoise step from torch.profiler: where the time goes, and
+how much of it batching amortises on this device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks.workloads import PROMPTS
+
+
+def load_adapter(model_path: Path, device: str = "cpu", dtype: str = "auto"):
+    """The engine's own loader, so the offline numbers run exactly the served code."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter as _load
+
+    return _load(EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False))
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+class OfflineLimit:
+    """Timed in-process calls of `pipe(prompt=[b prompts])` and of the adapter's fused forward.
+
+    `sample()` takes one timed call per path and batch size, so a benchmark can
+    interleave it with the served measurements and both see the same machine load.
+    """
+
+    PATHS = ("pipe", "adapter_forward")
+
+    def __init__(self, adapter, size: int, steps: int, batch_sizes: Sequence[int]):
+        self.adapter = adapter
+        self.size, self.steps = size, steps
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.seconds: dict[tuple[int, str], list[float]] = {(b, p): [] for b in self.batch_sizes for p in self.PATHS}
+
+    def _call(self, batch: int, path: str) -> None:
+        import torch
+
+        from engine_lib.pipelines.base import DiffusionRequestBatch
+        from engine_lib.request import DiffusionRequest, SamplingParams
+
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        if path == "pipe":
+            generators = [torch.Generator(device=self.adapter.device).manual_seed(i) for i in range(batch)]
+            with torch.inference_mode():
+                self.adapter.pipe(prompt=prompts, height=self.size, width=self.size,
+                                  num_inference_steps=self.steps, generator=generators, output_type="np")
+        else:
+            self.adapter.forward(DiffusionRequestBatch([
+                DiffusionRequest(f"offline-{i}", SamplingParams(prompt=p, height=self.size, width=self.size,
+                                                                num_inference_steps=self.steps, seed=i))
+                for i, p in enumerate(prompts)]))
+
+    def warm(self) -> None:
+        """One untimed call per path and batch size (first-call and first-shape effects)."""
+        for b in self.batch_sizes:
+            for path in self.PATHS:
+                self._call(b, path)
+
+    def sample(self) -> None:
+        for b in self.batch_sizes:
+            for path in self.PATHS:
+                self.seconds[(b, path)] += _timed(lambda: self._call(b, path), 1)
+
+    def summary(self) -> dict:
+        """Per batch size: each path's seconds, median and images/s, and the best of the two."""
+        out = {}
+        for b in self.batch_sizes:
+            row = {}
+            for path in self.PATHS:
+                times = self.seconds[(b, path)]
+                median = statistics.median(times) if times else None
+                row[path] = {"seconds": times, "median_s": median, "images_per_s": b / median if median else None}
+            rates = [row[p]["images_per_s"] for p in self.PATHS if row[p]["images_per_s"]]
+            row["best_images_per_s"] = max(rates) if rates else None
+            out[str(b)] = row
+        return out
+
+
+def offline_limit(adapter, size: int, steps: int, batch_sizes: Sequence[int], repeats: int = 2) -> dict:
+    """Warm up, then `repeats` samples of every path and batch size (see OfflineLimit)."""
+    limit = OfflineLimit(adapter, size, steps, batch_sizes)
+    limit.warm()
+    for _ in range(repeats):
+        limit.sample()
+    return limit.summary()
+
+
+def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
+                  top_ops: int = 6) -> dict:
+    """Seconds per request of each phase, solo (batch 1) and batched (`batch`), plus top step operators.
+
+    The batch uses different prompts (as real traffic does: prompt embeddings are padded and masked);
+    `denoise_step_same_prompt_s` times the same batch with one prompt for every row, to show what
+    the padding and mask cost.
+    """
+    import torch
+
+    from engine_lib.pipelines.base import InputBatch, StepRequestState
+    from engine_lib.request import SamplingParams
+
+    out: dict = {"size": size, "steps": steps, "batch": batch}
+    for n in (1, batch):
+        states = [StepRequestState(f"prof-{i}", SamplingParams(prompt=PROMPTS[i % len(PROMPTS)], height=size,
+                                                              width=size, num_inference_steps=steps, seed=i))
+                  for i in range(n)]
+        start = time.perf_counter()
+        for state in states:
+            adapter.prepare_encode(state)
+        encode = time.perf_counter() - start
+        input_batch = InputBatch.gather(states)
+        adapter.denoise_step(input_batch, states=states)  # warm-up (and fills the text cache)
+        step = statistics.median(_timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
+        pred = adapter.denoise_step(input_batch, states=states)
+        start = time.perf_counter()
+        for state, rows in zip(states, input_batch.split(pred)):
+            adapter.step_scheduler(state, rows)
+        sched = time.perf_counter() - start
+        decode = statistics.median(_timed(lambda: adapter.post_decode(states), repeats))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            adapter.denoise_step(input_batch, states=states)
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total_us = sum(e.self_cpu_time_total for e in events) or 1.0
+        out[f"batch_{n}"] = {
+            "encode_s_per_request": encode / n,
+            "denoise_step_s": step,
+            "denoise_step_s_per_request": step / n,
+            "scheduler_step_s_per_request": sched / n,
+            "decode_s_per_request": decode / n,
+            "request_s_per_request": (encode + steps * (step + sched) + decode) / n,
+            "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total_us} for e in events[:top_ops]],
+        }
+    # The same batch with one prompt for every row: no text padding, no attention mask.
+    same = [StepRequestState(f"same-{i}", SamplingParams(prompt=PROMPTS[0], height=size, width=size,
+                                                         num_inference_steps=steps, seed=i)) for i in range(batch)]
+    for state in same:
+        adapter.prepare_encode(state)
+    same_batch = InputBatch.gather(same)
+    adapter.denoise_step(same_batch, states=same)
+    out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = statistics.median(
+        _timed(lambda: adapter.denoise_step(same_batch, states=same), repeats))
+    solo, batched = out["batch_1"], out[f"batch_{batch}"]
+    out["step_speedup_per_request"] = solo["denoise_step_s_per_request"] / batched["denoise_step_s_per_request"]
+    out["request_speedup_per_request"] = solo["request_s_per_request"] / batched["request_s_per_request"]
+    return out
+
+
+def run_offline(model_path: Path, size: int, steps: int, batch: int, repeats: int,
+                device: str = "cpu", dtype: str = "auto", profile: bool = True) -> dict:
+    """Both measurements on one loaded adapter (the loader is the engine's own)."""
+    import torch
+
+    adapter = load_adapter(model_path, device, dtype)
+    result = {"torch_threads": torch.get_num_threads(),
+              "limit": offline_limit(adapter, size, steps, sorted({1, batch}), repeats)}
+    if profile:
+        result["profile"] = phase_profile(adapter, size, steps, batch)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+    import json
+
+    from engine_lib.tiny_models import ensure_model
+
+    parser = argparse.ArgumentParser(description="offline limit and per-phase profile (no server)")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    result = run_offline(ensure_model("qwen_image", args.preset), args.size, args.steps, args.batch, args.repeats)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,574 @@
+"""Results JSON -> docs/benchmarks.md (tables, targets) and docs/img/*.png (matplotlib, Agg).
+
+`python -m benchmarks.report [results.json]` regenerates the page from the
+newest full result (benchmarks/results/full.json), else the quick one. Every
+number on the page comes from the JSON; nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks.perf_analyzer import EXPLANATION as PERF_ANALYZER_NOTE
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DOC_PATH = REPO_ROOT / "docs" / "benchmarks.md"
+STEP, SERIAL, NAIVE = "step", "rb_serial", "naive"
+# One colour per system in every plot.
+COLORS = {"rb_serial": "tab:blue", "rb_fused": "tab:orange", "rb_fused_wait": "tab:green", "step": "tab:red",
+          "naive": "tab:purple"}
+
+
+# ---------------------------------------------------------------------------
+# Reading results
+
+
+def newest_results() -> Path:
+    for name in ("full.json", "quick.json"):
+        if (RESULTS_DIR / name).is_file():
+            return RESULTS_DIR / name
+    raise FileNotFoundError(f"no results in {RESULTS_DIR}: run `make bench` or `make bench-quick`")
+
+
+def spread(values: Sequence[Optional[float]]) -> Optional[tuple[float, float, float]]:
+    """(median, min, max) of the non-missing values, or None."""
+    vals = [v for v in values if v is not None]
+    return (statistics.median(vals), min(vals), max(vals)) if vals else None
+
+
+def closed_stat(system: dict, concurrency: int, key: str = "requests_per_s") -> Optional[tuple[float, float, float]]:
+    return spread([p.get(key) for p in system.get("closed", {}).get(str(concurrency), [])])
+
+
+def top_concurrency(results: dict) -> int:
+    cs = results["plan"]["concurrencies"]
+    return 8 if 8 in cs else max(cs)
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def offline_best(results: dict) -> Optional[float]:
+    limit = results.get("offline", {}).get("limit", {})
+    batch = str(results["plan"]["max_num_seqs"])
+    return limit.get(batch, {}).get("best_images_per_s")
+
+
+# ---------------------------------------------------------------------------
+# Targets
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's four targets, each with its measured value and whether it is met."""
+    S = results["systems"]
+    c = top_concurrency(results)
+
+    def rps(name: str, key: str = "requests_per_s") -> Optional[float]:
+        stat = closed_stat(S[name], c, key) if name in S else None
+        return stat[0] if stat else None
+
+    out = []
+
+    def add(name: str, value: Optional[float], goal: float, higher_is_better: bool, unit: str = "x") -> None:
+        met = None if value is None else (value >= goal if higher_is_better else value <= goal)
+        out.append({"target": name, "value": value, "goal": goal, "met": met, "unit": unit,
+                    "higher_is_better": higher_is_better})
+
+    add(f"STEP_BATCH / REQUEST_BATCH serial, requests/s at concurrency {c}", ratio(rps(STEP), rps(SERIAL)), 2.5, True)
+    add(f"STEP_BATCH served images/s at concurrency {c} / offline limit (batch {results['plan']['max_num_seqs']})",
+        ratio(rps(STEP, "images_per_s"), offline_best(results)), 0.9, True)
+    step_p = S.get(STEP, {}).get("poisson", {})
+    serial_p = S.get(SERIAL, {}).get("poisson", {})
+    add("Poisson mixed steps: STEP_BATCH p99 / REQUEST_BATCH serial p99",
+        ratio(step_p.get("latency_p99_s"), serial_p.get("latency_p99_s")), 0.5, False)
+    add("Poisson mixed steps: STEP_BATCH SLO attainment (3x solo latency)", step_p.get("slo_attainment"), 0.95, True,
+        unit="%")
+    add(f"STEP_BATCH / naive baseline, requests/s at concurrency {c}", ratio(rps(STEP), rps(NAIVE)), 2.5, True)
+    return out
+
+
+def fmt_target_value(t: dict) -> str:
+    if t["value"] is None:
+        return "not measured"
+    if t["unit"] == "%":
+        return f"{t['value']:.0%}"
+    return f"{t['value']:.2f}x"
+
+
+def fmt_goal(t: dict) -> str:
+    op = ">=" if t["higher_is_better"] else "<="
+    return f"{op} {t['goal']:.0%}" if t["unit"] == "%" else f"{op} {t['goal']:g}x"
+
+
+def fmt_met(t: dict) -> str:
+    if t["met"] is None:
+        return "n/a"
+    if t["met"]:
+        return "met"
+    if t["higher_is_better"]:
+        return f"missed ({t['value'] / t['goal']:.0%} of the goal)"
+    return f"missed ({t['value'] / t['goal']:.1f}x the allowed value)"
+
+
+def limits_text(results: dict) -> list[str]:
+    """Why a missed throughput target is missed, from the in-process profile of this run."""
+    prof = results.get("offline", {}).get("profile")
+    if not prof:
+        return []
+    b = prof["batch"]
+    solo, batched = prof["batch_1"], prof[f"batch_{b}"]
+    lines = [
+        f"Batching {b} requests makes one denoise step {prof['step_speedup_per_request']:.2f}x cheaper per request "
+        f"on this device ({solo['denoise_step_s']:.3f} s solo vs {batched['denoise_step_s']:.3f} s for {b} rows), "
+        f"and a whole request {prof['request_speedup_per_request']:.2f}x cheaper. That is the ceiling of any "
+        f"batching gain over serial here: continuous batching cannot beat the device's own batching efficiency.",
+    ]
+    best = offline_best(results)
+    limit = results.get("offline", {}).get("limit", {})
+    solo_best = limit.get("1", {}).get("best_images_per_s")
+    if best and solo_best:
+        ceiling = best / solo_best
+        line = (f"Offline (no server) the pipeline does {solo_best:.2f} images/s at batch 1 and {best:.2f} at batch "
+                f"{results['plan']['max_num_seqs']}: {ceiling:.2f}x, the most any batching server can gain over "
+                "serial on this device.")
+        achieved = next((t["value"] for t in targets(results) if t["target"].startswith("STEP_BATCH / REQUEST_BATCH")),
+                        None)
+        if achieved:
+            line += f" STEP_BATCH reached {achieved:.2f}x over serial, {achieved / ceiling:.0%} of that ceiling."
+        lines.append(line)
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Plots
+
+
+def plot_throughput(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, system in results["systems"].items():
+        cs = sorted(int(c) for c in system.get("closed", {}))
+        stats = [closed_stat(system, c) for c in cs]
+        pts = [(c, s) for c, s in zip(cs, stats) if s]
+        if not pts:
+            continue
+        xs = [c for c, _ in pts]
+        med = [s[0] for _, s in pts]
+        err = [[s[0] - s[1] for _, s in pts], [s[2] - s[0] for _, s in pts]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=system["label"], color=COLORS.get(name))
+    best = offline_best(results)
+    if best:
+        ax.axhline(best, color="grey", linestyle="--",
+                   label=f"offline limit, batch {results['plan']['max_num_seqs']} (images/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(results["plan"]["concurrencies"])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel("requests/s")
+    plan = results["plan"]
+    ax.set_title(f"Throughput vs concurrency: {plan['size']}x{plan['size']}, {plan['steps']} steps, "
+                 f"{plan['preset']} preset")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_latency_cdf(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, system in results["systems"].items():
+        lat = sorted(system.get("poisson", {}).get("latencies_s") or [])
+        if not lat:
+            continue
+        ys = [(i + 1) / len(lat) for i in range(len(lat))]
+        ax.step(lat, ys, where="post", label=system["label"], color=COLORS.get(name))
+    plan = results["plan"]
+    rate = results.get("poisson_rate")
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"Latency CDF, mixed steps {plan['mixed_step_choices']}, Poisson "
+                 f"{rate or 0:.2f}/s ({plan['poisson_load']:.0%} of serial capacity)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+
+
+def f(x: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def fmt_spread(stat: Optional[tuple[float, float, float]], digits: int = 2) -> str:
+    if not stat:
+        return "-"
+    med, lo, hi = stat
+    return f"{med:.{digits}f}" if lo == hi else f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = "") -> str:
+    plan, machine, S = results["plan"], results["machine"], results["systems"]
+    c = top_concurrency(results)
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `python -m benchmarks.run{' --quick' if plan['name'] == 'quick' else ''}` "
+        f"(`make bench{'-quick' if plan['name'] == 'quick' else ''}`) from "
+        f"`{source.relative_to(REPO_ROOT) if source.is_relative_to(REPO_ROOT) else source}`, "
+        f"started {results.get('started', '?')}. Do not edit by hand: rerun the benchmark or "
+        "`python -m benchmarks.report`.",
+        "",
+        "## Setup",
+        "",
+        f"- Machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['ram_gib']} GiB RAM, "
+        f"GPU: {machine['gpu'] or 'none'}; Python {machine['python']}, torch {machine['torch']}, "
+        f"diffusers {machine['diffusers']}.",
+        f"- Load average (1, 5, 15 min) before: {results.get('load_before')}, after: {results.get('load_after')}. "
+        "1-minute load when each system started: "
+        + ", ".join(f"`{n}` {s['load_at_start'][0]:.1f}" for n, s in S.items() if s.get("load_at_start")) + ". "
+        "Other jobs shared this machine; ratios measured side by side in one run are more robust than the "
+        "absolute numbers.",
+        f"- Model: Qwen-Image `{plan['preset']}` random-weight preset (`engine_lib.tiny_models`), "
+        f"{plan.get('dtype', 'float32')} on {plan.get('device', 'cpu')}.",
+        f"- Uniform workload: {plan['size']}x{plan['size']}, {plan['steps']} steps, preview every "
+        f"{plan['preview_interval']} steps (streaming systems), 1 image per request.",
+        f"- Closed loop: concurrency {plan['concurrencies']}, each client sends {plan['rounds']} requests per point "
+        f"(at least 2), {plan['repeats']} repeat(s) per point; tables give the median over repeats and the "
+        "spread (min-max) in brackets.",
+        f"- Mixed steps: steps drawn from {plan['mixed_step_choices']}, {plan['poisson_requests']} requests, "
+        f"Poisson arrivals at {plan['poisson_load']:.0%} of REQUEST_BATCH serial capacity "
+        f"({f(results.get('poisson_rate'), 3)} requests/s). Mixed sizes: {plan['mixed_sizes']}, closed loop at "
+        f"concurrency {max(plan['concurrencies'])}.",
+        f"- SLO: {plan['slo_factor']:g}x the solo latency of the request's size and steps, measured on REQUEST_BATCH "
+        f"serial at concurrency 1: {', '.join(f'{k}: {v:.2f} s' for k, v in results.get('solo_latency_s', {}).items())}.",
+        "- Systems, each its own tritonserver on a copy of the model repository, all up for the whole run: "
+        + "; ".join(f"`{n}` = {s['label']}" for n, s in S.items()) + ". The closed-loop points are interleaved "
+        "(each repeat and concurrency runs on every system back to back, then one offline sample); mixed sizes "
+        "and Poisson runs go one system after the other.",
+        f"- Each server gets one request alone, then {plan['max_num_seqs']} at concurrency {plan['max_num_seqs']}, "
+        "unmeasured, before its first measurement. "
+        f"Total wall time of the run: {f((results.get('wall_s') or 0) / 60, 1)} min.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | goal | result |",
+        "|---|---|---|---|",
+    ]
+    for t in targets(results):
+        lines.append(f"| {t['target']} | {fmt_target_value(t)} | {fmt_goal(t)} | {fmt_met(t)} |")
+    missed = [t for t in targets(results) if t["met"] is False]
+    if missed:
+        lines += ["", "What limits the missed targets (measured in this run):", ""]
+        lines += [f"- {line}" for line in limits_text(results)]
+        lines += [f"- {line}" for line in gap_notes(results)]
+    lines += [
+        "",
+        "## Throughput vs concurrency (uniform workload)",
+        "",
+        f"![throughput vs concurrency]({img_rel}/{img_prefix}throughput.png)",
+        "",
+        "Requests/s, median (min-max) over repeats:",
+        "",
+        "| system | " + " | ".join(f"c={cc}" for cc in plan["concurrencies"])
+        + f" | mean batch at c={c} | peak RSS (server tree) | start-up |",
+        "|---|" + "---|" * len(plan["concurrencies"]) + "---|---|---|",
+    ]
+    for name, s in S.items():
+        batch = spread([p.get("server", {}).get("mean_batch_size") for p in s.get("closed", {}).get(str(c), [])])
+        lines.append(f"| {s['label']} | " + " | ".join(fmt_spread(closed_stat(s, cc), 3) for cc in plan["concurrencies"])
+                     + f" | {fmt_spread(batch, 1)} | {f((s.get('peak_rss_bytes') or 0) / 2**20, 0, ' MiB')} "
+                     f"| {f(s.get('startup_s'), 0, ' s')} |")
+    lines += [
+        "",
+        f"Latency at concurrency {c} (uniform workload, seconds; medians over repeats):",
+        "",
+        "| system | mean | p50 | p95 | p99 | first preview p50 | SLO attainment | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in S.values():
+        pts = s.get("closed", {}).get(str(c), [])
+
+        def med(key: str) -> Optional[float]:
+            stat = spread([p.get(key) for p in pts])
+            return stat[0] if stat else None
+
+        lines.append(f"| {s['label']} | {f(med('latency_mean_s'))} | {f(med('latency_p50_s'))} | "
+                     f"{f(med('latency_p95_s'))} | {f(med('latency_p99_s'))} | {f(med('first_preview_p50_s'))} | "
+                     f"{f(med('slo_attainment') and med('slo_attainment') * 100, 0, '%')} | "
+                     f"{sum(p.get('errors', 0) for p in pts)} |")
+    lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
+    lines += profile_section(results) + perf_analyzer_section(results) + gpu_section(results) + reproduce_section()
+    return "\n".join(lines) + "\n"
+
+
+def gap_notes(results: dict) -> list[str]:
+    """Measured facts that explain the gap between served and offline, and the serving overhead."""
+    S, c = results["systems"], top_concurrency(results)
+    notes = []
+    step = S.get(STEP, {})
+    pts = step.get("closed", {}).get(str(c), [])
+    batch = spread([p.get("server", {}).get("mean_batch_size") for p in pts])
+    busy = [p["server"]["device_busy_s"] / p["duration_s"] for p in pts
+            if p.get("server", {}).get("device_busy_s") and p.get("duration_s")]
+    if batch:
+        notes.append(f"STEP_BATCH at concurrency {c} formed batches of {batch[0]:.1f} requests per step on average "
+                     f"(max_num_seqs {results['plan']['max_num_seqs']}); new requests join between steps, so the "
+                     "batch is never full while earlier requests finish and are replaced.")
+    poisson = step.get("poisson", {})
+    by_shape = poisson.get("slo_by_shape") or {}
+    if by_shape and poisson.get("slo_attainment", 1.0) < 0.95:
+        worst = min(by_shape, key=lambda k: by_shape[k]["attainment"])
+        best = max(by_shape, key=lambda k: by_shape[k]["attainment"])
+        prof = results.get("offline", {}).get("profile", {})
+        b = prof.get("batch")
+        slow = ""
+        if b and prof.get("batch_1"):
+            slow = (f" (one batched step of {b} takes {prof[f'batch_{b}']['denoise_step_s'] / prof['batch_1']['denoise_step_s']:.1f}x "
+                    "a solo step on this CPU)")
+        note = (f"Under Poisson arrivals STEP_BATCH met the SLO for {by_shape[best]['attainment']:.0%} of the "
+                f"{best} requests but only {by_shape[worst]['attainment']:.0%} of the {worst} ones: a request shares "
+                f"every step with whoever else is running, so each of its steps takes the batched step time{slow}, "
+                "and a short request's 3x budget is the smallest.")
+        load = poisson.get("load_at_start")
+        if load and results.get("load_before"):
+            note += (f" The machine's 1-minute load was {load[0]:.1f} when this run started, against "
+                     f"{results['load_before'][0]:.1f} when the solo latencies (the SLO) were calibrated.")
+        notes.append(note)
+    cpu = [p["cpu_s"] for p in pts if p.get("cpu_s")]
+    if cpu:
+        total = {k: sum(c[k] for c in cpu) for k in cpu[0]}
+        wall = sum(p["duration_s"] for p in pts if p.get("duration_s"))
+        used = sum(total.values())
+        if used and wall:
+            available = results["machine"]["nproc"] * wall
+            serving = total["tritonserver"] + total["loadgen"]
+            notes.append(
+                f"CPU time during STEP_BATCH at concurrency {c} ({results['machine']['nproc']} CPUs x {wall:.1f} s "
+                f"wall = {available:.1f} CPU-s): model process {total['model']:.1f} s ({total['model'] / available:.0%}), "
+                f"tritonserver {total['tritonserver']:.1f} s and load generator {total['loadgen']:.1f} s "
+                f"({serving / available:.1%} together). The rest went to other jobs on this shared machine or idled.")
+    if busy:
+        share = statistics.median(busy)
+        if share >= 0.95:
+            notes.append(f"The engine thread was busy (inside ticks) {share:.0%} of the wall time at concurrency {c}: "
+                         "the device loop, not the serving path, is the bottleneck. Its ticks also carry the work a "
+                         "lock-step offline batch does once: prompt encodes of joining requests, decodes of "
+                         "finishing ones in small groups, and previews.")
+        else:
+            notes.append(f"The engine thread was busy (inside ticks) {share:.0%} of the wall time at concurrency {c}; "
+                         "the rest is the serving path (request parsing, responses through Triton's Python-backend "
+                         "shared memory, gRPC) and the gaps between a request ending and its client's next one.")
+    return notes
+
+
+def poisson_section(results: dict, img_base: str) -> list[str]:
+    S = results["systems"]
+    rows = [(s["label"], s["poisson"]) for s in S.values() if s.get("poisson")]
+    if not rows:
+        return []
+    lines = ["", "## Mixed steps under Poisson arrivals", "",
+             f"![latency CDF]({img_base}latency_cdf.png)", "",
+             "| system | offered/s | achieved/s | mean | p50 | p95 | p99 | first preview p50 | SLO attainment | "
+             "mean batch | errors | load at start |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, p in rows:
+        slo = p.get("slo_attainment")
+        load = p.get("load_at_start")
+        lines.append(f"| {label} | {f(p.get('offered_rate'), 3)} | {f(p.get('requests_per_s'), 3)} | "
+                     f"{f(p.get('latency_mean_s'))} | {f(p.get('latency_p50_s'))} | {f(p.get('latency_p95_s'))} | "
+                     f"{f(p.get('latency_p99_s'))} | {f(p.get('first_preview_p50_s'))} | "
+                     f"{f(None if slo is None else slo * 100, 0, '%')} | "
+                     f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} | "
+                     f"{f(load[0] if load else None, 1)} |")
+    n = results["plan"]["poisson_requests"]
+    lines += ["", f"Latencies in seconds, counted from each request's arrival; achieved/s counts until the last "
+              f"request ends. With {n} requests the p99 is close to the maximum: read it as the tail, not a "
+              "precise percentile."]
+    shapes = [(s["label"], s["poisson"]["slo_by_shape"]) for s in S.values() if s.get("poisson", {}).get("slo_by_shape")]
+    if shapes:
+        keys = sorted({k for _, by in shapes for k in by}, key=lambda k: int(k.split("/")[1]))
+        lines += ["", "SLO attainment by request shape (requests of that shape in brackets):", "",
+                  "| system | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for label, by in shapes:
+            lines.append(f"| {label} | " + " | ".join(
+                f"{by[k]['attainment']:.0%} ({by[k]['requests']})" if k in by else "-" for k in keys) + " |")
+    return lines
+
+
+def mixed_sizes_section(results: dict) -> list[str]:
+    rows = [(s["label"], s["mixed_sizes"]) for s in results["systems"].values() if s.get("mixed_sizes")]
+    if not rows:
+        return []
+    plan = results["plan"]
+    lines = ["", f"## Mixed sizes {plan['mixed_sizes']} (closed loop, concurrency {max(plan['concurrencies'])})", "",
+             "Requests of different sizes never share a batch (their shapes are in the compatibility key).", "",
+             "| system | requests/s | mean | p99 | SLO attainment | mean batch | errors |", "|---|---|---|---|---|---|---|"]
+    for label, p in rows:
+        slo = p.get("slo_attainment")
+        lines.append(f"| {label} | {f(p.get('requests_per_s'), 3)} | {f(p.get('latency_mean_s'))} | "
+                     f"{f(p.get('latency_p99_s'))} | {f(None if slo is None else slo * 100, 0, '%')} | "
+                     f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} |")
+    return lines
+
+
+def offline_section(results: dict) -> list[str]:
+    limit = results.get("offline", {}).get("limit")
+    if not limit:
+        return []
+    plan = results["plan"]
+    lines = ["", "## Offline limit (in-process, no server)", "",
+             f"The same pipeline at {plan['size']}x{plan['size']}, {plan['steps']} steps, called directly: "
+             "`pipe(prompt=[...])` with a batch list (diffusers) and the engine adapter's fused `forward`: "
+             "one warm-up call, then the median of one timed call after each closed-loop repeat.", "",
+             "| batch | pipe() images/s | adapter forward images/s |", "|---|---|---|"]
+    for b, row in sorted(limit.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {b} | {f(row['pipe']['images_per_s'], 3)} | {f(row['adapter_forward']['images_per_s'], 3)} |")
+    return lines
+
+
+def profile_section(results: dict) -> list[str]:
+    prof = results.get("offline", {}).get("profile")
+    if not prof:
+        return []
+    b = prof["batch"]
+    solo, batched = prof["batch_1"], prof[f"batch_{b}"]
+    lines = ["", "## Where the time goes (per-phase profile, in-process)", "",
+             f"Seconds per request at {prof['size']}x{prof['size']}; one denoise step solo vs {b} requests in one "
+             "batched step.", "",
+             f"| phase | solo | batch {b}, per request | batching speed-up |", "|---|---|---|---|"]
+    for key, label in (("encode_s_per_request", "prompt encode (once)"),
+                       ("denoise_step_s_per_request", "one denoise step (transformer)"),
+                       ("scheduler_step_s_per_request", "one scheduler step"),
+                       ("decode_s_per_request", "VAE decode (once)"),
+                       ("request_s_per_request", f"whole request ({prof['steps']} steps)")):
+        lines.append(f"| {label} | {solo[key]:.4f} | {batched[key]:.4f} | {ratio(solo[key], batched[key]) or 0:.2f}x |")
+    same = batched.get("denoise_step_same_prompt_s")
+    if same:
+        lines += ["", f"The batch of {b} above has different prompts, so prompt embeddings are padded to the longest "
+                  f"and masked: one batched step takes {batched['denoise_step_s']:.3f} s. The same batch with one "
+                  f"prompt for every row (no padding, no mask) takes {same:.3f} s "
+                  f"({batched['denoise_step_s'] / same:.2f}x)."]
+    lines += ["", "Top operators of one denoise step (share of CPU self time):", "",
+              f"| solo | batch {b} |", "|---|---|"]
+    for a, bb in zip(solo["top_ops"], batched["top_ops"]):
+        lines.append(f"| {a['op']} {a['share']:.0%} | {bb['op']} {bb['share']:.0%} |")
+    return lines
+
+
+def perf_analyzer_section(results: dict) -> list[str]:
+    pa = results["systems"].get(STEP, {}).get("perf_analyzer")
+    if not pa:
+        return []
+    lines = ["", "## perf_analyzer cross-check (STEP_BATCH server)", "", PERF_ANALYZER_NOTE, ""]
+    if pa.get("error"):
+        return lines + [f"perf_analyzer failed: `{pa['error'][-300:]}`"]
+    summ, exp, cmp = pa.get("summary", {}), pa.get("export", {}), pa.get("comparison", {})
+    lines += [f"Command: `{pa.get('command')}`", "",
+              f"perf_analyzer printed: \"{summ.get('decoupled_note', '(no decoupled-model note)')}\".", "",
+              "| quantity (mean) | seconds |", "|---|---|",
+              f"| perf_analyzer 'Avg latency' | {f(summ.get('avg_latency_s'), 3)} |",
+              f"| first response, from --profile-export-file | {f(exp.get('first_response_mean_s'), 3)} |",
+              f"| end-to-end (last response), from --profile-export-file | {f(exp.get('e2e_mean_s'), 3)} |",
+              f"| load generator, same requests and concurrency ({pa.get('concurrency')}), mean of the runs just "
+              f"before and after ({', '.join(f'{x:.3f}' for x in pa.get('loadgen_mean_latencies_s', []))}) "
+              f"| {f(cmp.get('loadgen_mean_s'), 3)} |",
+              ""]
+    match = pa.get("avg_latency_matches")
+    if match == "last response":
+        lines.append("Measured: despite its note, this perf_analyzer's 'Avg latency' equals the mean LAST-response "
+                     "(end-to-end) latency of its own export, not the first-response one. Either way, the export "
+                     "is the reliable source.")
+    elif match == "first response":
+        lines.append("Measured: perf_analyzer's 'Avg latency' matches the first-response mean of its export, as "
+                     "its note says: it is the time to the first progress message, not to the image.")
+    within = cmp.get("within_margin")
+    lines += ["", f"perf_analyzer throughput {f(summ.get('throughput_per_s'), 3)} requests/s "
+              f"({f(summ.get('response_throughput_per_s'), 3)} responses/s, "
+              f"{f(exp.get('responses_per_request'), 1)} responses per request). "
+              f"Export-derived end-to-end vs load generator: {f((cmp.get('relative_difference') or 0) * 100, 1)}% "
+              f"apart; stated margin {f((cmp.get('margin') or 0) * 100, 0)}%: "
+              f"{'within' if within else 'NOT within' if within is False else 'n/a'}."]
+    return lines
+
+
+def gpu_section(results: dict) -> list[str]:
+    gpu = results["machine"].get("gpu")
+    if gpu:
+        return ["", "## GPU", "", f"This page was measured on {gpu} (device `{results['plan'].get('device')}`)."]
+    return ["", "## GPU", "",
+            "Not measured yet: no GPU was available to the session that produced these numbers. On a CUDA host, "
+            "`bash benchmarks/gpu.sh` runs the engine on CUDA with a larger random-weight preset, the four modes "
+            "side by side, and writes `benchmarks/results/gpu.json` and `docs/benchmarks-gpu.md`."]
+
+
+def reproduce_section() -> list[str]:
+    return ["", "## Reproduce", "",
+            "```", "make bench-quick        # under 5 minutes: fewer points and requests, 4 steps",
+            "make bench              # the full run (20-30 minutes on 2 CPUs)",
+            "python -m benchmarks.report            # re-render this page from benchmarks/results/",
+            "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
+            "```"]
+
+
+def headline(results: dict) -> str:
+    """One line: the main ratios of a run."""
+    parts = [f"{t['target']}: {fmt_target_value(t)} ({fmt_met(t)})" for t in targets(results)]
+    return "bench: " + "; ".join(parts)
+
+
+def write_report(source: Optional[Path] = None, doc_path: Path = DOC_PATH) -> list[Path]:
+    """Render the markdown page and its two plots (into img/ beside it); returns the written paths.
+
+    Plots of a page other than docs/benchmarks.md get its name as a prefix, so they never collide.
+    """
+    source = Path(source) if source else newest_results()
+    doc_path = Path(doc_path)
+    results = json.loads(source.read_text())
+    img_dir = doc_path.parent / "img"
+    prefix = "" if doc_path.resolve() == DOC_PATH.resolve() else f"{doc_path.stem}-"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    throughput, cdf = img_dir / f"{prefix}throughput.png", img_dir / f"{prefix}latency_cdf.png"
+    plot_throughput(results, throughput)
+    plot_latency_cdf(results, cdf)
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    img_rel = Path(os.path.relpath(img_dir, doc_path.parent)).as_posix()
+    doc_path.write_text(render(results, source.resolve(), img_rel, prefix))
+    return [doc_path, throughput, cdf]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="render docs/benchmarks.md from a results JSON")
+    parser.add_argument("results", nargs="?", default=None,
+                        help="default: benchmarks/results/full.json, else quick.json")
+    parser.add_argument("--doc", default=str(DOC_PATH), help="markdown page to write (default docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+    paths = write_report(Path(args.results) if args.results else None, Path(args.doc))
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,354 @@
+"""`make bench` / `make bench-quick`: every system side by side in one run, then the report.
+
+One run (all on the `bench` random-weight Qwen-Image preset):
+
+1. Start one tritonserver per system (each on a temporary copy of its model
+   repository) and keep them all up; idle servers cost next to nothing. Warm
+   each one up, and load the same pipeline in-process for the offline limit.
+2. REQUEST_BATCH serial calibrates the solo latency of every request shape
+   (the SLO is 3x that) and the serial capacity (the Poisson rate is a fraction
+   of it).
+3. Closed-loop sweep, interleaved: for each repeat and concurrency, every
+   system runs the same requests back to back, then one offline sample is
+   taken, so slow drifts in machine load hit every system alike.
+4. Mixed sizes, then open-loop Poisson arrivals of the mixed-steps workload,
+   one system after the other; perf_analyzer against the STEP_BATCH server.
+5. Servers stop; a per-phase profile runs in-process.
+
+Results go to benchmarks/results/<plan>.json; docs/benchmarks.md and
+docs/img/*.png are regenerated from the newest full result (else quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from benchmarks import loadgen, offline, perf_analyzer, report, systems, workloads
+from benchmarks.procstats import PeakRssSampler, cpu_split
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and counts of one benchmark run."""
+
+    name: str
+    preset: str = "bench"
+    device: str = "cpu"
+    dtype: str = "float32"
+    size: int = 128
+    steps: int = 8
+    concurrencies: tuple = (1, 2, 4, 8, 16)
+    rounds: int = 3  # closed loop: each virtual client sends this many requests per point
+    repeats: int = 3  # closed-loop repeats per point (medians and spread over them)
+    max_num_seqs: int = 8
+    wait_ms: float = 20.0
+    preview_interval: int = 4
+    mixed_step_choices: tuple = (4, 8, 16)
+    mixed_sizes: tuple = (64, 128)
+    poisson_requests: int = 40
+    poisson_load: float = 0.8  # fraction of REQUEST_BATCH serial capacity
+    poisson_systems: tuple = ("rb_serial", "rb_fused_wait", "step")
+    mixed_sizes_systems: tuple = ("rb_fused_wait", "step")
+    systems: tuple = ("rb_serial", "rb_fused", "rb_fused_wait", "step", "naive")
+    perf_analyzer_concurrency: int = 4
+    perf_analyzer_requests: int = 24
+    slo_factor: float = 3.0
+
+
+FULL = Plan("full")
+QUICK = Plan("quick", steps=4, concurrencies=(1, 8), rounds=2, repeats=2, mixed_step_choices=(2, 4, 8),
+             mixed_sizes=(64, 128), poisson_requests=12, poisson_systems=("rb_serial", "step"),
+             mixed_sizes_systems=("step",), systems=("rb_serial", "rb_fused_wait", "step", "naive"),
+             perf_analyzer_concurrency=8, perf_analyzer_requests=8, preview_interval=2)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Machine and load
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float) -> list[float]:
+    """Wait (up to max_wait_s) until the 1-minute load is below max_load, so numbers are not distorted."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        load = loadavg()
+        if not load or load[0] < max_load or time.monotonic() >= deadline:
+            return load
+        log(f"1-minute load {load[0]:.2f} >= {max_load}; waiting")
+        time.sleep(20)
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    import diffusers
+    import torch
+
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "ram_gib": mem_gib, "python": platform.python_version(),
+            "torch": torch.__version__, "diffusers": diffusers.__version__, "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+# ---------------------------------------------------------------------------
+# One system
+
+
+def measure(running: systems.RunningSystem, run_fn: Callable[[], loadgen.RunResult], solo: Optional[dict],
+            slo_factor: float) -> dict:
+    """A load-generator run's summary, plus what the server did meanwhile: batch sizes (its metrics),
+    the CPU split between load generator, tritonserver and the model process, and the machine load."""
+    load = loadavg()
+    before, cpu_before = systems.scrape_metrics(running.server.metrics_url), cpu_split(running.pid)
+    run = run_fn()
+    cpu_after = cpu_split(running.pid)
+    summary = loadgen.summarize(run, solo, slo_factor)
+    summary["server"] = systems.batch_stats(before, systems.scrape_metrics(running.server.metrics_url))
+    summary["cpu_s"] = {k: cpu_after[k] - cpu_before[k] for k in cpu_after}
+    summary["load_at_start"] = load
+    return summary
+
+
+def closed_point(running: systems.RunningSystem, specs: list, concurrency: int, solo: Optional[dict],
+                 slo_factor: float, tag: str) -> dict:
+    return measure(running, lambda: loadgen.run_closed_loop(running.target, specs, concurrency, tag=tag),
+                   solo, slo_factor)
+
+
+def calibrate_solo(running: systems.RunningSystem, specs: Sequence, repeats: int = 2) -> dict:
+    """Median latency of each distinct request shape alone on the server: shape_key -> seconds."""
+    solo = {}
+    for spec in workloads.distinct_shapes(specs):
+        run = loadgen.run_closed_loop(running.target, [spec] * repeats, 1, tag=f"solo-{spec.shape_key}")
+        latencies = [r.latency for r in run.records if r.ok]
+        if not latencies:
+            raise RuntimeError(f"solo calibration of {spec.shape_key} failed: "
+                               f"{[r.check_error() for r in run.records]}")
+        solo[spec.shape_key] = statistics.median(latencies)
+    return solo
+
+
+def warm_up(running: systems.RunningSystem, plan: Plan) -> None:
+    """First-request and first-batch-shape effects, for every system alike (not measured)."""
+    warm = workloads.uniform(plan.max_num_seqs, plan.size, plan.steps, plan.preview_interval, seed=99)
+    loadgen.run_closed_loop(running.target, warm[:1], 1, tag="warm1")
+    loadgen.run_closed_loop(running.target, warm, plan.max_num_seqs, tag="warm")
+
+
+def poisson_point(running: systems.RunningSystem, ctx: dict, plan: Plan) -> dict:
+    return measure(running, lambda: loadgen.run_open_loop(running.target, ctx["poisson_specs"], ctx["poisson_rate"],
+                                                          seed=11), ctx["solo"], plan.slo_factor)
+
+
+def run_perf_analyzer(running: systems.RunningSystem, plan: Plan) -> dict:
+    """perf_analyzer at one concurrency, between two load-generator runs of the same shape and concurrency.
+
+    Back to back, so the comparison is not skewed by load that changes over minutes.
+    """
+    c, n = plan.perf_analyzer_concurrency, plan.perf_analyzer_requests
+    spec = workloads.uniform(1, plan.size, plan.steps, plan.preview_interval)[0]
+    loadgen_means = []
+
+    def loadgen_point(tag: str) -> None:
+        specs = [spec] * n  # exactly what perf_analyzer sends
+        summary = loadgen.summarize(loadgen.run_closed_loop(running.target, specs, c, tag=tag))
+        if summary["latency_mean_s"] is not None:
+            loadgen_means.append(summary["latency_mean_s"])
+
+    loadgen_point("pa-before")
+    try:
+        pa = perf_analyzer.run(running.target.url, running.target.model, spec, c, n)
+    except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
+        return {"error": str(exc), "explanation": perf_analyzer.EXPLANATION}
+    loadgen_point("pa-after")
+    pa["loadgen_mean_latencies_s"] = loadgen_means
+    pa["comparison"] = perf_analyzer.compare(pa, statistics.mean(loadgen_means) if loadgen_means else None)
+    log(f"perf_analyzer c={c}: {json.dumps(pa.get('summary', pa.get('error')))}; avg latency matches the "
+        f"{pa.get('avg_latency_matches')}; e2e vs loadgen {json.dumps(pa['comparison'])}")
+    return pa
+
+
+def fmt_dict(d: dict) -> str:
+    return ", ".join(f"{k}: {v:.2f}" for k, v in d.items())
+
+
+# ---------------------------------------------------------------------------
+# The whole run
+
+
+def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_offline: bool = True) -> dict:
+    """Every system on its own server, all started up front, measured interleaved (see module docstring)."""
+    from engine_lib.tiny_models import ensure_model
+
+    t0 = time.perf_counter()
+    model_path = ensure_model("qwen_image", plan.preset)
+    load_before = wait_for_quiet(max_load, max_wait_s)
+    log(f"plan {plan.name}; load {load_before}; model {model_path}")
+    mixed = workloads.mixed_steps(plan.poisson_requests, plan.size, plan.mixed_step_choices,
+                                  plan.preview_interval, seed=3)
+    sizes = workloads.mixed_sizes(plan.rounds * max(plan.concurrencies), plan.mixed_sizes, plan.steps,
+                                  plan.preview_interval, seed=7)
+    all_specs = workloads.uniform(1, plan.size, plan.steps, plan.preview_interval) + mixed + sizes
+    ctx: dict = {"poisson_specs": mixed}
+    results: dict = {"plan": asdict(plan), "machine": machine_info(), "load_before": load_before,
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "systems": {}}
+    log_dir = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/bench-logs"))
+    by_name = {s.name: s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, plan.device, plan.dtype)}
+    names = ["rb_serial"] + [n for n in plan.systems if n != "rb_serial"]  # serial calibrates the SLO
+    S = results["systems"]
+    with contextlib.ExitStack() as stack:
+        running: dict[str, systems.RunningSystem] = {}
+        for name in names:
+            system, start = by_name[name], time.perf_counter()
+            S[name] = {"name": name, "label": system.label, "parameters": dict(system.parameters),
+                       "streaming": system.streaming, "load_at_start": loadavg(), "closed": {}}
+            running[name] = stack.enter_context(systems.serve(system, model_path, log_dir=log_dir))
+            S[name]["startup_s"] = time.perf_counter() - start
+            log(f"{name}: server ready in {S[name]['startup_s']:.1f} s")
+        rss = stack.enter_context(PeakRssSampler({n: r.pid for n, r in running.items()}))
+        limit = None
+        if with_offline:
+            limit = offline.OfflineLimit(offline.load_adapter(model_path, plan.device, plan.dtype), plan.size,
+                                         plan.steps, sorted({1, plan.max_num_seqs}))
+            limit.warm()
+        for rs in running.values():
+            warm_up(rs, plan)
+        ctx["solo"] = calibrate_solo(running["rb_serial"], all_specs)
+        ctx["poisson_rate"] = poisson_rate(ctx["solo"], mixed, plan.poisson_load)
+        log(f"solo latencies (REQUEST_BATCH serial) {fmt_dict(ctx['solo'])}; Poisson rate "
+            f"{ctx['poisson_rate']:.3f}/s = {plan.poisson_load:.0%} of serial capacity")
+        # Interleaved: each (repeat, concurrency) point runs on every system back to back.
+        for r in range(plan.repeats):
+            for c in plan.concurrencies:
+                specs = workloads.uniform(max(plan.rounds * c, 2), plan.size, plan.steps, plan.preview_interval,
+                                          seed=100 + r)
+                for name, rs in running.items():
+                    point = closed_point(rs, specs, c, ctx["solo"], plan.slo_factor, f"c{c}r{r}")
+                    S[name]["closed"].setdefault(str(c), []).append(point)
+                log(f"repeat {r} c={c} req/s " + ", ".join(
+                    f"{n} {S[n]['closed'][str(c)][-1]['requests_per_s'] or 0:.3f}" for n in running))
+            if limit is not None:
+                limit.sample()
+            save(results, out_path)
+        c = max(plan.concurrencies)
+        for name in plan.mixed_sizes_systems:
+            if name in running:
+                S[name]["mixed_sizes"] = closed_point(running[name], sizes, c, ctx["solo"], plan.slo_factor, "ms")
+                log(f"{name}: mixed sizes c={c} req/s {S[name]['mixed_sizes']['requests_per_s']}")
+        for name in plan.poisson_systems:
+            if name in running:
+                S[name]["poisson"] = summary = poisson_point(running[name], ctx, plan)
+                log(f"{name}: Poisson {ctx['poisson_rate']:.3f}/s p99 {summary['latency_p99_s']} s "
+                    f"SLO {summary.get('slo_attainment')} errors {summary['errors']}")
+            save(results, out_path)
+        if "step" in running and plan.perf_analyzer_requests:
+            S["step"]["perf_analyzer"] = run_perf_analyzer(running["step"], plan)
+        rss.sample_once()
+        for name in running:
+            S[name]["peak_rss_bytes"] = rss.peak_bytes[name]
+    results["solo_latency_s"] = ctx["solo"]
+    results["poisson_rate"] = ctx["poisson_rate"]
+    if limit is not None:
+        log(f"offline: phase profile at batch 1 and {plan.max_num_seqs}")
+        import torch
+
+        results["offline"] = {"torch_threads": torch.get_num_threads(), "limit": limit.summary(),
+                              "profile": offline.phase_profile(limit.adapter, plan.size, plan.steps,
+                                                               plan.max_num_seqs)}
+    results["load_after"] = loadavg()
+    results["wall_s"] = time.perf_counter() - t0
+    save(results, out_path)
+    log(f"done in {results['wall_s'] / 60:.1f} min; results {out_path}")
+    return results
+
+
+def poisson_rate(solo: dict, specs: Sequence, load: float) -> float:
+    """`load` x the serial capacity for this workload: 1 / mean solo service time."""
+    mean_service = statistics.mean(solo[s.shape_key] for s in specs)
+    return load / mean_service
+
+
+def save(results: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the under-5-minute plan")
+    parser.add_argument("--systems", default=None, help="comma-separated subset (rb_serial always runs)")
+    parser.add_argument("--preset", default=None, help="model preset (default: bench)")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--size", type=int, default=None, help="image size of the uniform workload")
+    parser.add_argument("--steps", type=int, default=None, help="steps of the uniform workload")
+    parser.add_argument("--concurrencies", default=None, help="comma-separated closed-loop concurrencies")
+    parser.add_argument("--repeats", type=int, default=None, help="closed-loop repeats per point")
+    parser.add_argument("--poisson-requests", type=int, default=None)
+    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<plan>.json)")
+    parser.add_argument("--no-offline", action="store_true", help="skip the in-process offline limit")
+    parser.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks.md")
+    parser.add_argument("--doc", default=None, help="write the report here instead of docs/benchmarks.md "
+                        "(the results of this run are rendered, not the newest full/quick ones)")
+    parser.add_argument("--max-load", type=float, default=1.5, help="wait until the 1-minute load is below this")
+    parser.add_argument("--max-wait", type=float, default=600.0, help="... for at most this many seconds")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.systems:
+        plan = replace(plan, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()))
+    overrides = {"preset": args.preset, "device": args.device, "dtype": args.dtype, "size": args.size, "steps": args.steps, "repeats": args.repeats,
+                 "poisson_requests": args.poisson_requests,
+                 "concurrencies": tuple(int(c) for c in args.concurrencies.split(",")) if args.concurrencies else None}
+    plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    out = Path(args.out) if args.out else RESULTS_DIR / f"{plan.name}.json"
+    try:
+        results = run(plan, out, args.max_load, args.max_wait, with_offline=not args.no_offline)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if not args.no_report:
+        paths = report.write_report(out, Path(args.doc)) if args.doc else report.write_report()
+        log(f"report: {', '.join(str(p) for p in paths)}")
+    print(report.headline(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
