@@ -320,7 +320,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{f(med('slo_attainment') and med('slo_attainment') * 100, 0, '%')} | "
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
-    lines += profile_section(results) + perf_analyzer_section(results) + gpu_section(results) + reproduce_section()
+    lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
+    lines += gpu_section(results) + reproduce_section()
     return "\n".join(lines) + "\n"
 
 
@@ -514,6 +515,59 @@ def perf_analyzer_section(results: dict) -> list[str]:
     return lines
 
 
+def other_pipelines_section(results: dict) -> list[str]:
+    """Serial vs continuous on the other pipelines' tiny presets; nothing for results without them (older runs)."""
+    other = results.get("other_pipelines")
+    if not other:
+        return []
+    plan = results["plan"]
+    cs = [str(c) for c in plan.get("other_concurrencies", (1, 8))]
+    top = "8" if "8" in cs else cs[-1]
+    source = results.get("other_pipelines_source")
+    lines = ["", "## Other pipelines (tiny presets)", "",
+             f"These are the tiny random-weight presets of each pipeline: the numbers show that REQUEST_BATCH serial "
+             f"and STEP_BATCH continuous work end to end on every pipeline, not model speed. Each system runs on its "
+             f"own tritonserver (`model_repository/<pipeline>`, `max_sequence_length` "
+             f"{plan.get('other_max_sequence_length', '-')}), one after the other after the main run; closed loop, "
+             f"uniform {plan.get('other_size', '-')}x{plan.get('other_size', '-')}, {plan.get('other_steps', '-')} "
+             f"steps, max({plan.get('other_rounds', '-')} x concurrency, {plan.get('other_min_requests', '-')}) requests "
+             "per point, one run per point."
+             + (f" From `{source}`." if source else ""), "",
+             "| pipeline | system | " + " | ".join(f"req/s c={c} | p50 c={c} | p99 c={c}" for c in cs)
+             + f" | step / serial req/s at c={top} | errors |",
+             "|---|---|" + "---|---|---|" * len(cs) + "---|---|"]
+    for pipeline, section in other.items():
+        by_name = section.get("systems", {})
+        serial = by_name.get(f"{pipeline}_serial", {}).get("closed", {}).get(top, {})
+        for name, s in by_name.items():
+            pts = s.get("closed", {})
+            cells = " | ".join(f"{f(pts.get(c, {}).get('requests_per_s'), 3)} | "
+                               f"{f(pts.get(c, {}).get('latency_p50_s'), 3, ' s')} | "
+                               f"{f(pts.get(c, {}).get('latency_p99_s'), 3, ' s')}" for c in cs)
+            step_ratio = ratio(pts.get(top, {}).get("requests_per_s"), serial.get("requests_per_s")) \
+                if name.endswith("_step") else None
+            errors = sum(p.get("errors", 0) for p in pts.values())
+            lines.append(f"| {pipeline} | {s['label']} | {cells} | {f(step_ratio, 2, 'x')} | {errors} |")
+    return lines
+
+
+def with_other_pipelines(results: dict, source: Path) -> dict:
+    """Results without the tiny-preset section (an older full run) borrow it from the newest results that have it."""
+    if results.get("other_pipelines"):
+        return results
+    candidates = [p for p in (RESULTS_DIR / "full.json", RESULTS_DIR / "quick.json")
+                  if p.is_file() and p.resolve() != source.resolve()]
+    for path in candidates:
+        other = json.loads(path.read_text())
+        if other.get("other_pipelines"):
+            keys = [k for k in other["plan"] if k.startswith("other_")]
+            plan = {**results["plan"], **{k: other["plan"][k] for k in keys}}
+            rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+            return {**results, "plan": plan, "other_pipelines": other["other_pipelines"],
+                    "other_pipelines_source": f"{rel}, started {other.get('started', '?')}"}
+    return results
+
+
 def gpu_section(results: dict) -> list[str]:
     gpu = results["machine"].get("gpu")
     if gpu:
@@ -547,6 +601,8 @@ def write_report(source: Optional[Path] = None, doc_path: Path = DOC_PATH) -> li
     source = Path(source) if source else newest_results()
     doc_path = Path(doc_path)
     results = json.loads(source.read_text())
+    if doc_path.resolve() == DOC_PATH.resolve():
+        results = with_other_pipelines(results, source)
     img_dir = doc_path.parent / "img"
     prefix = "" if doc_path.resolve() == DOC_PATH.resolve() else f"{doc_path.stem}-"
     img_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ One run (all on the `bench` random-weight Qwen-Image preset):
 4. Mixed sizes, then open-loop Poisson arrivals of the mixed-steps workload,
    one system after the other; perf_analyzer against the STEP_BATCH server.
 5. Servers stop; a per-phase profile runs in-process.
+6. Other pipelines (flux, sd3) on their tiny presets: REQUEST_BATCH serial and
+   STEP_BATCH continuous, each on its own server, one after the other.
 
 Results go to benchmarks/results/<plan>.json; docs/benchmarks.md and
 docs/img/*.png are regenerated from the newest full result (else quick).
@@ -66,6 +68,14 @@ class Plan:
     perf_analyzer_concurrency: int = 4
     perf_analyzer_requests: int = 24
     slo_factor: float = 3.0
+    # "Other pipelines (tiny presets)": serial vs continuous on each pipeline's own server, after the main run.
+    other_pipelines: tuple = ("flux", "sd3")
+    other_size: int = 64
+    other_steps: int = 4
+    other_concurrencies: tuple = (1, 8)
+    other_rounds: int = 2  # per point: max(other_rounds x concurrency, other_min_requests) requests
+    other_min_requests: int = 8
+    other_max_sequence_length: int = 32
 
 
 FULL = Plan("full")
@@ -211,6 +221,35 @@ def fmt_dict(d: dict) -> str:
 # The whole run
 
 
+def other_pipelines(plan: Plan, log_dir: Path) -> dict:
+    """Each other pipeline's tiny preset: REQUEST_BATCH serial, then STEP_BATCH continuous, one server at a time.
+
+    The same closed-loop uniform workload at each concurrency; shows both modes work end to end on every
+    pipeline (tiny random weights: not model speed).
+    """
+    from engine_lib.tiny_models import ensure_model
+
+    out: dict = {}
+    for pipeline in plan.other_pipelines:
+        model_path = ensure_model(pipeline, "tiny")
+        section = out[pipeline] = {"preset": "tiny", "systems": {}}
+        for system in systems.tiny_pipeline_systems(pipeline, plan.max_num_seqs, plan.device, plan.dtype,
+                                                    plan.other_max_sequence_length):
+            start = time.perf_counter()
+            entry = section["systems"][system.name] = {"name": system.name, "label": system.label,
+                                                       "parameters": dict(system.parameters), "closed": {}}
+            with systems.serve(system, model_path, log_dir=log_dir) as rs:
+                entry["startup_s"] = time.perf_counter() - start
+                warm_up(rs, replace(plan, size=plan.other_size, steps=plan.other_steps))
+                for c in plan.other_concurrencies:
+                    n = max(plan.other_rounds * c, plan.other_min_requests)
+                    specs = workloads.uniform(n, plan.other_size, plan.other_steps, plan.preview_interval, seed=200)
+                    entry["closed"][str(c)] = closed_point(rs, specs, c, None, plan.slo_factor, f"{pipeline}-c{c}")
+            log(f"{system.name}: req/s " + ", ".join(
+                f"c={c} {p['requests_per_s'] or 0:.3f} ({p['errors']} errors)" for c, p in entry["closed"].items()))
+    return out
+
+
 def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_offline: bool = True) -> dict:
     """Every system on its own server, all started up front, measured interleaved (see module docstring)."""
     from engine_lib.tiny_models import ensure_model
@@ -290,6 +329,9 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
         results["offline"] = {"torch_threads": torch.get_num_threads(), "limit": limit.summary(),
                               "profile": offline.phase_profile(limit.adapter, plan.size, plan.steps,
                                                                plan.max_num_seqs)}
+    if plan.other_pipelines:
+        log(f"other pipelines (tiny presets): {', '.join(plan.other_pipelines)}")
+        results["other_pipelines"] = other_pipelines(plan, log_dir)
     results["load_after"] = loadavg()
     results["wall_s"] = time.perf_counter() - t0
     save(results, out_path)
@@ -324,6 +366,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--poisson-requests", type=int, default=None)
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<plan>.json)")
     parser.add_argument("--no-offline", action="store_true", help="skip the in-process offline limit")
+    parser.add_argument("--other-pipelines", default=None,
+                        help="comma-separated tiny-preset pipelines after the main run (default flux,sd3; '' skips)")
     parser.add_argument("--no-report", action="store_true", help="do not regenerate docs/benchmarks.md")
     parser.add_argument("--doc", default=None, help="write the report here instead of docs/benchmarks.md "
                         "(the results of this run are rendered, not the newest full/quick ones)")
@@ -337,6 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "poisson_requests": args.poisson_requests,
                  "concurrencies": tuple(int(c) for c in args.concurrencies.split(",")) if args.concurrencies else None}
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if args.other_pipelines is not None:
+        plan = replace(plan, other_pipelines=tuple(p.strip() for p in args.other_pipelines.split(",") if p.strip()))
     out = Path(args.out) if args.out else RESULTS_DIR / f"{plan.name}.json"
     try:
         results = run(plan, out, args.max_load, args.max_wait, with_offline=not args.no_offline)

@@ -60,6 +60,21 @@ def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = 
     ]
 
 
+def tiny_pipeline_systems(pipeline: str, max_num_seqs: int = 8, device: str = "cpu", dtype: str = "float32",
+                          max_sequence_length: int = 32) -> list[System]:
+    """REQUEST_BATCH serial and STEP_BATCH continuous for another pipeline (flux, sd3) on its own repository.
+
+    A short text length keeps the tiny presets cheap; the modes are what is shown, not model speed.
+    """
+    engine = dict(device=device, dtype=dtype, warmup="true", max_sequence_length=str(max_sequence_length))
+    return [
+        System(f"{pipeline}_serial", f"{pipeline} REQUEST_BATCH serial", MODEL_REPOSITORY, pipeline,
+               parameters={**engine, "step_execution": "false", "max_num_seqs": "1"}),
+        System(f"{pipeline}_step", f"{pipeline} STEP_BATCH continuous x{max_num_seqs}", MODEL_REPOSITORY, pipeline,
+               parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs)}),
+    ]
+
+
 def rewrite_config(config_path: Path, parameters: Mapping[str, str]) -> None:
     """Set `parameters` (string values) in a config.pbtxt, keeping everything else."""
     from google.protobuf import text_format

@@ -213,6 +213,39 @@ def test_report_writes_markdown_and_two_pngs_from_a_results_file(tmp_path):
     assert "(img/bench-throughput.png)" in text
 
 
+def _tiny_point(rps: float, p50: float) -> dict:
+    return {"requests_per_s": rps, "latency_p50_s": p50, "latency_p99_s": 2 * p50, "errors": 0}
+
+
+def test_other_pipelines_table_gives_step_over_serial_and_old_results_render_without_it(tmp_path):
+    old = canned_results()
+    assert report.other_pipelines_section(old) == []
+    assert "Other pipelines" not in report.render(old, tmp_path / "old.json")
+    new = dict(old, other_pipelines={"flux": {"preset": "tiny", "systems": {
+        "flux_serial": {"label": "flux REQUEST_BATCH serial", "closed": {"1": _tiny_point(2.0, 0.5),
+                                                                         "8": _tiny_point(2.0, 4.0)}},
+        "flux_step": {"label": "flux STEP_BATCH continuous x8", "closed": {"1": _tiny_point(2.0, 0.5),
+                                                                           "8": _tiny_point(5.0, 1.5)}}}}})
+    text = "\n".join(report.other_pipelines_section(new))
+    assert "## Other pipelines (tiny presets)" in text and "not model speed" in text
+    assert "| flux | flux STEP_BATCH continuous x8 | 2.000 | 0.500 s | 1.000 s | 5.000 | 1.500 s | 3.000 s | 2.50x | 0 |" \
+        in text
+    assert "| flux | flux REQUEST_BATCH serial | 2.000 | 0.500 s | 1.000 s | 2.000 | 4.000 s | 8.000 s | - | 0 |" in text
+
+
+def test_tiny_pipeline_systems_are_serial_and_continuous_on_the_pipelines_own_repository(tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    serial, step = systems.tiny_pipeline_systems("sd3", max_num_seqs=8)
+    assert (serial.parameters["step_execution"], serial.parameters["max_num_seqs"]) == ("false", "1")
+    assert (step.parameters["step_execution"], step.parameters["max_num_seqs"]) == ("true", "8")
+    repo = systems.prepare_repository(step, Path("/models/sd3"), tmp_path)
+    config = text_format.Parse((repo / "sd3" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["pipeline"] == "sd3" and params["max_sequence_length"] == "32"
+
+
 # -- against real servers (tiny model, 2 requests each) -----------------------------------------
 
 
