@@ -269,7 +269,7 @@ def test_ctrl_c_cancels_the_request_on_the_server(triton, protocol_args, tmp_pat
     url = triton.http_url if protocol_args else triton.grpc_url
     cancelled_before = triton.log_text().count("qwen_image: cancelled request")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client", "generate", "--prompt", "long", "--size", "32", "--steps", "100",
+        [sys.executable, "-m", "client", "generate", "--prompt", "long", "--size", "128", "--steps", "100",
          "--preview-every", "1", "--preview-dir", str(tmp_path), "--out", str(tmp_path / "never.png"),
          "--url", url, *protocol_args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -25,7 +25,8 @@ def small_queue_server(tmp_path_factory, request):
 
 def test_over_max_queue_is_unavailable_and_admitted_requests_finish(small_queue_server):
     url = small_queue_server.grpc_url
-    running = RequestStream(url).send("running", prompt="a", height=64, width=64, num_inference_steps=40,
+    # Long enough (100 steps at 256x256, seconds on this machine) to still run when "over" arrives.
+    running = RequestStream(url).send("running", prompt="a", height=256, width=256, num_inference_steps=100,
                                       preview_interval=1)
     streams = [running]
     try:
@@ -43,7 +44,7 @@ def test_over_max_queue_is_unavailable_and_admitted_requests_finish(small_queue_
         for stream in [running] + waiting:
             result = stream.collect(timeout=120)
             assert not result.errors and result.num_final == 1, (stream.request_id, result.errors)
-            assert result.steps()[-1] == (40 if stream is running else 2)
+            assert result.steps()[-1] == (100 if stream is running else 2)
     finally:
         for stream in streams:
             stream.close()

@@ -20,7 +20,7 @@ def _wait_for_log(server, pattern: str, timeout: float) -> bool:
 def test_cancel_after_first_preview(server):
     cancelled_before = metric(scrape(server.metrics_url), "diffusion_requests_total", model="qwen_image",
                               outcome="cancelled")
-    stream = RequestStream(server.grpc_url).send("to-cancel", prompt="long", height=64, width=64,
+    stream = RequestStream(server.grpc_url).send("to-cancel", prompt="long", height=128, width=128,
                                                  num_inference_steps=100, preview_interval=1)
     try:
         first = stream.wait_first(timeout=60)
