@@ -2,13 +2,16 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models serve demo test bench bench-quick clean
+.PHONY: setup models repository serve demo test bench bench-quick clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
 
 models: setup  ## build the tiny random-weight pipelines offline into models/
 	@$(PY) -m engine_lib.tiny_models --pipeline all --preset tiny
+
+repository: setup  ## regenerate model_repository/<pipeline> input/output lists and docs tables from the adapters
+	@$(PY) -m engine_lib.serving.repository
 
 serve: models  ## run tritonserver on the local model repository (Ctrl-C stops it)
 	@$(PY) -m engine_lib.serving.launcher serve

@@ -1,9 +1,10 @@
 """The offline limit and a per-phase profile: the same pipeline called in-process, no server.
 
 `OfflineLimit` times the plain diffusers call `pipe(prompt=[...], ...)` with a
-batch list and the engine adapter's fused `forward` over the same batch; the
-faster of the two is the throughput a server could reach at that batch size if
-serving cost nothing.
+batch list and the engine's own `ModelRunner` running the same batch as one
+request-mode wave (`run_to_completion`: the served loop without the engine's
+threads or Triton); the faster of the two is the throughput a server could
+reach at that batch size if serving cost nothing.
 
 `phase_profile` times one request's phases (prompt encode, one denoise step,
 scheduler step, VAE decode) solo and in a batch, per request, plus the top
@@ -48,13 +49,13 @@ def _timed(fn, repeats: int) -> list[float]:
 
 
 class OfflineLimit:
-    """Timed in-process calls of `pipe(prompt=[b prompts])` and of the adapter's fused forward.
+    """Timed in-process calls of `pipe(prompt=[b prompts])` and of the runner over the same batch.
 
     `sample()` takes one timed call per path and batch size, so a benchmark can
     interleave it with the served measurements and both see the same machine load.
     """
 
-    PATHS = ("pipe", "adapter_forward")
+    PATHS = ("pipe", "runner")
 
     def __init__(self, adapter, size: int, steps: int, batch_sizes: Sequence[int]):
         self.adapter = adapter
@@ -65,8 +66,8 @@ class OfflineLimit:
     def _call(self, batch: int, path: str) -> None:
         import torch
 
-        from engine_lib.pipelines.base import DiffusionRequestBatch
-        from engine_lib.request import DiffusionRequest, SamplingParams
+        from engine_lib.request import DiffusionRequest
+        from engine_lib.runner import ModelRunner
 
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         if path == "pipe":
@@ -75,10 +76,10 @@ class OfflineLimit:
                 self.adapter.pipe(prompt=prompts, height=self.size, width=self.size,
                                   num_inference_steps=self.steps, generator=generators, output_type="np")
         else:
-            self.adapter.forward(DiffusionRequestBatch([
-                DiffusionRequest(f"offline-{i}", SamplingParams(prompt=p, height=self.size, width=self.size,
-                                                                num_inference_steps=self.steps, seed=i))
-                for i, p in enumerate(prompts)]))
+            requests = [DiffusionRequest(f"offline-{i}", request_params(self.adapter, p, self.size, self.steps, i))
+                        for i, p in enumerate(prompts)]
+            result = ModelRunner(self.adapter).run_to_completion(requests)
+            assert not result.output.errors, result.output.errors
 
     def warm(self) -> None:
         """One untimed call per path and batch size (first-call and first-shape effects)."""
@@ -106,6 +107,14 @@ class OfflineLimit:
         return out
 
 
+def request_params(adapter, prompt: str, size: int, steps: int, seed: int):
+    """Validated params for one benchmark request (the adapter's own defaults for everything else)."""
+    from engine_lib.config import EngineConfig
+
+    schema = adapter.input_schema(EngineConfig(max_steps=10_000, max_height=size, max_width=size))
+    return schema.parse({"prompt": prompt, "height": size, "width": size, "num_inference_steps": steps, "seed": seed})
+
+
 def offline_limit(adapter, size: int, steps: int, batch_sizes: Sequence[int], repeats: int = 2) -> dict:
     """Warm up, then `repeats` samples of every path and batch size (see OfflineLimit)."""
     limit = OfflineLimit(adapter, size, steps, batch_sizes)
@@ -125,14 +134,14 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
     """
     import torch
 
-    from engine_lib.pipelines.base import InputBatch, StepRequestState
-    from engine_lib.request import SamplingParams
+    from engine_lib.pipelines.base import InputBatch
+
+    def state(request_id: str, prompt: str, seed: int):
+        return adapter.state_class(request_id, request_params(adapter, prompt, size, steps, seed))
 
     out: dict = {"size": size, "steps": steps, "batch": batch}
     for n in (1, batch):
-        states = [StepRequestState(f"prof-{i}", SamplingParams(prompt=PROMPTS[i % len(PROMPTS)], height=size,
-                                                              width=size, num_inference_steps=steps, seed=i))
-                  for i in range(n)]
+        states = [state(f"prof-{i}", PROMPTS[i % len(PROMPTS)], i) for i in range(n)]
         start = time.perf_counter()
         for state in states:
             adapter.prepare_encode(state)
@@ -160,8 +169,7 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
             "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total_us} for e in events[:top_ops]],
         }
     # The same batch with one prompt for every row: no text padding, no attention mask.
-    same = [StepRequestState(f"same-{i}", SamplingParams(prompt=PROMPTS[0], height=size, width=size,
-                                                         num_inference_steps=steps, seed=i)) for i in range(batch)]
+    same = [state(f"same-{i}", PROMPTS[0], i) for i in range(batch)]
     for state in same:
         adapter.prepare_encode(state)
     same_batch = InputBatch.gather(same)

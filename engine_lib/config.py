@@ -9,6 +9,7 @@ against `EngineConfig` by a test.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from dataclasses import dataclass, fields
@@ -87,6 +88,31 @@ class EngineConfig:
         config = dataclasses.replace(self, **changes)
         config.validate()
         return config
+
+
+class EngineMode(enum.Enum):
+    REQUEST_BATCH = "request_batch"
+    STEP_BATCH = "step_batch"
+
+
+def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
+    """The seed's table, plus the load-time capability checks (the message names the setting).
+
+    `adapter` is an adapter class or instance (its capability flags are class attributes).
+    """
+    if config.step_execution:
+        if not adapter.supports_step_execution:
+            raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")
+        if config.max_num_seqs > adapter.max_step_batch:
+            raise ConfigError(f"pipeline '{adapter.name}' advances at most {adapter.max_step_batch} request(s) per "
+                              f"step: set max_num_seqs={adapter.max_step_batch} (or lower)")
+        return EngineMode.STEP_BATCH
+    if config.max_num_seqs > 1 and not adapter.supports_request_batch:
+        raise ConfigError(
+            f"pipeline '{adapter.name}' does not support request batching: set max_num_seqs=1 "
+            "(or step_execution=true if it supports step execution)"
+        )
+    return EngineMode.REQUEST_BATCH
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

@@ -1,23 +1,23 @@
-"""DiffusionEngine: mode selection, the busy loop, output streams, abort, close, warm-up.
+"""DiffusionEngine: mode selection, validation at admission, the busy loop, output streams, abort, close, warm-up.
 
 One busy-loop thread owns the device. Its tick reads like nano-vllm's `step()`:
-schedule, execute, update, emit. Every other thread only enqueues (add_request,
-abort, close) under the engine's one lock and wakes the loop.
+schedule, execute, update, emit; every tick is one denoise step, in both modes
+(the modes differ in the scheduler: who is admitted when). Every other thread
+only enqueues (add_request, abort, close) under the engine's one lock and wakes
+the loop.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import EngineConfig, EngineMode, select_mode
 from engine_lib.request import (
-    ConfigError,
     DiffusionOutput,
     DiffusionRequest,
     EngineError,
@@ -27,7 +27,7 @@ from engine_lib.request import (
 )
 from engine_lib.runner import ModelRunner, RunnerResult
 from engine_lib.sched.base import Scheduler
-from engine_lib.sched.keys import request_batch_key, step_batch_key
+from engine_lib.sched.keys import RequestBatchKey
 from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
 from engine_lib.sched.step_scheduler import StepScheduler
 
@@ -36,18 +36,13 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[DiffusionOutput], None]
 
 
-class EngineMode(enum.Enum):
-    REQUEST_BATCH = "request_batch"
-    STEP_BATCH = "step_batch"
-
-
 @dataclass(frozen=True)
 class TickStats:
     """One busy-loop tick, handed to tick listeners (metrics) as plain numbers."""
 
     mode: EngineMode
     batch_size: int  # requests in the forward
-    seconds: float  # wall time of the tick's device work
+    seconds: float  # wall time of the tick's device work (one denoise step, with admission and decode)
 
 
 @dataclass(frozen=True)
@@ -89,20 +84,6 @@ class OutputStream:
                 return item
 
 
-def select_mode(config: EngineConfig, adapter) -> EngineMode:
-    """The seed's table, plus the load-time capability checks (the message names the setting)."""
-    if config.step_execution:
-        if not adapter.supports_step_execution:
-            raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")
-        return EngineMode.STEP_BATCH
-    if config.max_num_seqs > 1 and not adapter.supports_request_batch:
-        raise ConfigError(
-            f"pipeline '{adapter.name}' does not support request batching: set max_num_seqs=1 "
-            "(or step_execution=true if it supports step execution)"
-        )
-    return EngineMode.REQUEST_BATCH
-
-
 class DiffusionEngine:
     """Owns the device through one busy-loop thread; everything else only enqueues."""
 
@@ -111,9 +92,9 @@ class DiffusionEngine:
         self.adapter = adapter
         self.config = config
         self.mode = select_mode(config, adapter)
+        self.inputs = adapter.input_schema(config)  # the one validation of every request
         self.runner = ModelRunner(adapter)
         self.scheduler = scheduler or self._make_scheduler()
-        self._execute = self._execute_batch if self.mode is EngineMode.REQUEST_BATCH else self._execute_step
         self._tick_listener = tick_listener
         # Shared with callers' threads, guarded by _cond: scheduler, _sinks, _pending_aborts, _closed.
         self._cond = threading.Condition()
@@ -126,10 +107,11 @@ class DiffusionEngine:
                     adapter.name, self.mode.value, config.max_num_seqs)
 
     def _make_scheduler(self) -> Scheduler:
-        key_fields, per_row = self.adapter.key_fields, self.adapter.per_row_guidance
+        step_key = self.adapter.step_key
         if self.mode is EngineMode.REQUEST_BATCH:
-            return RequestScheduler(self.config.max_num_seqs, lambda p: request_batch_key(p, key_fields(p), per_row))
-        return StepScheduler(self.config.max_num_seqs, lambda p: step_batch_key(p, key_fields(p), per_row))
+            return RequestScheduler(self.config.max_num_seqs,
+                                    lambda p: RequestBatchKey(step_key(p), int(p.num_inference_steps)))
+        return StepScheduler(self.config.max_num_seqs, step_key)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,
@@ -153,26 +135,33 @@ class DiffusionEngine:
 
     def warmup(self, timeout: float = 600.0) -> None:
         """Run one small request through the real path, so the first user request is not the slow one."""
-        # Two steps: the fewest every adapter runs (Qwen-Image's schedule needs 2). add_request validates.
-        params = SamplingParams(prompt="warm-up", height=self.config.default_height, width=self.config.default_width,
-                                num_inference_steps=2)
+        steps = int(self.inputs.specs["num_inference_steps"].low or 1)  # the fewest steps the pipeline runs
         start = time.monotonic()
-        final = self.add_request("__warmup__", params).result(timeout=timeout)
+        final = self.add_request("__warmup__", {"prompt": "warm-up", "num_inference_steps": steps}).result(
+            timeout=timeout)
         if final.error is not None:
             raise RuntimeError(f"warm-up failed: {final.error}") from final.error
         logger.info("engine warm-up done in %.2fs", time.monotonic() - start)
 
     # -- caller side (any thread) --------------------------------------------
-    def add_request(self, request_id: str, params: SamplingParams,
+    def parse(self, inputs: Mapping[str, Any]) -> SamplingParams:
+        """Validate a request's inputs (by declared name) into SamplingParams; InvalidInputError names the input."""
+        return self.inputs.parse(inputs)
+
+    def add_request(self, request_id: str, params: Union[SamplingParams, Mapping[str, Any]],
                     sink: Optional[Sink] = None) -> Optional[OutputStream]:
         """Admit a request and return at once.
 
+        `params` are the request's inputs: a mapping is validated here (`parse`);
+        SamplingParams are taken as validated (the Triton edge parses first, to
+        answer a bad request before it opens a stream).
         Without `sink` an OutputStream is returned; with one, every output is
         passed to `sink(output)` from the engine thread (it must not block).
-        Raises InvalidInputError (adapter checks), EngineUnavailableError (closed,
-        or `max_queue` requests already waiting), ValueError (duplicate active id).
+        Raises InvalidInputError, EngineUnavailableError (closed, or `max_queue`
+        requests already waiting), ValueError (duplicate active id).
         """
-        self.adapter.validate(params)
+        if not isinstance(params, SamplingParams):
+            params = self.parse(params)
         stream = None
         if sink is None:
             stream = OutputStream(request_id)
@@ -259,7 +248,7 @@ class DiffusionEngine:
             return
         start = time.monotonic()
         try:
-            result = self._execute(new, running)
+            result = self.runner.execute_step(new, running)
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
             result = RunnerResult()
             for request in new + running:
@@ -281,12 +270,6 @@ class DiffusionEngine:
             wait_for_admission(self._cond, lambda: self.scheduler.num_waiting, self.config.max_num_seqs,
                                wait_s, lambda: self._closed or bool(self._pending_aborts))
 
-    def _execute_batch(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
-        return self.runner.execute_batch(new + running)
-
-    def _execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
-        return self.runner.execute_step(new, running)
-
     # -- output streams --------------------------------------------------------
     def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerResult) -> None:
         ended_ids = {r.request_id for r in ended}
@@ -294,14 +277,15 @@ class DiffusionEngine:
             preview = result.previews.get(request.request_id)
             if request.request_id not in ended_ids and preview is not None:
                 self._emit_output(DiffusionOutput(request.request_id, request.step_index, request.num_steps,
-                                                  False, images=preview))
+                                                  False, outputs=preview))
         for request in ended:
-            self._emit_final(request, images=result.images.get(request.request_id), error=request.error)
+            self._emit_final(request, outputs=result.outputs.get(request.request_id), error=request.error)
 
-    def _emit_final(self, request: DiffusionRequest, images=None, error: Optional[EngineError] = None) -> None:
+    def _emit_final(self, request: DiffusionRequest, outputs: Optional[dict] = None,
+                    error: Optional[EngineError] = None) -> None:
         step = request.num_steps if error is None else request.step_index
         self._emit_output(DiffusionOutput(request.request_id, step, request.num_steps, True,
-                                          images=images, error=error))
+                                          outputs=outputs or {}, error=error))
 
     def _emit_output(self, output: DiffusionOutput) -> None:
         with self._cond:

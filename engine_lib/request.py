@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 
 class EngineError(Exception):
@@ -62,30 +62,51 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What the user asked for. Validated at the edge; adapters may check more (`validate`)."""
+class SamplingParams(Mapping[str, Any]):
+    """One request's inputs by their declared names, as validated (`InputSchema.parse`); immutable.
 
-    prompt: str
-    negative_prompt: Optional[str] = None
-    height: int = 64
-    width: int = 64
-    num_inference_steps: int = 4
-    guidance_scale: Optional[float] = None
-    true_cfg_scale: float = 1.0
-    seed: int = 0
-    num_images: int = 1
-    preview_interval: int = 0
-    output_format: str = "raw"
-    num_frames: Optional[int] = None
-    max_sequence_length: Optional[int] = None
-    lora_name: Optional[str] = None
-    lora_scale: float = 1.0
+    Which inputs exist is the pipeline's declaration (engine_lib/interface.py),
+    not this class: `params.height` reads the `height` input, `params["height"]`
+    too. Equal inputs give equal (and equally hashed) params.
+    """
 
-    @property
-    def do_true_cfg(self) -> bool:
-        """Qwen-Image style CFG: on only with a negative prompt and a scale above 1 (as diffusers)."""
-        return self.negative_prompt is not None and self.true_cfg_scale > 1.0
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any] = (), **more: Any):
+        object.__setattr__(self, "_values", {**dict(values), **more})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"these params have no input {name!r} (they have: {', '.join(self._values)})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("SamplingParams are immutable: use replace()")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._values.items()))
+
+    def __repr__(self) -> str:
+        return f"SamplingParams({self._values!r})"
+
+    def __reduce__(self):
+        return (SamplingParams, (self._values,))
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with some inputs changed (tests and benchmarks; not re-validated)."""
+        return SamplingParams({**self._values, **changes})
 
 
 @dataclass
@@ -109,14 +130,15 @@ class DiffusionOutput:
     """One item of a request's output stream.
 
     Intermediate items carry progress and maybe a preview; the final one carries
-    the images (uint8 [N, H, W, 3], or [N, F, H, W, 3] for video) or an error.
+    the outputs or an error. `outputs` maps the adapter's declared output names
+    (`image`, later `video`, `audio`, ...) to numpy arrays in their declared dtypes.
     """
 
     request_id: str
     step: int
     num_steps: int
     is_final: bool
-    images: Any = None  # numpy uint8 array or None
+    outputs: dict = field(default_factory=dict)  # output name -> numpy array
     error: Optional[EngineError] = None
 
     @property

@@ -1,9 +1,12 @@
-"""ModelRunner: the only place requests become tensors and tensors become images.
+"""ModelRunner: the one denoise loop, and the only place requests become tensors and tensors outputs.
 
-Request mode runs one `forward()` per wave; step mode runs one tick of the seed's
-step contract over all scheduled requests. The runner never imports the
-scheduler: it reads request ids and parameters and reports a `RunnerOutput`.
-All of its state is owned by the engine's busy-loop thread.
+Each tick runs the seed's step contract over the scheduled requests: prepare
+the new ones, one batched denoise forward, each request's own scheduler step,
+previews at their boundaries, one batched decode of the requests that finished.
+Request mode and step mode both run here (they differ only in who the scheduler
+admits when), so they share fault isolation and previews. The runner never
+imports the scheduler: it reads request ids and parameters and reports a
+`RunnerOutput`. All of its state is owned by the engine's busy-loop thread.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
-from engine_lib.pipelines.base import DiffusionRequestBatch, InputBatch, PipelineAdapter, StepRequestState
+from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, Prediction, RequestState
 from engine_lib.request import DiffusionRequest, EngineError, PipelineError
 from engine_lib.sched.base import RunnerOutput
 
@@ -24,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerResult:
-    """One tick's results: progress for the scheduler, images and previews for the streams."""
+    """One tick's results: progress for the scheduler, final outputs and previews for the streams."""
 
     output: RunnerOutput = field(default_factory=RunnerOutput)
-    images: dict[str, np.ndarray] = field(default_factory=dict)
-    previews: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: dict[str, Outputs] = field(default_factory=dict)  # request id -> named arrays (finished requests)
+    previews: dict[str, Outputs] = field(default_factory=dict)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineError) else PipelineError(f"{type(exc).__name__}: {exc}")
@@ -37,42 +39,19 @@ class RunnerResult:
 
 
 class ModelRunner:
-    """Runs request waves (`execute_batch`) and step ticks (`execute_step`) on one adapter."""
+    """Runs one tick of the step contract (`execute_step`) over an adapter.
 
-    def __init__(self, adapter: PipelineAdapter):
+    `float_outputs`: hand back the pipeline's own float outputs instead of the
+    declared dtypes (tests and benchmarks compare them before the uint8 rounding).
+    """
+
+    def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False):
         self.adapter = adapter
-        self.states: dict[str, StepRequestState] = {}  # step mode; owned by the busy-loop thread
+        self.float_outputs = float_outputs
+        self._output_specs = {spec.name: spec for spec in adapter.outputs}
+        self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread
         self._input_batch: Optional[InputBatch] = None
 
-    # -- request mode ---------------------------------------------------------
-    def execute_batch(self, requests: list[DiffusionRequest]) -> RunnerResult:
-        """One fused forward over the wave; if it fails, retry request by request so only the culprit fails."""
-        result = RunnerResult()
-        try:
-            images = self._forward(requests)
-        except Exception as exc:  # noqa: BLE001 - isolate the failing request below
-            if len(requests) == 1:
-                result.fail(requests[0].request_id, exc)
-                return result
-            logger.warning("fused forward of %d requests failed (%s); retrying one by one", len(requests), exc)
-            for request in requests:
-                one = self.execute_batch([request])
-                result.output.finished |= one.output.finished
-                result.output.errors.update(one.output.errors)
-                result.images.update(one.images)
-            return result
-        for request, image in zip(requests, images):
-            result.images[request.request_id] = image
-            result.output.finished.add(request.request_id)
-        return result
-
-    def _forward(self, requests: list[DiffusionRequest]) -> list[np.ndarray]:
-        images = self.adapter.forward(DiffusionRequestBatch(list(requests)))
-        if len(images) != len(requests):
-            raise PipelineError(f"{self.adapter.name}.forward returned {len(images)} outputs for {len(requests)} requests")
-        return images
-
-    # -- step mode ------------------------------------------------------------
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
         previews at their boundaries, and one batched decode of the requests that finished."""
@@ -90,9 +69,27 @@ class ModelRunner:
         self.free(list(result.output.errors) + list(result.output.finished))
         return result
 
+    def run_to_completion(self, requests: list[DiffusionRequest]) -> RunnerResult:
+        """Run requests admitted together, tick by tick, until each has finished or failed.
+
+        For offline callers (benchmarks, tests): what a request-mode wave does in
+        the engine, without the engine's threads. Returns the final outputs and
+        errors (previews are dropped).
+        """
+        total = RunnerResult()
+        new, running = list(requests), []
+        while new or running:
+            tick = self.execute_step(new, running)
+            total.outputs.update(tick.outputs)
+            total.output.finished |= tick.output.finished
+            total.output.errors.update(tick.output.errors)
+            ended = tick.output.finished | set(tick.output.errors)
+            new, running = [], [r for r in new + running if r.request_id not in ended]
+        return total
+
     def _prepare(self, request: DiffusionRequest, result: RunnerResult) -> None:
-        state = StepRequestState(request.request_id, request.params, step_index=request.step_index,
-                                 num_steps=request.num_steps)
+        state = self.adapter.state_class(request.request_id, request.params, step_index=request.step_index,
+                                         num_steps=request.num_steps)
         try:
             self.adapter.prepare_encode(state)
         except Exception as exc:  # noqa: BLE001 - the request ends alone with its error
@@ -100,7 +97,7 @@ class ModelRunner:
             return
         self.states[request.request_id] = state
 
-    def _denoise(self, states: list[StepRequestState], result: RunnerResult) -> None:
+    def _denoise(self, states: list[RequestState], result: RunnerResult) -> None:
         """One batched denoise forward, then each request's own scheduler step."""
         try:
             preds = self._predict(states)
@@ -121,29 +118,30 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001
                 result.fail(state.request_id, exc)
 
-    def _predict(self, states: list[StepRequestState]) -> list[torch.Tensor]:
+    def _predict(self, states: list[RequestState]) -> list[Prediction]:
         batch = InputBatch.gather(states, previous=self._input_batch)
         self._input_batch = batch
         with torch.inference_mode():
             return batch.split(self.adapter.denoise_step(batch, states=states))
 
-    def _emit_previews(self, states: list[StepRequestState], result: RunnerResult) -> None:
+    def _emit_previews(self, states: list[RequestState], result: RunnerResult) -> None:
         for state in states:
-            k = state.params.preview_interval
+            k = state.params.get("preview_interval", 0)
             if k > 0 and state.step_index % k == 0:
                 try:
-                    result.previews[state.request_id] = self.adapter.preview(state)
+                    result.previews[state.request_id] = self._declared(self.adapter.preview(state), as_float=False)
                 except Exception as exc:  # noqa: BLE001
                     result.fail(state.request_id, exc)
 
-    def _decode(self, states: list[StepRequestState], result: RunnerResult) -> None:
+    def _decode(self, states: list[RequestState], result: RunnerResult) -> None:
         if not states:
             return
         try:
             with torch.inference_mode():
-                images = self.adapter.post_decode(states)
-            if len(images) != len(states):
-                raise PipelineError(f"{self.adapter.name}.post_decode returned {len(images)} outputs for {len(states)}")
+                outputs = self.adapter.post_decode(states)
+            if len(outputs) != len(states):
+                raise PipelineError(f"{self.adapter.name}.post_decode returned {len(outputs)} outputs for {len(states)}")
+            outputs = [self._declared(o, as_float=self.float_outputs) for o in outputs]
         except Exception as exc:  # noqa: BLE001
             if len(states) == 1:
                 result.fail(states[0].request_id, exc)
@@ -151,9 +149,16 @@ class ModelRunner:
             for state in states:
                 self._decode([state], result)
             return
-        for state, image in zip(states, images):
-            result.images[state.request_id] = image
+        for state, named in zip(states, outputs):
+            result.outputs[state.request_id] = named
             result.output.finished.add(state.request_id)
+
+    def _declared(self, outputs: Outputs, as_float: bool) -> Outputs:
+        """Named arrays checked against the declaration, converted to the declared dtypes unless `as_float`."""
+        undeclared = sorted(set(outputs) - set(self._output_specs))
+        if undeclared:
+            raise PipelineError(f"{self.adapter.name} produced undeclared outputs {undeclared}")
+        return dict(outputs) if as_float else {name: self._output_specs[name].convert(a) for name, a in outputs.items()}
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the step state of ended or aborted requests."""

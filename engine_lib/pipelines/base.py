@@ -1,46 +1,89 @@
-"""The contract between the engine's runner and a pipeline adapter.
+"""The contract between the engine's runner and a pipeline adapter (contract v2).
 
-An adapter wraps one diffusers pipeline (loaded with `from_pretrained`) and
-exposes two ways to run it, each behind a capability flag:
+An adapter wraps one pipeline (a diffusers pipeline loaded with `from_pretrained`,
+or our own model code) and declares its interface:
 
-* request batch (`supports_request_batch`): `forward(batch)` runs whole requests,
-  one uint8 image array per request, in order.
-* step execution (`supports_step_execution`), the seed's four operations:
-  `prepare_encode(state)` once per request, `denoise_step(input_batch, states=...)`
-  once per tick over all scheduled requests, `step_scheduler(state, noise_pred)`
-  per request per tick (the only place latents change and `step_index` advances),
-  `post_decode(states)` once for the requests that finished in the same tick.
+* `inputs` (InputSpec) and `outputs` (OutputSpec): the Triton config, the one
+  validation of a request, the batching keys and the response tensors all follow
+  from them (engine_lib/interface.py);
+* capability flags: `supports_request_batch` (rows on one schedule share a
+  forward), `supports_step_execution`, `max_step_batch` (rows at different steps
+  in one forward; 1: none), `supports_previews`;
+* `state_class`: its typed per-request state (a `RequestState` subclass).
 
-Request-local state (latents, scheduler copy, generator, step index) lives in
-`StepRequestState`, owned by the runner, never on the adapter.
+and implements the seed's step contract, which is the only way the runner runs it
+(request mode and step mode share one loop, engine_lib/runner.py):
+
+* `prepare_encode(state)` once per request: encode, draw latents, build its schedule;
+* `denoise_step(input_batch, states=...)` once per tick over all scheduled rows;
+* `step_scheduler(state, noise_pred)` per request per tick: the only place
+  latents change and `step_index` advances;
+* `post_decode(states)` once for the requests that finished in the same tick:
+  one dict of named float outputs per state (`output_type="np"` values; the
+  runner converts them to the declared dtypes);
+* `preview(state)`: optional cheap named uint8 outputs of the current latents.
+
+Request-local state (latents, scheduler copies, generator, step index) lives in
+the state object the runner owns, never on the adapter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import numpy as np
 import torch
 
-from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
+from engine_lib.interface import InputSchema, InputSpec, OutputSpec
+from engine_lib.request import SamplingParams
+from engine_lib.sched.keys import StepBatchKey, step_batch_key
+
+Outputs = dict  # output name -> numpy array
+Prediction = Union[torch.Tensor, dict]  # one tensor per row, or several by name (video + audio)
 
 
 @dataclass
-class StepRequestState:
-    """Everything one request carries between denoise steps (owned by the runner)."""
+class Schedule:
+    """A request's denoise steps, in phases that each run their own timesteps.
+
+    Image pipelines have one phase; a chunked video pipeline (Helios) has one per
+    chunk and sets each phase's timesteps when it starts. `step_index` counts
+    steps over all phases.
+    """
+
+    phases: list[torch.Tensor] = field(default_factory=list)  # timesteps of each phase
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(t) for t in self.phases)
+
+    def locate(self, step_index: int) -> tuple[int, int]:
+        """(phase, index within that phase) of a global step index."""
+        for phase, timesteps in enumerate(self.phases):
+            if step_index < len(timesteps):
+                return phase, step_index
+            step_index -= len(timesteps)
+        raise IndexError(f"step {step_index} is past the schedule's {self.num_steps} steps")
+
+    def timestep(self, step_index: int) -> torch.Tensor:
+        phase, index = self.locate(step_index)
+        return self.phases[phase][index]
+
+
+@dataclass
+class RequestState:
+    """What every request carries between denoise steps (owned by the runner).
+
+    An adapter subclasses it with its own typed fields (latents, scheduler copies,
+    text embeddings, ...) and names the subclass in `state_class`.
+    """
 
     request_id: str
     params: SamplingParams
-    generator: Optional[torch.Generator] = None
-    scheduler: Any = None  # request-local copy of the diffusers scheduler
-    latents: Optional[torch.Tensor] = None  # rows = num_images
-    timesteps: Optional[torch.Tensor] = None
     step_index: int = 0
     num_steps: int = 0
-    extra: dict = field(default_factory=dict)  # adapter-specific tensors (prompt embeds, masks, ...)
 
     @property
     def denoise_completed(self) -> bool:
@@ -48,89 +91,63 @@ class StepRequestState:
 
     @property
     def num_rows(self) -> int:
-        return 0 if self.latents is None else int(self.latents.shape[0])
+        """Rows this request adds to a batched forward."""
+        raise NotImplementedError
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        """This request's per-row tensors for the next forward (rows first), gathered by `InputBatch`."""
+        raise NotImplementedError
 
 
 @dataclass
 class InputBatch:
     """The rows of one batched denoise forward: gathered in one place, split back in one place.
 
-    `cache` survives while the batch's membership is unchanged, so an adapter can
-    keep padded prompt embeddings there instead of rebuilding them every tick.
+    `tensors` holds every state's `step_inputs()` concatenated by name. `cache`
+    survives while the batch's membership is unchanged, so an adapter can keep
+    batched prompt embeddings there instead of rebuilding them every tick.
     """
 
     request_ids: list[str]
-    states: list[StepRequestState]
-    latents: torch.Tensor
-    timesteps: torch.Tensor  # one per row
+    states: list[RequestState]
+    tensors: dict[str, torch.Tensor]
     row_slices: list[slice]
     cache: dict = field(default_factory=dict)
 
     @classmethod
-    def gather(cls, states: list[StepRequestState], previous: Optional["InputBatch"] = None) -> "InputBatch":
+    def gather(cls, states: list[RequestState], previous: Optional["InputBatch"] = None) -> "InputBatch":
         ids = [s.request_id for s in states]
         slices, start = [], 0
         for s in states:
             slices.append(slice(start, start + s.num_rows))
             start += s.num_rows
-        latents = torch.cat([s.latents for s in states], dim=0)
-        timesteps = torch.cat([s.timesteps[s.step_index].reshape(1).expand(s.num_rows) for s in states])
+        parts = [s.step_inputs() for s in states]
+        tensors = {name: parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])
+                   for name in parts[0]}
         cache = previous.cache if previous is not None and previous.request_ids == ids else {}
-        return cls(ids, states, latents, timesteps, slices, cache)
+        return cls(ids, states, tensors, slices, cache)
 
-    def split(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Slice a per-row tensor (e.g. the noise prediction) back into one piece per request."""
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def split(self, rows: Prediction) -> list[Prediction]:
+        """Slice per-row predictions (a tensor, or a dict of them) back into one piece per request."""
+        if isinstance(rows, dict):
+            return [{name: value[s] for name, value in rows.items()} for s in self.row_slices]
         return [rows[s] for s in self.row_slices]
 
 
-@dataclass
-class DiffusionRequestBatch:
-    """The pipeline-facing static batch of request mode: compatible requests, in order."""
-
-    requests: list[DiffusionRequest]
-
-    @property
-    def params(self) -> list[SamplingParams]:
-        return [r.params for r in self.requests]
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
-# The optional request inputs every image adapter uses (Triton input names = SamplingParams fields).
-COMMON_INPUTS = frozenset({"height", "width", "num_inference_steps", "seed", "num_images", "output_format"})
-# Every optional SamplingParams field and its default: a field at its default counts as not sent.
-OPTIONAL_INPUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name != "prompt"}
-
-
 class PipelineAdapter(ABC):
-    """One diffusers pipeline behind the engine's contracts.
-
-    Capability flags (class attributes, read by the engine, the serving layer and
-    the capability table in docs/pipelines.md):
-
-    * `supports_request_batch`, `supports_step_execution`, `supports_previews`;
-    * `supported_inputs`: the optional inputs (Triton input names, which are
-      SamplingParams field names; `prompt` is always required) this pipeline
-      uses. `validate` rejects any other one that is not at its default, and the
-      serving layer can reject an unused input that was sent at all;
-    * `cfg_kind`: "" (none), "cfg" (`guidance_scale` > 1 runs an unconditional
-      pass, as SD3) or "true_cfg" (`negative_prompt` + `true_cfg_scale` > 1, as
-      Qwen-Image and Flux);
-    * `per_row_guidance`: rows of one forward may carry different
-      `guidance_scale` values (embedded guidance, as Flux).
-    """
+    """One pipeline behind the engine's contract; see the module docstring."""
 
     name: ClassVar[str]
+    inputs: ClassVar[tuple[InputSpec, ...]]
+    outputs: ClassVar[tuple[OutputSpec, ...]]
+    state_class: ClassVar[type[RequestState]] = RequestState
     supports_request_batch: ClassVar[bool] = False
-    supports_step_execution: ClassVar[bool] = False
+    supports_step_execution: ClassVar[bool] = True
+    max_step_batch: ClassVar[int] = 2**31 - 1
     supports_previews: ClassVar[bool] = False
-    supported_inputs: ClassVar[frozenset[str]] = COMMON_INPUTS
-    # What the diffusers pipeline's __call__ uses for an input a request leaves out
-    # (applied at the Triton edge, so equal requests get equal compatibility keys).
-    default_inputs: ClassVar[dict] = {}
-    cfg_kind: ClassVar[str] = ""
-    per_row_guidance: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
@@ -138,54 +155,61 @@ class PipelineAdapter(ABC):
         self.dtype = dtype
         self.options = dict(options or {})
 
-    # -- loading and limits --------------------------------------------------
     @classmethod
     @abstractmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
              options: Optional[dict] = None) -> "PipelineAdapter":
-        """Load the diffusers pipeline once (`from_pretrained`) and wrap it."""
+        """Load the pipeline once (`from_pretrained`) and wrap it."""
 
-    @property
-    @abstractmethod
-    def size_multiple(self) -> int:
-        """Height and width must be multiples of this."""
+    # -- the declaration, refined by the loaded checkpoint ----------------------------
+    @classmethod
+    def input_spec(cls, name: str) -> InputSpec:
+        """One declared input (as declared, before the checkpoint refines it)."""
+        for spec in cls.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"{cls.name} declares no input {name!r}")
 
-    def validate(self, params: SamplingParams) -> None:
-        """Pipeline-specific input checks; raise InvalidInputError naming the input."""
-        for name, default in OPTIONAL_INPUT_DEFAULTS.items():
-            value = getattr(params, name)
-            if name not in self.supported_inputs and value != default:
-                raise InvalidInputError(
-                    name, f"{value!r}: {self.name} does not use this input (it uses: "
-                          f"{', '.join(sorted(self.supported_inputs))})")
-        m = self.size_multiple
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value < m or value % m:
-                raise InvalidInputError(name, f"{value} must be a positive multiple of {m}")
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        """The declared inputs with what only the loaded checkpoint knows (size multiples, limits)."""
+        return self.inputs
+
+    def input_schema(self, config: Any) -> InputSchema:
+        """The one validation of this adapter's requests under `config` (an EngineConfig)."""
+        return InputSchema(self.name, self.input_specs(), config, check=self.check_inputs)
+
+    def check_inputs(self, params: SamplingParams) -> None:
+        """Rules across inputs or from the checkpoint; raise InvalidInputError naming the input."""
+
+    @classmethod
+    def key_inputs(cls) -> tuple[str, ...]:
+        """The inputs that enter the compatibility keys by value (`batch="key"`)."""
+        return tuple(spec.name for spec in cls.inputs if spec.batch == "key")
 
     def key_fields(self, params: SamplingParams) -> tuple:
-        """Extra fields this pipeline's batched tensor contract depends on (joined into the keys)."""
+        """Derived (name, value) pairs the batched tensors depend on (inputs declared `batch="adapter"`)."""
         return ()
 
-    # -- request batch -------------------------------------------------------
-    def forward(self, batch: DiffusionRequestBatch) -> list[np.ndarray]:
-        raise NotImplementedError(f"{self.name} does not support request batching")
+    def step_key(self, params: SamplingParams) -> StepBatchKey:
+        return step_batch_key(params, self.key_inputs(), self.key_fields(params))
 
-    # -- step execution ------------------------------------------------------
-    def prepare_encode(self, state: StepRequestState) -> None:
-        raise NotImplementedError(f"{self.name} does not support step execution")
+    # -- the step contract ---------------------------------------------------------------
+    @abstractmethod
+    def prepare_encode(self, state: RequestState) -> None:
+        """Once per request: encode, draw its latents, build its schedule and scheduler copies."""
 
-    def denoise_step(self, input_batch: InputBatch, *, states: list[StepRequestState]) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def denoise_step(self, input_batch: InputBatch, *, states: list[RequestState]) -> Prediction:
+        """One forward over every row of the batch, each at its own step (mutates nothing)."""
 
-    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def step_scheduler(self, state: RequestState, noise_pred: Prediction) -> None:
+        """The only place a request's latents change and its step index advances."""
 
-    def post_decode(self, states: list[StepRequestState]) -> list[np.ndarray]:
-        """Decode finished requests in one batched call; one uint8 [N, H, W, 3] array per state."""
-        raise NotImplementedError
+    @abstractmethod
+    def post_decode(self, states: list[RequestState]) -> list[Outputs]:
+        """Decode finished requests in one batched call: named float outputs per state."""
 
-    def preview(self, state: StepRequestState) -> np.ndarray:
-        """A cheap uint8 [N, H, W, 3] preview of the current latents."""
-        raise NotImplementedError
+    def preview(self, state: RequestState) -> Outputs:
+        """Cheap named uint8 outputs of the current latents (reads the state only)."""
+        raise NotImplementedError(f"{self.name} has no previews")

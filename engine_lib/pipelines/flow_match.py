@@ -3,10 +3,10 @@
 Their diffusers pipelines have the same `__call__` skeleton: encode the prompt(s),
 draw latents, build timesteps on `FlowMatchEulerDiscreteScheduler`, loop
 transformer forward (+ CFG) and `scheduler.step`, decode. `FlowMatchAdapter`
-holds that skeleton once, cut into the engine's step methods:
+holds that skeleton once, cut into the step contract (the runner owns the loop):
 
-* `forward` (request batch) = `prepare_encode` per request + the batched step loop
-  + `post_decode`, so request mode and step mode share every line;
+* the declaration: the image inputs every one of them takes, one `image` output
+  (png-encodable), sizes refined by the loaded VAE, the CFG part of the keys;
 * `prepare_encode`: the adapter's `_encode`, a per-request generator, the adapter's
   `_initial_latents`, and `retrieve_timesteps` on a request-local scheduler copy;
 * `denoise_step`: one transformer forward over all rows (each with its own
@@ -14,31 +14,67 @@ holds that skeleton once, cut into the engine's step methods:
 * `step_scheduler`, `post_decode` (one `vae.decode` per image size), `preview`
   (a latent->RGB projection measured from the model's own VAE).
 
-A subclass supplies only what is pipeline-specific: how it encodes text, draws
-latents, sets its schedule, calls its transformer, and unpacks/decodes latents.
+A subclass supplies only what is pipeline-specific: its extra inputs, how it
+encodes text, draws latents, sets its schedule, calls its transformer, and
+unpacks/decodes latents.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import ClassVar, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_lib.pipelines.base import DiffusionRequestBatch, InputBatch, PipelineAdapter, StepRequestState
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib import interface
+from engine_lib.interface import InputSpec, OutputSpec, replace_spec
+from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState, Schedule
+from engine_lib.request import ConfigError, SamplingParams
 
 # The text tensors of one side (cond or uncond) of one request: "embeds" [N, L, D]
 # plus whatever else the transformer takes per row ("mask" [N, L], "pooled" [N, P]).
 TextParts = dict
 
+IMAGE = OutputSpec("image", "UINT8", (-1, -1, -1, 3), "images [N, H, W, 3] (previews too)", encodings=("png",),
+                   pipe_output="images")
+def max_sequence_length(default: int, high: int) -> InputSpec:
+    """Text tokens per prompt: the pipeline's `__call__` default and what its `check_inputs` allows."""
+    return InputSpec("max_sequence_length", "INT32", "text tokens each prompt is encoded to (default: the "
+                     "pipeline's, or the model's max_sequence_length parameter)", default=default, low=1, high=high,
+                     batch="adapter", pipe_arg="max_sequence_length")
 
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """Float images in [0, 1] to uint8, rounding exactly as diffusers' `numpy_to_pil`."""
-    return (images * 255).round().astype("uint8")
+
+
+TRUE_CFG_SCALE = InputSpec("true_cfg_scale", "FP32", "true CFG scale: > 1 with a negative_prompt runs a second pass",
+                           default=1.0, low=0, batch="adapter", pipe_arg="true_cfg_scale")
+GUIDANCE_SCALE = InputSpec("guidance_scale", "FP32", "guidance scale", low=0, pipe_arg="guidance_scale")
+# The inputs every flow-matching image pipeline takes; subclasses add max_sequence_length and guidance.
+IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
+                interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,
+                interface.output_format("png"))
+
+
+@dataclass
+class FlowMatchState(RequestState):
+    """One request of a flow-matching image pipeline between steps."""
+
+    generator: Optional[torch.Generator] = None
+    scheduler: Any = None  # request-local copy of the diffusers scheduler
+    schedule: Schedule = field(default_factory=Schedule)
+    latents: Optional[torch.Tensor] = None  # rows = num_images
+    text: dict = field(default_factory=dict)  # "cond" (and "uncond" with CFG) -> TextParts
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.latents is None else int(self.latents.shape[0])
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        timestep = self.schedule.timestep(self.step_index)
+        return {"latents": self.latents, "timesteps": timestep.reshape(1).expand(self.num_rows)}
 
 
 class FlowMatchAdapter(PipelineAdapter):
@@ -49,10 +85,15 @@ class FlowMatchAdapter(PipelineAdapter):
     length used when a request leaves it unset (default: the pipeline's own).
     """
 
+    outputs = (IMAGE,)
+    state_class: ClassVar[type[FlowMatchState]] = FlowMatchState
+    supports_request_batch = True
+    supports_step_execution = True
+    supports_previews = True
     pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
-    default_max_sequence_length: ClassVar[int]  # the pipeline's `__call__` default
-    max_max_sequence_length: ClassVar[int]  # what the pipeline's `check_inputs` allows
-    min_steps: ClassVar[int] = 1
+    # "true_cfg": a negative_prompt and true_cfg_scale > 1 run a second pass (Qwen-Image, Flux);
+    # "cfg": guidance_scale > 1 does, on the negative prompt or "" (SD3).
+    cfg_kind: ClassVar[str] = "true_cfg"
     # Order of the two halves of a batched CFG forward: diffusers' SD3 puts the
     # negative first, Qwen-Image/Flux (two forwards there) are kept cond-first.
     cfg_order: ClassVar[tuple[str, str]] = ("cond", "uncond")
@@ -63,10 +104,11 @@ class FlowMatchAdapter(PipelineAdapter):
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
         self.cfg_batching = bool(self.options.get("cfg_batching", True))
-        self.max_sequence_length = int(self.options.get("max_sequence_length") or self.default_max_sequence_length)
-        if not 1 <= self.max_sequence_length <= self.max_max_sequence_length:
+        declared = self.input_spec("max_sequence_length")  # the pipeline's default and check_inputs limit
+        self.max_sequence_length = int(self.options.get("max_sequence_length") or declared.default)
+        if not 1 <= self.max_sequence_length <= declared.high:
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be in "
-                              f"[1, {self.max_max_sequence_length}] for {self.name}")
+                              f"[1, {int(declared.high)}] for {self.name}")
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # -- loading and limits --------------------------------------------------
@@ -81,47 +123,63 @@ class FlowMatchAdapter(PipelineAdapter):
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, torch.device(device), dtype, options)
 
-    def validate(self, params: SamplingParams) -> None:
-        super().validate(params)
-        if params.num_inference_steps < self.min_steps:
-            raise InvalidInputError("num_inference_steps",
-                                    f"{params.num_inference_steps} must be >= {self.min_steps}")
-        if params.num_images < 1:
-            raise InvalidInputError("num_images", f"{params.num_images} must be >= 1")
-        msl = params.max_sequence_length
-        if msl is not None and not 1 <= msl <= self.max_max_sequence_length:
-            raise InvalidInputError("max_sequence_length", f"{msl} must be in [1, {self.max_max_sequence_length}]")
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (the VAE's downsampling, then 2x2 packing)."""
+        return self.pipe.vae_scale_factor * 2
+
+    @property
+    def max_size(self) -> Optional[int]:
+        """The largest height/width the transformer can take (None: only the config's limit)."""
+        return None
+
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        specs = replace_spec(self.inputs, "max_sequence_length", default=self.max_sequence_length)
+        for name in ("height", "width"):
+            specs = replace_spec(specs, name, low=self.size_multiple, multiple_of=self.size_multiple,
+                                 high=self.max_size)
+        return specs
 
     def text_length(self, params: SamplingParams) -> int:
         """The `max_sequence_length` this request is encoded with."""
         return int(params.max_sequence_length or self.max_sequence_length)
 
+    def key_fields(self, params: SamplingParams) -> tuple:
+        """CFG on/off and its scale shape the forward; without a text mask, so does the text length."""
+        cfg = self.do_cfg(params)
+        fields = (("cfg", cfg), ("cfg_scale", self.cfg_scale(params) if cfg else None))
+        if not self.pads_text:
+            fields += (("text_length", self.text_length(params)),)
+        return fields
+
     # -- what a subclass supplies ------------------------------------------------
     def do_cfg(self, params: SamplingParams) -> bool:
-        """Whether this request runs a second (unconditional) pass."""
-        return params.do_true_cfg
+        """Whether this request runs a second (unconditional) pass (as diffusers decides it)."""
+        if self.cfg_kind == "cfg":
+            return self.cfg_scale(params) > 1
+        return params.negative_prompt is not None and params.true_cfg_scale > 1.0
 
     def cfg_scale(self, params: SamplingParams) -> float:
-        return float(params.true_cfg_scale)
+        return float(params.guidance_scale if self.cfg_kind == "cfg" else params.true_cfg_scale)
 
-    def _encode(self, state: StepRequestState) -> dict[str, TextParts]:
-        """{"cond": parts, and "uncond": parts when do_cfg}, each for `num_images` rows (may fill `state.extra`)."""
+    def _encode(self, state: FlowMatchState) -> dict[str, TextParts]:
+        """{"cond": parts, and "uncond": parts when do_cfg}, each for `num_images` rows."""
         raise NotImplementedError
 
-    def _initial_latents(self, state: StepRequestState) -> torch.Tensor:
-        """The pipeline's `prepare_latents` with `state.generator` (may also fill `state.extra`)."""
+    def _initial_latents(self, state: FlowMatchState) -> torch.Tensor:
+        """The pipeline's `prepare_latents` with `state.generator` (may also fill the state's own fields)."""
         raise NotImplementedError
 
-    def _timestep_kwargs(self, state: StepRequestState) -> dict:
+    def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         """`retrieve_timesteps` arguments (sigmas, mu) as the pipeline computes them."""
         raise NotImplementedError
 
-    def _row_inputs(self, states: list[StepRequestState]) -> dict:
+    def _row_inputs(self, states: list[FlowMatchState]) -> dict:
         """Per-row transformer inputs other than latents, timestep and text (tensors or lists, or None)."""
         return {}
 
     def _transformer(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
-                     states: list[StepRequestState]) -> torch.Tensor:
+                     states: list[FlowMatchState]) -> torch.Tensor:
         """One transformer call, exactly as the pipeline's denoising loop makes it."""
         raise NotImplementedError
 
@@ -147,52 +205,34 @@ class FlowMatchAdapter(PipelineAdapter):
     def latent_channels(self) -> int:
         return int(self.pipe.vae.config.latent_channels)
 
-    # -- request batch -------------------------------------------------------
-    def forward(self, batch: DiffusionRequestBatch) -> list[np.ndarray]:
-        """Run whole requests through the step methods in one fused loop; one uint8 array per request."""
-        return self.post_decode(self.denoise_requests(batch))
-
-    def denoise_requests(self, batch: DiffusionRequestBatch) -> list[StepRequestState]:
-        """prepare_encode every request, then batched denoise steps until all are done (no decode)."""
-        states = [StepRequestState(r.request_id, r.params) for r in batch.requests]
-        for state in states:
-            self.prepare_encode(state)
-        active, input_batch = states, None
-        while active:
-            input_batch = InputBatch.gather(active, previous=input_batch)
-            noise_pred = self.denoise_step(input_batch, states=active)
-            for state, rows in zip(active, input_batch.split(noise_pred)):
-                self.step_scheduler(state, rows)
-            active = [s for s in active if not s.denoise_completed]
-        return states
-
     # -- step execution ------------------------------------------------------
     @torch.inference_mode()
-    def prepare_encode(self, state: StepRequestState) -> None:
+    def prepare_encode(self, state: FlowMatchState) -> None:
         """Encode prompts, draw the request's latents, and give it its own scheduler with its timesteps."""
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
         p = state.params
-        state.extra["text"] = self._encode(state)
+        state.text = self._encode(state)
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.latents = self._initial_latents(state)
         # The copy is request-local: diffusers keeps `_step_index` on the scheduler object.
         # Copying before set_timesteps (rather than after) also leaves pipe.scheduler untouched.
         scheduler = copy.deepcopy(self.pipe.scheduler)
-        state.timesteps, state.num_steps = retrieve_timesteps(scheduler, p.num_inference_steps, self.device,
-                                                              **self._timestep_kwargs(state))
+        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **self._timestep_kwargs(state))
         scheduler.set_begin_index(0)  # the step loop starts at the first timestep
         state.scheduler = scheduler
+        state.schedule = Schedule([timesteps])
+        state.num_steps = state.schedule.num_steps
         state.step_index = 0
 
     @torch.inference_mode()
-    def denoise_step(self, input_batch: InputBatch, *, states: list[StepRequestState]) -> torch.Tensor:
+    def denoise_step(self, input_batch: InputBatch, *, states: list[FlowMatchState]) -> torch.Tensor:
         """The noise prediction for every row of the batch at each row's own timestep (CFG applied)."""
         assert [s.request_id for s in states] == input_batch.request_ids, "states must match the input batch"
         do_cfg = {self.do_cfg(s.params) for s in states}
         assert len(do_cfg) == 1, "requests with and without CFG never share a batch (see the keys)"
-        latents = input_batch.latents
-        timestep = self._model_timestep(input_batch.timesteps, latents)
+        latents = input_batch["latents"]
+        timestep = self._model_timestep(input_batch["timesteps"], latents)
         rows = self._row_inputs(states)
         text = self._text_inputs(input_batch)
         if not do_cfg.pop():
@@ -215,38 +255,34 @@ class FlowMatchAdapter(PipelineAdapter):
         return self._combine_cfg(pred["cond"], pred["uncond"], scales.pop())
 
     @torch.inference_mode()
-    def step_scheduler(self, state: StepRequestState, noise_pred: torch.Tensor) -> None:
+    def step_scheduler(self, state: FlowMatchState, noise_pred: torch.Tensor) -> None:
         """The only place a request's latents change and its step index advances."""
-        t = state.timesteps[state.step_index]
+        t = state.schedule.timestep(state.step_index)
         state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
 
     @torch.inference_mode()
-    def post_decode(self, states: list[StepRequestState]) -> list[np.ndarray]:
-        return [to_uint8(images) for images in self.decode_float(states)]
-
-    @torch.inference_mode()
-    def decode_float(self, states: list[StepRequestState]) -> list[np.ndarray]:
-        """`post_decode` before the uint8 rounding: float32 [N, H, W, 3] in [0, 1] per state.
+    def post_decode(self, states: list[FlowMatchState]) -> list[Outputs]:
+        """`{"image": float32 [N, H, W, 3] in [0, 1]}` per state, as `pipe(..., output_type="np")`.
 
         One `vae.decode` call per image size for all the given states.
         """
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, state in enumerate(states):
             by_size.setdefault((state.params.height, state.params.width), []).append(i)
-        out: list[Optional[np.ndarray]] = [None] * len(states)
+        out: list[Outputs] = [{} for _ in states]
         for (height, width), indices in by_size.items():
             latents = self._unpack(torch.cat([states[i].latents for i in indices]), height, width)
             images = self.pipe.image_processor.postprocess(self._vae_decode(latents), output_type="np")
             start = 0
             for i in indices:
                 rows = states[i].num_rows
-                out[i] = images[start:start + rows]
+                out[i] = {"image": images[start:start + rows]}
                 start += rows
         return out
 
     @torch.inference_mode()
-    def preview(self, state: StepRequestState) -> np.ndarray:
+    def preview(self, state: FlowMatchState) -> Outputs:
         """A fixed linear map of the current latents to RGB, upsampled (nearest) to the image size.
 
         Reads the state only, so previews never change the final image.
@@ -257,7 +293,7 @@ class FlowMatchAdapter(PipelineAdapter):
         rgb = torch.einsum("nchw,cr->nrhw", latents.float(), weights) + bias.view(1, 3, 1, 1)
         rgb = F.interpolate(rgb, size=(p.height, p.width), mode="nearest")
         rgb = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8)
-        return rgb.permute(0, 2, 3, 1).cpu().numpy()
+        return {"image": rgb.permute(0, 2, 3, 1).cpu().numpy()}
 
     # -- helpers shared by every path ----------------------------------------
     def _cache_context(self, name: str):
@@ -265,12 +301,11 @@ class FlowMatchAdapter(PipelineAdapter):
         cache_context = getattr(self.pipe.transformer, "cache_context", None)
         return cache_context(name) if cache_context is not None else contextlib.nullcontext()
 
-    def _guidance_rows(self, states: list[StepRequestState], default: Optional[float]) -> Optional[torch.Tensor]:
+    def _guidance_rows(self, states: list[FlowMatchState]) -> Optional[torch.Tensor]:
         """Per-row embedded guidance (float32, as the pipelines build it) for guidance-distilled models, else None."""
         if not self.pipe.transformer.config.guidance_embeds:
             return None
-        values = [float(default if s.params.guidance_scale is None else s.params.guidance_scale)
-                  for s in states for _ in range(s.num_rows)]
+        values = [float(s.params.guidance_scale) for s in states for _ in range(s.num_rows)]
         return torch.tensor(values, device=self.device, dtype=torch.float32)
 
     def _text_inputs(self, input_batch: InputBatch) -> dict[str, TextParts]:
@@ -278,8 +313,8 @@ class FlowMatchAdapter(PipelineAdapter):
         the batch membership holds."""
         text = input_batch.cache.get("text")
         if text is None:
-            sides = input_batch.states[0].extra["text"].keys()
-            parts = {side: [s.extra["text"][side] for s in input_batch.states] for side in sides}
+            sides = input_batch.states[0].text.keys()
+            parts = {side: [s.text[side] for s in input_batch.states] for side in sides}
             text = {side: batch_text(parts[side], self.pads_text) for side in sides}
             if "uncond" in parts:
                 first, second = self.cfg_order

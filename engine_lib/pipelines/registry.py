@@ -1,7 +1,10 @@
-"""Pipeline name -> adapter class, and turning an EngineConfig into a loaded adapter.
+"""The one registry: pipeline name -> adapter class and tiny presets, and loading an adapter for a config.
 
-Adapters are named by import strings and imported on first use, so naming a
-pipeline costs nothing until it is loaded (and Flux, SD3, ... are one line each).
+A pipeline is a package `engine_lib/pipelines/<name>/` holding `adapter.py`
+(which sets `ADAPTER` to its adapter class) and `tiny.py` (`PRESETS` and
+`build(preset, seed)`, the offline random-weight model). Packages are found by
+listing this folder, so adding one registers it: nothing here names a pipeline.
+Modules are imported on first use, so listing names costs no torch import.
 """
 
 from __future__ import annotations
@@ -9,9 +12,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import pkgutil
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import EngineConfig, select_mode
 from engine_lib.request import ConfigError
 
 if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
@@ -21,21 +27,35 @@ if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
 
 logger = logging.getLogger(__name__)
 
-ADAPTERS: dict[str, str] = {
-    "qwen_image": "engine_lib.pipelines.qwen_image:QwenImageAdapter",
-    "flux": "engine_lib.pipelines.flux:FluxAdapter",
-    "sd3": "engine_lib.pipelines.sd3:SD3Adapter",
-}
-
+PIPELINES_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PIPELINES_DIR.parents[1]
 MODEL_PATH_ENV = "DIFFUSION_MODEL_PATH"
 
 
+def names() -> list[str]:
+    """Every registered pipeline: the packages under engine_lib/pipelines/."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(PIPELINES_DIR)]) if m.ispkg)
+
+
+def _module(name: str, part: str) -> ModuleType:
+    if name not in names():
+        raise ConfigError(f"parameter 'pipeline': {name!r} is not one of {', '.join(names())}")
+    return importlib.import_module(f"engine_lib.pipelines.{name}.{part}")
+
+
 def get_adapter_class(name: str) -> "type[PipelineAdapter]":
-    """The adapter class registered under `name` (imported now)."""
-    if name not in ADAPTERS:
-        raise ConfigError(f"parameter 'pipeline': {name!r} is not one of {', '.join(sorted(ADAPTERS))}")
-    module_name, _, class_name = ADAPTERS[name].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The adapter class of pipeline `name` (imported now)."""
+    return _module(name, "adapter").ADAPTER
+
+
+def tiny_module(name: str) -> ModuleType:
+    """The tiny-preset module of pipeline `name`: `PRESETS` (preset name -> config) and `build(config, seed)`."""
+    return _module(name, "tiny")
+
+
+def default_model_dir(pipeline: str, preset: str = "tiny") -> Path:
+    """Where `make models` saves a tiny preset: `<repo root>/models/<pipeline>-<preset>` (git-ignored)."""
+    return REPO_ROOT / "models" / f"{pipeline}-{preset}"
 
 
 def resolve_device(name: str) -> "torch.device":
@@ -71,19 +91,11 @@ def model_path_from_env(pipeline: str) -> str:
 
 def resolve_model_path(config: EngineConfig) -> str:
     """config.model_path, else the environment (see model_path_from_env), else the tiny model's directory."""
-    if config.model_path:
-        return config.model_path
-    if model_path_from_env(config.pipeline):
-        return model_path_from_env(config.pipeline)
-    from engine_lib.tiny_models import default_model_dir
-
-    return str(default_model_dir(config.pipeline, "tiny"))
+    return config.model_path or model_path_from_env(config.pipeline) or str(default_model_dir(config.pipeline))
 
 
 def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     """Resolve the config's pipeline, device, dtype and weights, and load the adapter once."""
-    from engine_lib.engine import select_mode
-
     adapter_cls = get_adapter_class(config.pipeline)
     select_mode(config, adapter_cls)  # an unsupported mode fails here, before the weights load
     device = resolve_device(config.device)
@@ -93,7 +105,7 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
         # A hub id or an explicit path is left to from_pretrained; the silent default gets a clear message.
         raise ConfigError(
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
-            "is not built (run `python -m engine_lib.tiny_models`)"
+            "is not built (run `make models`)"
         )
     options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None}
     adapter = adapter_cls.load(model_path, device, dtype, options)

@@ -16,8 +16,8 @@ KeyFn = Callable[[SamplingParams], Hashable]
 class SchedulerOutput:
     """One tick's plan.
 
-    new_ids: admitted this tick (step mode: the runner must `prepare_encode` them).
-    running_ids: admitted earlier and scheduled again this tick (step mode only).
+    new_ids: admitted this tick (the runner must `prepare_encode` them).
+    running_ids: admitted earlier and scheduled again this tick.
     finished_ids: requests that ended since the last tick (finished, failed or
         aborted); the runner frees any state it still holds for them.
     """
@@ -39,7 +39,7 @@ class SchedulerOutput:
 class RunnerOutput:
     """What the runner reports back for one tick.
 
-    step_index: step mode: each scheduled request's progress after this tick.
+    step_index: each scheduled request's progress after this tick.
     finished: requests whose final result the runner produced this tick.
     errors: requests that failed this tick (they end alone; batch-mates go on).
     """
@@ -50,12 +50,13 @@ class RunnerOutput:
 
 
 class Scheduler(ABC):
-    """FIFO admission into a running set that shares one compatibility key.
+    """FIFO admission into a running set that shares one compatibility key; one denoise step per tick.
 
-    The bookkeeping both schedulers share lives here: the waiting queue, the
-    running set, each active request's key, abort, and the ids that ended since
-    the last tick. Subclasses decide what one tick schedules. Not thread-safe:
-    the engine calls it under its lock. Only a scheduler writes request status.
+    Everything both modes share lives here: the waiting queue, the running set,
+    each active request's key, abort, progress updates and the ids that ended
+    since the last tick. Subclasses decide only who is admitted when
+    (`schedule`). Not thread-safe: the engine calls it under its lock. Only a
+    scheduler writes request status.
     """
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn):
@@ -81,15 +82,48 @@ class Scheduler(ABC):
         self._waiting.append(request)
 
     def _check_request(self, request: DiffusionRequest) -> None:
-        """Mode-specific admission checks (raise ValueError)."""
+        """A request needs steps to run and a start index inside them."""
+        if request.num_steps <= 0:
+            raise ValueError(f"request {request.request_id!r}: num_inference_steps must be > 0, got {request.num_steps}")
+        if not 0 <= request.step_index < request.num_steps:
+            raise ValueError(f"request {request.request_id!r}: step_index {request.step_index} "
+                             f"is outside [0, {request.num_steps})")
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
-        """Plan the next tick."""
+        """Plan the next tick: every running request again, plus whoever is admitted now."""
 
-    @abstractmethod
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[DiffusionRequest]:
-        """Apply the runner's results; return the requests that ended this tick."""
+        """Apply the runner's results; return the requests that ended this tick (finished or failed)."""
+        # Requests aborted during the tick are no longer running: their results are dropped.
+        live = [self._running[i] for i in sched_out.scheduled_ids if i in self._running]
+        for request in live:  # check everything before changing anything
+            rid = request.request_id
+            if rid in runner_out.errors:
+                continue
+            if rid not in runner_out.step_index:
+                if rid in runner_out.finished:
+                    continue
+                raise RuntimeError(f"runner reported no progress for scheduled request {rid!r}")
+            step = runner_out.step_index[rid]
+            if not request.step_index <= step <= request.num_steps:
+                raise RuntimeError(f"runner reported step {step} for request {rid!r} at step "
+                                   f"{request.step_index} of {request.num_steps}")
+        ended = []
+        for request in live:
+            rid = request.request_id
+            error = runner_out.errors.get(rid)
+            if error is not None:
+                request.status = RequestStatus.FAILED
+                request.error = error
+            else:
+                request.step_index = runner_out.step_index.get(rid, request.step_index)
+                if rid not in runner_out.finished and request.step_index < request.num_steps:
+                    continue
+                request.status = RequestStatus.FINISHED
+            self._end(request)
+            ended.append(request)
+        return ended
 
     def abort(self, request_ids: list[str]) -> list[DiffusionRequest]:
         """Abort waiting or running requests (unknown ids are ignored); return those that were active."""

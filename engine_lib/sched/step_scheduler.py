@@ -1,4 +1,4 @@
-"""StepScheduler: step mode, where every tick advances each running request one denoise step.
+"""StepScheduler: step mode, where requests join and leave the running batch between denoise steps.
 
 The running set holds requests of one key, up to `max_num_seqs`. Between ticks,
 waiting requests join FIFO while there is room and their key matches the running
@@ -9,20 +9,11 @@ at different steps share ticks; the runner reports each one's progress.
 
 from __future__ import annotations
 
-from engine_lib.request import DiffusionRequest, RequestStatus
-from engine_lib.sched.base import RunnerOutput, Scheduler, SchedulerOutput
+from engine_lib.sched.base import Scheduler, SchedulerOutput
 
 
 class StepScheduler(Scheduler):
     """Continuous batching over denoise steps. Not thread-safe: the engine locks."""
-
-    def _check_request(self, request: DiffusionRequest) -> None:
-        """A step request needs steps to run and a start index inside them."""
-        if request.num_steps <= 0:
-            raise ValueError(f"request {request.request_id!r}: num_inference_steps must be > 0, got {request.num_steps}")
-        if not 0 <= request.step_index < request.num_steps:
-            raise ValueError(f"request {request.request_id!r}: step_index {request.step_index} "
-                             f"is outside [0, {request.num_steps})")
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._take_ended_ids())
@@ -34,34 +25,3 @@ class StepScheduler(Scheduler):
             running_key = key
             self._admit(out)
         return out
-
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[DiffusionRequest]:
-        # Requests aborted during the tick are no longer running: their results are dropped.
-        live = [self._running[i] for i in sched_out.scheduled_ids if i in self._running]
-        for request in live:  # check everything before changing anything
-            rid = request.request_id
-            if rid in runner_out.errors:
-                continue
-            if rid not in runner_out.step_index:
-                if rid in runner_out.finished:
-                    continue
-                raise RuntimeError(f"runner reported no progress for scheduled request {rid!r}")
-            step = runner_out.step_index[rid]
-            if not request.step_index <= step <= request.num_steps:
-                raise RuntimeError(f"runner reported step {step} for request {rid!r} at step "
-                                   f"{request.step_index} of {request.num_steps}")
-        ended = []
-        for request in live:
-            rid = request.request_id
-            error = runner_out.errors.get(rid)
-            if error is not None:
-                request.status = RequestStatus.FAILED
-                request.error = error
-            else:
-                request.step_index = runner_out.step_index.get(rid, request.step_index)
-                if rid not in runner_out.finished and request.step_index < request.num_steps:
-                    continue
-                request.status = RequestStatus.FINISHED
-            self._end(request)
-            ended.append(request)
-        return ended

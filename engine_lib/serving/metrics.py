@@ -28,7 +28,7 @@ GAUGES = {
 }
 HISTOGRAMS = {
     "batch_size": ("diffusion_batch_size", "Requests per engine forward (one per tick)", BATCH_BUCKETS),
-    "tick_seconds": ("diffusion_tick_seconds", "Device time of one engine tick (a step or a request batch)",
+    "tick_seconds": ("diffusion_tick_seconds", "Device time of one engine tick (one denoise step of the running batch)",
                      SECONDS_BUCKETS),
     "first_response_seconds": ("diffusion_time_to_first_response_seconds",
                                "From execute() to a request's first response", SECONDS_BUCKETS),

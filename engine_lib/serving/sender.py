@@ -18,8 +18,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
+from engine_lib.interface import OutputSpec
 from engine_lib.request import DiffusionOutput, EngineError, EngineUnavailableError, RequestCancelledError
 from engine_lib.serving.tensors import output_arrays
 
@@ -52,14 +53,17 @@ class ResponseSender:
 
     `pb_utils` is Triton's `triton_python_backend_utils` module (passed in so this
     module imports without Triton); `abort` is the engine's abort(ids);
-    `metrics` records outcomes and latencies (see metrics.py); `log` takes one line.
+    `metrics` records outcomes and latencies (see metrics.py); `log` takes one line;
+    `outputs` are the adapter's declared outputs (name -> OutputSpec).
     """
 
     _STOP = object()
 
     def __init__(self, pb_utils: Any, abort: Callable[[list[str]], None], metrics: Any,
-                 log: Callable[[str], None], model_name: str, poll_interval_s: float = 0.05):
+                 log: Callable[[str], None], model_name: str, poll_interval_s: float = 0.05,
+                 outputs: Optional[Mapping[str, OutputSpec]] = None):
         self._pb = pb_utils
+        self._outputs = dict(outputs or {})  # the adapter's declared outputs, for output_format encodings
         self._abort = abort
         self._metrics = metrics
         self._log = log
@@ -144,7 +148,7 @@ class ResponseSender:
             if output.error is not None:
                 self._send_error(stream.response_sender, output.error, stream.client_id)
             else:
-                arrays = output_arrays(output, stream.output_format)
+                arrays = output_arrays(output, stream.output_format, self._outputs)
                 response = self._pb.InferenceResponse(
                     output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
                 flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.is_final else 0

@@ -28,7 +28,7 @@ from engine_lib.config import EngineConfig
 from engine_lib.request import ConfigError
 from engine_lib.serving.metrics import ModelMetrics
 from engine_lib.serving.sender import OpenStream, ResponseSender
-from engine_lib.serving.tensors import INPUT_SPECS, parse_inputs
+from engine_lib.serving.tensors import parameters_as_inputs, read_inputs
 
 
 def _log(line: str) -> None:
@@ -87,7 +87,8 @@ class TritonPythonModel:
                                                       tick_listener=self.metrics.tick)
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None
-        self.sender = ResponseSender(pb_utils, self.engine.abort, self.metrics, _log, self.model_name)
+        self.sender = ResponseSender(pb_utils, self.engine.abort, self.metrics, _log, self.model_name,
+                                     outputs={spec.name: spec for spec in self.adapter.outputs})
         self.metrics.start(self.engine.stats)
         self.sender.start()
         self._ids = itertools.count(1)
@@ -108,8 +109,9 @@ class TritonPythonModel:
             client_id = ""
             try:
                 client_id = request.request_id() or ""
-                params = parse_inputs(self._read_inputs(request), self.config,
-                                      self.adapter.size_multiple, self.adapter)
+                values = parameters_as_inputs(request.parameters())
+                values.update(read_inputs(self._input_arrays(request), self.engine.inputs.specs))
+                params = self.engine.parse(values)
             except Exception as exc:  # noqa: BLE001 - bad input (or a bug): answer now, queue nothing
                 self.sender.reject(response_sender, exc, client_id)
                 continue
@@ -122,10 +124,10 @@ class TritonPythonModel:
                 self.sender.fail(request_id, exc)
         return None
 
-    @staticmethod
-    def _read_inputs(request) -> dict:
+    def _input_arrays(self, request) -> dict:
+        """The declared inputs the request sent (config.pbtxt lists exactly these, so Triton refuses others)."""
         inputs = {}
-        for name in INPUT_SPECS:
+        for name in self.engine.inputs.specs:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()

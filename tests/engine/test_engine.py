@@ -1,4 +1,4 @@
-"""The engine with the real tiny Qwen-Image pipeline: modes, streams, abort, close, fault isolation."""
+"""The engine with the real tiny Qwen-Image pipeline: modes, streams, abort, close, fault isolation, parity."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.engine import DiffusionEngine, EngineMode
-from engine_lib.request import (
-    ConfigError,
-    EngineUnavailableError,
-    InvalidInputError,
-    RequestCancelledError,
-    SamplingParams,
-)
+from engine_lib.interface import to_uint8
+from engine_lib.request import ConfigError, EngineUnavailableError, InvalidInputError, RequestCancelledError
 
 MODES = [
     pytest.param(False, 1, id="request-serial"),
@@ -34,13 +30,15 @@ def adapter(tiny_qwen_dir):
 
 
 def make(adapter, step_execution=False, max_num_seqs=1, **kw):
+    kw.setdefault("max_steps", 1000)  # some tests need a request that outlasts their checks
     config = EngineConfig(step_execution=step_execution, max_num_seqs=max_num_seqs, warmup=False, **kw)
     return DiffusionEngine(adapter, config)
 
 
 def params(seed=0, steps=3, size=64, **kw):
-    return SamplingParams(prompt=kw.pop("prompt", f"a red cube {seed}"), seed=seed, num_inference_steps=steps,
-                          height=size, width=size, **kw)
+    """A request's inputs by name; the engine validates them at admission."""
+    return dict(prompt=kw.pop("prompt", f"a red cube {seed}"), seed=seed, num_inference_steps=steps,
+                height=size, width=size, **kw)
 
 
 def drain(stream, timeout=120):
@@ -82,11 +80,10 @@ def test_eight_concurrent_requests_each_end_once(adapter, step_execution, max_nu
             assert [o.is_final for o in outputs].count(True) == 1
             final = outputs[-1]
             assert final.error is None, final.error
-            assert final.images.shape == (1, 64, 64, 3) and final.images.dtype == np.uint8
-            steps = [o.step for o in outputs]
-            assert steps == sorted(steps)
-            if step_execution:  # previews at every step before the last
-                assert steps == list(range(1, 2 + i % 3 + 1))
+            assert final.outputs["image"].shape == (1, 64, 64, 3) and final.outputs["image"].dtype == np.uint8
+            # Both modes run the one step loop: a preview at every step before the last, then the final.
+            assert [o.step for o in outputs] == list(range(1, 2 + i % 3 + 1))
+            assert all(o.outputs["image"].shape == (1, 64, 64, 3) for o in outputs)
         assert_idle(engine)
     finally:
         engine.close()
@@ -166,7 +163,11 @@ def test_invalid_input_and_duplicate_id_rejected(adapter):
 
 
 class FaultyAdapter:
-    """The real adapter with one injected failure for requests whose prompt is 'boom'."""
+    """The real adapter with one injected failure, in one contract method, for requests whose prompt is 'boom'.
+
+    Batched methods fail the whole call when a 'boom' request is in it, as a real
+    failure of a batched forward or decode would.
+    """
 
     def __init__(self, real, where):
         self._real, self._where = real, where
@@ -174,40 +175,50 @@ class FaultyAdapter:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
+    def _maybe_fail(self, where, states):
+        if self._where == where and any(s.params.prompt == "boom" for s in states):
+            raise RuntimeError(f"injected {where} failure")
+
     def prepare_encode(self, state):
-        if self._where == "prepare_encode" and state.params.prompt == "boom":
-            raise RuntimeError("injected prepare_encode failure")
+        self._maybe_fail("prepare_encode", [state])
         return self._real.prepare_encode(state)
 
-    def forward(self, batch):
-        if self._where == "forward" and any(p.prompt == "boom" for p in batch.params):
-            raise RuntimeError("injected forward failure")
-        return self._real.forward(batch)
+    def denoise_step(self, input_batch, *, states):
+        self._maybe_fail("denoise_step", states)
+        return self._real.denoise_step(input_batch, states=states)
+
+    def step_scheduler(self, state, noise_pred):
+        self._maybe_fail("step_scheduler", [state])
+        return self._real.step_scheduler(state, noise_pred)
+
+    def post_decode(self, states):
+        self._maybe_fail("post_decode", states)
+        return self._real.post_decode(states)
 
 
 def max_level_diff(a, b):
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.parametrize("step_execution,where", [(True, "prepare_encode"), (False, "forward")])
+@pytest.mark.parametrize("where", ["prepare_encode", "denoise_step", "step_scheduler", "post_decode"])
+@pytest.mark.parametrize("step_execution", [False, True], ids=["request-mode", "step-mode"])
 def test_failing_request_fails_alone(adapter, step_execution, where):
     good = [params(seed=s, steps=3) for s in (1, 2, 3)]
     solo = make(adapter, step_execution=step_execution)
     try:
-        references = [solo.add_request(f"s{i}", p).result(timeout=60).images for i, p in enumerate(good)]
+        references = [solo.add_request(f"s{i}", p).result(timeout=60).outputs["image"] for i, p in enumerate(good)]
     finally:
         solo.close()
-    engine = DiffusionEngine(FaultyAdapter(adapter, where),
-                             EngineConfig(step_execution=step_execution, max_num_seqs=4, warmup=False))
+    engine = make(FaultyAdapter(adapter, where), step_execution=step_execution, max_num_seqs=4)
     try:
         streams = [engine.add_request(f"g{i}", p) for i, p in enumerate(good[:2])]
         streams.insert(1, engine.add_request("bad", params(seed=9, steps=3, prompt="boom")))
         streams.append(engine.add_request("g2", good[2]))
         finals = [s.result(timeout=120) for s in streams]
-        assert "injected" in str(finals[1].error)
+        assert f"injected {where}" in str(finals[1].error)
         for final, reference in zip(finals[:1] + finals[2:], references):
             assert final.error is None
-            assert max_level_diff(final.images, reference) <= 1
+            assert max_level_diff(final.outputs["image"], reference) <= 1
         assert_idle(engine)
     finally:
         engine.close()
@@ -226,7 +237,7 @@ def test_capability_flags_checked_at_load(adapter):
 
 def test_make_engine_cleans_up_when_warmup_fails(adapter):
     class Broken(FaultyAdapter):
-        def forward(self, batch):
+        def denoise_step(self, input_batch, *, states):
             raise RuntimeError("broken pipeline")
 
     before = {t.name for t in threading.enumerate()}
@@ -245,6 +256,44 @@ def test_admission_wait_forms_one_wave(adapter):
             streams.append(engine.add_request(f"w{i}", params(seed=i)))
             time.sleep(0.005)
         assert all(s.result(timeout=60).error is None for s in streams)
-        assert [t.batch_size for t in ticks] == [4]
+        assert [t.batch_size for t in ticks] == [4, 4, 4]  # one wave of four, one tick per denoise step
+    finally:
+        engine.close()
+
+
+def test_request_mode_aborts_at_a_step_boundary(adapter):
+    """A wave runs step by step, so an abort frees its member at once and the others go on."""
+    engine = make(adapter, step_execution=False, max_num_seqs=2)
+    try:
+        doomed = engine.add_request("doomed", params(steps=200, preview_interval=1))
+        mate = engine.add_request("mate", params(seed=1, steps=200))
+        assert not doomed.get(timeout=60).is_final  # the wave is running
+        engine.abort(["doomed"])
+        assert isinstance(drain(doomed)[-1].error, RequestCancelledError)
+        assert wait_until(lambda: engine.stats().num_runner_states == 1)  # freed long before the mate ends
+        assert mate.result(timeout=120).error is None
+        assert_idle(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("step_execution,max_num_seqs", MODES)
+def test_every_mode_gives_the_diffusers_image(adapter, step_execution, max_num_seqs):
+    """A request alone is bitwise `pipe(...)`'s image in every mode; four at once stay within 1 level."""
+    engine = make(adapter, step_execution, max_num_seqs)
+    try:
+        requests = [params(seed=s, steps=3 + s % 2, prompt=f"a photo of a cat {s}") for s in range(4)]
+        expected = []
+        for p in requests:
+            pipe_out = adapter.pipe(p["prompt"], height=64, width=64, num_inference_steps=p["num_inference_steps"],
+                                    generator=torch.Generator().manual_seed(p["seed"]), output_type="np")
+            expected.append(to_uint8(pipe_out.images))
+        solo = engine.add_request("solo", requests[0]).result(timeout=60).outputs["image"]
+        np.testing.assert_array_equal(solo, expected[0])
+        streams = [engine.add_request(f"r{i}", p) for i, p in enumerate(requests)]
+        for stream, reference in zip(streams, expected):
+            image = stream.result(timeout=60).outputs["image"]
+            levels = np.abs(image.astype(int) - reference.astype(int))
+            assert levels.max() <= 1 and (levels > 0).mean() <= 0.001
     finally:
         engine.close()

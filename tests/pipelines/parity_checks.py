@@ -1,27 +1,28 @@
-"""Shared parity checks for pipeline adapters: a minimal step driver, image comparisons,
-and `FlowMatchParitySuite`, the parity tests every flow-matching adapter runs.
+"""Shared parity checks for pipeline adapters: a tick driver of the engine's own `ModelRunner`,
+image comparisons, and `FlowMatchParitySuite`, the parity tests every flow-matching adapter runs.
 
-The driver is what the engine's runner does each tick, and nothing more: admit
-arrivals up to a capacity (`prepare_encode`), gather one InputBatch, one
-`denoise_step`, split, `step_scheduler` per request, previews, and one
-`post_decode` for the requests that finished in the same tick.
+The driver plays the scheduler's part and nothing more (arrivals admitted by
+tick up to a capacity, progress bookkeeping); every tensor operation is the
+runner's one loop: `prepare_encode`, `InputBatch.gather`, one `denoise_step`,
+split, `step_scheduler` per request, previews, one `post_decode` for the
+requests that finished in the same tick.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
 
 from engine_lib.config import EngineConfig
-from engine_lib.pipelines.base import DiffusionRequestBatch, InputBatch, PipelineAdapter, StepRequestState
-from engine_lib.pipelines.flow_match import to_uint8
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines.base import PipelineAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
+from engine_lib.runner import ModelRunner
 
 # Batch-size dependent CPU float32 kernels move pixels by about 1e-6 (measured; see
 # docs/pipelines.md); this bound is two orders of magnitude above that.
@@ -49,7 +50,7 @@ def with_cfg_batching(adapter: PipelineAdapter, on: bool) -> PipelineAdapter:
 class Arrival:
     tick: int
     request_id: str
-    params: SamplingParams
+    params: Any  # the request's inputs by name (a dict), or parsed SamplingParams
 
 
 @dataclass
@@ -58,41 +59,51 @@ class DriveResult:
     previews: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # (step, preview)
     batch_sizes: list[int] = field(default_factory=list)  # requests in each tick's forward
     finished_at: dict[str, int] = field(default_factory=dict)  # request id -> tick
+    errors: dict[str, Exception] = field(default_factory=dict)
 
 
 def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4,
                 float_output: bool = False) -> DriveResult:
-    """Run arrivals through the step contract tick by tick; previews follow each request's preview_interval."""
+    """Run arrivals through `ModelRunner.execute_step` tick by tick (step mode: requests join between steps).
+
+    Previews follow each request's preview_interval; `float_output` keeps the pipeline's
+    float images (before the uint8 rounding every served image gets).
+    """
+    runner = ModelRunner(adapter, float_outputs=float_output)
     pending = sorted(arrivals, key=lambda a: a.tick)
-    running: list[StepRequestState] = []
-    input_batch: Optional[InputBatch] = None
+    running: list[DiffusionRequest] = []
     result = DriveResult()
     tick = 0
     while pending or running:
-        while pending and pending[0].tick <= tick and len(running) < capacity:
+        new = []
+        while pending and pending[0].tick <= tick and len(running) + len(new) < capacity:
             arrival = pending.pop(0)
-            state = StepRequestState(arrival.request_id, arrival.params)
-            adapter.prepare_encode(state)
-            running.append(state)
-        if running:
-            input_batch = InputBatch.gather(running, previous=input_batch)
-            result.batch_sizes.append(len(running))
-            noise_pred = adapter.denoise_step(input_batch, states=running)
-            for state, rows in zip(running, input_batch.split(noise_pred)):
-                adapter.step_scheduler(state, rows)
-            for state in running:
-                k = state.params.preview_interval
-                if k and not state.denoise_completed and state.step_index % k == 0:
-                    result.previews.setdefault(state.request_id, []).append((state.step_index, adapter.preview(state)))
-            done = [s for s in running if s.denoise_completed]
-            if done:
-                decode = adapter.decode_float if float_output else adapter.post_decode
-                for state, images in zip(done, decode(done)):
-                    result.images[state.request_id] = images
-                    result.finished_at[state.request_id] = tick
-                running = [s for s in running if not s.denoise_completed]
+            new.append(DiffusionRequest(arrival.request_id, parse(adapter, arrival.params)))
+        if new or running:
+            result.batch_sizes.append(len(new) + len(running))
+            out = runner.execute_step(new, running)
+            running = running + new
+            for request_id, preview in out.previews.items():
+                result.previews.setdefault(request_id, []).append((out.output.step_index[request_id],
+                                                                   preview["image"]))
+            for request_id, outputs in out.outputs.items():
+                result.images[request_id] = outputs["image"]
+                result.finished_at[request_id] = tick
+            result.errors.update(out.output.errors)
+            ended = set(out.output.finished) | set(out.output.errors)
+            running = [r for r in running if r.request_id not in ended]
         tick += 1
+    assert not result.errors, result.errors
+    assert not runner.states, "the runner freed every ended request's state"
     return result
+
+
+def run_wave(adapter: PipelineAdapter, all_params: list, float_output: bool = False) -> list:
+    """Request mode: one wave admitted together and run to completion (`ModelRunner.run_to_completion`)."""
+    requests = [DiffusionRequest(f"r{i}", parse(adapter, p)) for i, p in enumerate(all_params)]
+    result = ModelRunner(adapter, float_outputs=float_output).run_to_completion(requests)
+    assert not result.output.errors, result.output.errors
+    return [result.outputs[r.request_id]["image"] for r in requests]
 
 
 def image_diff(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -119,54 +130,59 @@ def assert_close_images(actual: np.ndarray, expected: np.ndarray, to_uint8) -> f
 
 PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse on the moon", "a bowl of fruit"]
 LONG_PROMPT = "a small dog running in the green grass next to a river"
+# What the tests may ask for; every other limit is the shipped default.
+TEST_CONFIG = EngineConfig(max_steps=1000, max_num_images=4)
 
 
-def make_reference(adapter: PipelineAdapter, pipe_inputs: tuple[str, ...]):
-    """`pipe(...)` for SamplingParams: float32 [N, H, W, 3] in [0, 1], memoised (read-only arrays).
+def parse(adapter: PipelineAdapter, inputs) -> SamplingParams:
+    """Inputs validated exactly as the engine validates them at admission (already-parsed params pass through)."""
+    if isinstance(inputs, SamplingParams):
+        return inputs
+    return adapter.input_schema(TEST_CONFIG).parse(inputs)
 
-    `pipe_inputs` name the SamplingParams fields that are `pipe(...)` arguments of the
-    same name; each is passed when set (None leaves diffusers' default).
+
+def pipe_reference(adapter: PipelineAdapter):
+    """`pipe(...)` for a request's inputs: its declared image output as float32 [N, H, W, 3], memoised.
+
+    The call is built from the declaration alone: every input with a `pipe_arg`
+    is passed under that name when set, the seed as a CPU generator, and the
+    output read from the pipeline output's `pipe_output` attribute.
     """
+    specs = adapter.input_specs()
+    [image] = [o for o in adapter.outputs if o.name == "image"]
 
     @functools.lru_cache(maxsize=None)
     def run(p: SamplingParams) -> np.ndarray:
-        kwargs = {name: getattr(p, name) for name in pipe_inputs if getattr(p, name) is not None}
-        images = adapter.pipe(
-            p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
-            num_images_per_prompt=p.num_images, generator=torch.Generator().manual_seed(p.seed),
-            output_type="np", **kwargs,
-        ).images
+        kwargs = {s.pipe_arg: p[s.name] for s in specs if s.pipe_arg and p[s.name] is not None}
+        result = adapter.pipe(**kwargs, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        images = getattr(result, image.pipe_output)
         images.setflags(write=False)
         return images
 
-    return run
+    return lambda inputs: run(parse(adapter, inputs))
 
 
-def forward_float(adapter, all_params: list[SamplingParams]) -> list[np.ndarray]:
-    """forward()'s images before the uint8 rounding (forward = post_decode(denoise_requests(...)))."""
-    batch = DiffusionRequestBatch([DiffusionRequest(f"r{i}", p) for i, p in enumerate(all_params)])
-    return adapter.decode_float(adapter.denoise_requests(batch))
-
-
-def solo_steps(adapter, p: SamplingParams, **kw):
+def solo_steps(adapter, p, **kw):
     return drive_steps(adapter, [Arrival(0, "solo", p)], capacity=1, **kw).images["solo"]
 
 
 class FlowMatchParitySuite:
     """The parity tests every FlowMatchAdapter runs against its own diffusers pipeline.
 
-    Solo runs (request mode and step mode) must be bitwise what `pipe(...)` gives;
-    batched runs may differ only by batch-size dependent CPU kernels (FLOAT_BOUND
-    and the uint8 rule of `assert_close_images`).
+    Solo runs must be bitwise what `pipe(...)` gives; batched runs may differ only
+    by batch-size dependent CPU kernels (FLOAT_BOUND and the uint8 rule of
+    `assert_close_images`). Every run goes through the engine's ModelRunner:
+    `run_wave` is request mode (a wave admitted together), `drive_steps` step
+    mode (arrivals join between steps).
 
     A test module subclasses it (as `Test<Pipeline>Parity`) and provides module
     fixtures: `adapter` (`load_tiny_adapter`: through the registry, cfg_batching
     on), `bitwise_adapter` (the cfg_batching setting that is diffusers' own CFG
-    execution) and `reference` (`make_reference`). Class attributes say how params
-    look with and without CFG, and where pipelines differ.
+    execution) and `reference` (`pipe_reference`). Class attributes say how the
+    inputs look with and without CFG, and where pipelines differ.
     """
 
-    BASE: ClassVar[dict] = {}  # added to every request's params (e.g. a short max_sequence_length)
+    BASE: ClassVar[dict] = {}  # added to every request's inputs (e.g. a short max_sequence_length)
     NO_CFG: ClassVar[dict] = {}
     CFG: ClassVar[dict] = {}
     SEEDS: ClassVar[tuple] = (0, 1, 2)
@@ -174,15 +190,13 @@ class FlowMatchParitySuite:
     # True where prompts of different lengths share a forward padded to the longest (the
     # transformer takes a mask): a longer prompt then changes the other rows' padding.
     PADS_TEXT: ClassVar[bool] = False
-    # Inputs in `supported_inputs` that the tiny checkpoint rejects as unused (e.g. guidance
-    # without guidance embeddings).
-    CHECKPOINT_REJECTS: ClassVar[frozenset] = frozenset()
 
     @classmethod
     def params(cls, prompt: str = PROMPTS[0], cfg: bool = False, steps: int = 4, seed: int = 0,
-               **kw: Any) -> SamplingParams:
-        fields = {"height": 64, "width": 64, **cls.BASE, **(cls.CFG if cfg else cls.NO_CFG), **kw}
-        return SamplingParams(prompt=prompt, num_inference_steps=steps, seed=seed, **fields)
+               **kw: Any) -> dict:
+        """A request's inputs by name (validated by the driver, as at admission)."""
+        return {"prompt": prompt, "num_inference_steps": steps, "seed": seed, "height": 64, "width": 64,
+                **cls.BASE, **(cls.CFG if cfg else cls.NO_CFG), **kw}
 
     @classmethod
     def staggered_arrivals(cls, cfg: bool) -> list[Arrival]:
@@ -195,7 +209,8 @@ class FlowMatchParitySuite:
 
     @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
     def test_solo_matches_diffusers_bitwise(self, adapter, bitwise_adapter, reference, cfg):
-        """forward() and step mode, one request alone, give exactly `pipe(...)`'s image (SEEDS x STEPS).
+        """One request alone through the runner gives exactly `pipe(...)`'s image (SEEDS x STEPS), as float
+        and as the served uint8.
 
         Without CFG this is the engine's default adapter (cfg_batching does not apply); with CFG it
         is `bitwise_adapter`, and the other CFG execution is checked in the cfg_batching test.
@@ -205,16 +220,15 @@ class FlowMatchParitySuite:
             for steps in self.STEPS:
                 p = self.params(cfg=cfg, steps=steps, seed=seed)
                 expected = reference(p)
-                [image] = runner.forward(DiffusionRequestBatch([DiffusionRequest("solo", p)]))
+                image = solo_steps(runner, p)
                 assert image.dtype == np.uint8 and image.shape == (1, 64, 64, 3)
-                np.testing.assert_array_equal(image, to_uint8(expected), err_msg=f"forward, seed {seed}, {steps} steps")
-                # post_decode is to_uint8(decode_float): equal floats give equal uint8 images.
+                np.testing.assert_array_equal(image, to_uint8(expected), err_msg=f"uint8, seed {seed}, {steps} steps")
                 np.testing.assert_array_equal(solo_steps(runner, p, float_output=True), expected,
-                                              err_msg=f"steps, seed {seed}, {steps} steps")
+                                              err_msg=f"float, seed {seed}, {steps} steps")
 
     def test_solo_at_the_default_text_length_and_several_images(self, adapter, reference):
-        p = dataclasses.replace(self.params(steps=3, seed=5, num_images=2), max_sequence_length=None)
-        [image] = adapter.forward(DiffusionRequestBatch([DiffusionRequest("two", p)]))
+        p = {k: v for k, v in self.params(steps=3, seed=5, num_images=2).items() if k != "max_sequence_length"}
+        image = solo_steps(adapter, p)
         assert image.shape == (2, 64, 64, 3)
         np.testing.assert_array_equal(image, to_uint8(reference(p)))
 
@@ -229,7 +243,7 @@ class FlowMatchParitySuite:
         for seed in self.SEEDS:
             p = self.params(cfg=True, steps=self.STEPS[0], seed=seed)
             for runner in (adapter, other):
-                diffs.append(assert_close_images(forward_float(runner, [p])[0], reference(p), to_uint8))
+                diffs.append(assert_close_images(solo_steps(runner, p, float_output=True), reference(p), to_uint8))
         print(f"{adapter.name} cfg_batching on vs off, and each vs diffusers: max abs diff {max(diffs):.2e}")
 
     # -- batched parity: within the bound ---------------------------------------------
@@ -244,39 +258,38 @@ class FlowMatchParitySuite:
         print(f"{adapter.name} step batch cfg={cfg}: max abs diff per request {['%.2e' % d for d in diffs]}")
 
     @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
-    def test_fused_forward_matches_solo(self, adapter, reference, cfg):
+    def test_request_wave_matches_solo(self, adapter, reference, cfg):
         all_params = [self.params(PROMPTS[i], cfg=cfg, steps=4, seed=20 + i) for i in range(4)]
-        images = forward_float(adapter, all_params)
+        images = run_wave(adapter, all_params, float_output=True)
         diffs = [assert_close_images(image, reference(p), to_uint8) for image, p in zip(images, all_params)]
-        print(f"{adapter.name} fused forward cfg={cfg}: max abs diff per request {['%.2e' % d for d in diffs]}")
-        uint8 = adapter.forward(DiffusionRequestBatch([DiffusionRequest(f"r{i}", p) for i, p in enumerate(all_params)]))
-        for image, expected in zip(uint8, images):
+        print(f"{adapter.name} request wave cfg={cfg}: max abs diff per request {['%.2e' % d for d in diffs]}")
+        for image, expected in zip(run_wave(adapter, all_params), images):
             np.testing.assert_array_equal(image, to_uint8(expected))
 
     # -- isolation ------------------------------------------------------------------------
 
-    @pytest.mark.parametrize("mode", ["fused", "steps"])
+    @pytest.mark.parametrize("mode", ["wave", "steps"])
     def test_changing_one_request_changes_only_its_image(self, adapter, mode):
         def run(all_params):
-            if mode == "fused":
-                return forward_float(adapter, all_params)
+            if mode == "wave":
+                return run_wave(adapter, all_params, float_output=True)
             arrivals = [Arrival(i, f"r{i}", p) for i, p in enumerate(all_params)]
             result = drive_steps(adapter, arrivals, float_output=True)
             return [result.images[f"r{i}"] for i in range(len(all_params))]
 
-        # Step counts 3 and 4 in both modes: a fused forward drops requests as they finish, as a step batch does.
+        # Step counts 3 and 4 in both modes: the runner drops requests from the batch as they finish.
         base = [self.params(PROMPTS[i], steps=3 + i % 2, seed=30 + i) for i in range(4)]
         before = run(base)
 
         reseeded = list(base)
-        reseeded[1] = dataclasses.replace(base[1], seed=99)
+        reseeded[1] = {**base[1], "seed": 99}
         after = run(reseeded)
         assert image_diff(after[1], before[1]) > 1e-2, "a new seed did not change its image"
         for j in (0, 2, 3):  # same shapes, same kernels: bitwise unchanged
             np.testing.assert_array_equal(after[j], before[j], err_msg=f"request {j} changed with request 1's seed")
 
         reprompted = list(base)
-        reprompted[2] = dataclasses.replace(base[2], prompt=LONG_PROMPT)
+        reprompted[2] = {**base[2], "prompt": LONG_PROMPT}
         after = run(reprompted)
         changed = image_diff(after[2], before[2])
         if self.PADS_TEXT:
@@ -294,8 +307,7 @@ class FlowMatchParitySuite:
     def test_previews_have_the_image_size_and_never_change_the_result(self, adapter):
         plain = [Arrival(0, "a", self.params(steps=6, seed=1, num_images=2)),
                  Arrival(1, "b", self.params(PROMPTS[1], steps=5, seed=2))]
-        with_previews = [Arrival(a.tick, a.request_id, dataclasses.replace(a.params, preview_interval=2))
-                         for a in plain]
+        with_previews = [Arrival(a.tick, a.request_id, {**a.params, "preview_interval": 2}) for a in plain]
         without = drive_steps(adapter, plain)
         previewed = drive_steps(adapter, with_previews)
         assert not without.previews
@@ -323,22 +335,21 @@ class FlowMatchParitySuite:
         assert calls == [3, 1]  # r1, r2, r3 finish at tick 6 (one call), r0 at tick 7
         assert all(image.shape == (1, 64, 64, 3) for image in result.images.values())
         calls.clear()
-        requests = [DiffusionRequest(f"r{i}", self.params(PROMPTS[i], steps=2, seed=i)) for i in range(4)]
-        images = adapter.forward(DiffusionRequestBatch(requests))
+        images = run_wave(adapter, [self.params(PROMPTS[i], steps=2, seed=i) for i in range(4)])
         assert calls == [4] and len(images) == 4
 
-    # -- validation -------------------------------------------------------------------------
+    # -- validation (the declaration, as the engine applies it at admission) -------------------
 
-    def test_validate_rejects_inputs_the_pipeline_does_not_use(self, adapter):
-        unused = {"negative_prompt": "x", "true_cfg_scale": 4.0, "guidance_scale": 2.0, "preview_interval": 1,
-                  "max_sequence_length": 16, "num_frames": 9, "lora_name": "style", "lora_scale": 0.5}
-        for name, value in unused.items():
-            p = SamplingParams(prompt="x", **{name: value})
-            if name in adapter.supported_inputs and name not in self.CHECKPOINT_REJECTS:
-                adapter.validate(p)
+    def test_inputs_the_pipeline_does_not_declare_are_refused_by_name(self, adapter):
+        declared = {s.name for s in adapter.input_specs() if not s.unused}
+        candidates = {"negative_prompt": "x", "true_cfg_scale": 4.0, "guidance_scale": 2.0, "preview_interval": 1,
+                      "max_sequence_length": 16, "num_frames": 9, "lora_name": "style", "lora_scale": 0.5}
+        for name, value in candidates.items():
+            if name in declared:
+                parse(adapter, {"prompt": "x", name: value})
             else:
                 with pytest.raises(InvalidInputError) as info:
-                    adapter.validate(p)
+                    parse(adapter, {"prompt": "x", name: value})
                 assert info.value.input_name == name and "does not use" in str(info.value)
 
     @pytest.mark.parametrize("bad, name", [
@@ -349,9 +360,9 @@ class FlowMatchParitySuite:
         (dict(max_sequence_length=0), "max_sequence_length"),
         (dict(max_sequence_length="above the pipeline's limit"), "max_sequence_length"),
     ])
-    def test_validate_rejects_what_the_pipeline_cannot_run(self, adapter, bad, name):
+    def test_validation_refuses_what_the_pipeline_cannot_run(self, adapter, bad, name):
         if bad.get("max_sequence_length") == "above the pipeline's limit":
-            bad = dict(max_sequence_length=adapter.max_max_sequence_length + 1)
+            bad = dict(max_sequence_length=int(adapter.input_spec("max_sequence_length").high) + 1)
         with pytest.raises(InvalidInputError) as info:
-            adapter.validate(SamplingParams(prompt="x", **bad))
+            parse(adapter, {"prompt": "x", **bad})
         assert info.value.input_name == name

@@ -8,17 +8,14 @@ adds what is Flux's own: per-row embedded guidance and the text length in the ke
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from engine_lib.pipelines.flux import DEFAULT_GUIDANCE_SCALE, FluxAdapter
-from engine_lib.pipelines.flow_match import to_uint8
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapter
 from engine_lib.pipelines.registry import get_adapter_class
-from engine_lib.request import InvalidInputError, SamplingParams
-from engine_lib.sched.keys import step_batch_key
+from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, make_reference, with_cfg_batching)
+                           load_tiny_adapter, parse, pipe_reference, with_cfg_batching)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
 # (one test runs the default).
@@ -38,7 +35,7 @@ def bitwise_adapter(adapter) -> FluxAdapter:
 
 @pytest.fixture(scope="module")
 def reference(adapter):
-    return make_reference(adapter, ("negative_prompt", "true_cfg_scale", "guidance_scale", "max_sequence_length"))
+    return pipe_reference(adapter)
 
 
 class TestFluxParity(FlowMatchParitySuite):
@@ -48,6 +45,10 @@ class TestFluxParity(FlowMatchParitySuite):
 
 
 params = TestFluxParity.params
+
+
+def without(inputs: dict, name: str) -> dict:
+    return {k: v for k, v in inputs.items() if k != name}
 
 
 def test_per_row_guidance_in_one_forward_matches_solo(adapter, reference):
@@ -60,44 +61,50 @@ def test_per_row_guidance_in_one_forward_matches_solo(adapter, reference):
     diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
     print(f"flux per-row guidance: max abs diff per request {['%.2e' % d for d in diffs]}")
     # Unset is diffusers' default (3.5), and the guidance matters.
-    default = dataclasses.replace(arrivals[0].params, guidance_scale=DEFAULT_GUIDANCE_SCALE)
+    default = {**arrivals[0].params, "guidance_scale": DEFAULT_GUIDANCE_SCALE}
     assert_close_images(result.images["r0"], reference(default), to_uint8)
-    other_guidance = dataclasses.replace(arrivals[1].params, guidance_scale=6.0)
+    other_guidance = {**arrivals[1].params, "guidance_scale": 6.0}
     assert image_diff(result.images["r1"], reference(other_guidance)) > 1e-3
+    # ... and the engine's keys let them share: guidance is a per-row input for Flux.
+    keys = {adapter.step_key(parse(adapter, a.params)) for a in arrivals}
+    assert len(keys) == 1
 
 
 def test_text_length_is_part_of_the_keys(adapter):
-    short, default = params(), dataclasses.replace(params(), max_sequence_length=None)
-    assert adapter.key_fields(short) == (("text_length", TEXT_LENGTH),)
-    assert adapter.key_fields(default) == (("text_length", 512),)
-    assert step_batch_key(short, adapter.key_fields(short)) != step_batch_key(default, adapter.key_fields(default))
+    def key(inputs):
+        return adapter.step_key(parse(adapter, inputs))
+
+    short, default = params(), without(params(), "max_sequence_length")
+    assert ("text_length", TEXT_LENGTH) in adapter.key_fields(parse(adapter, short))
+    assert ("text_length", 512) in adapter.key_fields(parse(adapter, default))
+    assert key(short) != key(default)
+    assert key(default) == key({**default, "max_sequence_length": 512})  # the default, sent or left out
     # Seeds, prompts and step counts never split a step batch.
-    other = params(PROMPTS[2], steps=7, seed=9)
-    assert step_batch_key(short, adapter.key_fields(short)) == step_batch_key(other, adapter.key_fields(other))
+    assert key(short) == key(params(PROMPTS[2], steps=7, seed=9))
 
 
 def test_max_sequence_length_option_sets_the_default(adapter):
     configured = FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 64})
-    assert configured.text_length(SamplingParams(prompt="x")) == 64
-    assert configured.text_length(SamplingParams(prompt="x", max_sequence_length=16)) == 16
+    assert parse(configured, {"prompt": "x"}).max_sequence_length == 64
+    assert configured.text_length(parse(configured, {"prompt": "x", "max_sequence_length": 16})) == 16
     with pytest.raises(ValueError, match="max_sequence_length"):
         FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 1024})
 
 
 def test_guidance_is_rejected_by_checkpoints_without_guidance_embeddings(adapter, monkeypatch):
-    adapter.validate(params(guidance_scale=0.0))
+    parse(adapter, params(guidance_scale=0.0))
     from diffusers.configuration_utils import FrozenDict
 
     transformer = adapter.pipe.transformer
     monkeypatch.setattr(transformer, "_internal_dict", FrozenDict({**transformer.config, "guidance_embeds": False}))
     assert not transformer.config.guidance_embeds
-    adapter.validate(params(guidance_scale=None))
+    assert parse(adapter, without(params(), "guidance_scale")).guidance_scale is None  # no default forced on it
     with pytest.raises(InvalidInputError) as info:
-        adapter.validate(params(guidance_scale=3.5))
-    assert info.value.input_name == "guidance_scale"
+        parse(adapter, params(guidance_scale=3.5))
+    assert info.value.input_name == "guidance_scale" and "no guidance embeddings" in str(info.value)
 
 
 def test_registry_and_flags():
     assert get_adapter_class("flux") is FluxAdapter
     assert FluxAdapter.supports_request_batch and FluxAdapter.supports_step_execution and FluxAdapter.supports_previews
-    assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.per_row_guidance
+    assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.input_spec("guidance_scale").batch == "row"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine_lib.config import EngineConfig
-from engine_lib.pipelines.qwen_image import QwenImageAdapter
-from engine_lib.request import InvalidInputError, SamplingParams
-from parity_checks import FlowMatchParitySuite, load_tiny_adapter, make_reference, with_cfg_batching
+from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+from engine_lib.request import InvalidInputError
+from parity_checks import FlowMatchParitySuite, load_tiny_adapter, parse, pipe_reference, with_cfg_batching
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,13 @@ def bitwise_adapter(adapter) -> QwenImageAdapter:
 
 @pytest.fixture(scope="module")
 def reference(adapter):
-    return make_reference(adapter, ("negative_prompt", "true_cfg_scale"))
+    return pipe_reference(adapter)
 
 
 class TestQwenImageParity(FlowMatchParitySuite):
     CFG = dict(negative_prompt="bad quality, blurry", true_cfg_scale=4.0)
     STEPS = (4, 7)
     PADS_TEXT = True  # prompts keep their own token count; a batch pads to the longest
-    CHECKPOINT_REJECTS = frozenset({"guidance_scale"})  # the tiny checkpoint is not guidance-distilled
 
 
 params = TestQwenImageParity.params
@@ -46,10 +45,32 @@ params = TestQwenImageParity.params
 
 def test_a_single_step_is_rejected_for_its_nan_schedule(adapter):
     """The shared suite rejects 0 steps; Qwen-Image's shift_terminal schedule also needs 2."""
-    adapter.validate(params(steps=2))
+    parse(adapter, params(steps=2))
     with pytest.raises(InvalidInputError) as info:
-        adapter.validate(SamplingParams(prompt="x", num_inference_steps=1))
+        parse(adapter, {"prompt": "x", "num_inference_steps": 1})
     assert info.value.input_name == "num_inference_steps" and "NaN" in str(info.value)
+
+
+def test_guidance_is_refused_by_a_checkpoint_that_is_not_guidance_distilled(adapter):
+    assert parse(adapter, params()).guidance_scale is None
+    with pytest.raises(InvalidInputError) as info:
+        parse(adapter, params(guidance_scale=3.5))
+    assert info.value.input_name == "guidance_scale" and "not guidance-distilled" in str(info.value)
+
+
+def test_true_cfg_and_its_scale_enter_the_keys_only_with_a_negative_prompt(adapter):
+    """true_cfg_scale > 1 without a negative prompt is no CFG (as diffusers); with CFG off the scale and the
+    negative prompt's text never split a batch; prompts of any length share one (padded text)."""
+    def key(**inputs):
+        return adapter.step_key(parse(adapter, params(**inputs)))
+
+    assert key() == key(true_cfg_scale=7.0)  # 4.0 (the default) vs 7.0, no negative prompt: no CFG either way
+    assert key(negative_prompt="blurry", true_cfg_scale=1.0) == key()
+    assert key(negative_prompt="", true_cfg_scale=4.0) != key()  # any negative prompt turns CFG on
+    assert key(negative_prompt="x", true_cfg_scale=2.0) != key(negative_prompt="x", true_cfg_scale=4.0)
+    assert key(negative_prompt="x", true_cfg_scale=2) == key(negative_prompt="y", true_cfg_scale=2.0)
+    assert key(prompt="a much longer prompt than the others", max_sequence_length=64) == key()
+    assert key(height=128) != key()
 
 
 def test_adapter_limits_and_flags(adapter):
@@ -71,7 +92,11 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     assert registry.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert registry.resolve_dtype("float16", torch.device("cpu")) == torch.float16
     monkeypatch.delenv(registry.MODEL_PATH_ENV, raising=False)
+    monkeypatch.delenv(f"{registry.MODEL_PATH_ENV}_QWEN_IMAGE", raising=False)
     assert registry.resolve_model_path(EngineConfig()) == str(tiny_qwen_dir)
     monkeypatch.setenv(registry.MODEL_PATH_ENV, "/elsewhere")
     assert registry.resolve_model_path(EngineConfig()) == "/elsewhere"
+    monkeypatch.setenv(f"{registry.MODEL_PATH_ENV}_QWEN_IMAGE", "/its/own")
+    assert registry.resolve_model_path(EngineConfig()) == "/its/own"  # the per-pipeline variable wins
+    assert registry.resolve_model_path(EngineConfig(pipeline="flux")) == "/elsewhere"
     assert registry.resolve_model_path(EngineConfig(model_path="/given")) == "/given"

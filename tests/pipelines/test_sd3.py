@@ -8,17 +8,14 @@ adds what is SD3's own: CFG from `guidance_scale`, negative prompts, and its key
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from engine_lib.pipelines.flow_match import to_uint8
+from engine_lib.interface import to_uint8
 from engine_lib.pipelines.registry import get_adapter_class
-from engine_lib.pipelines.sd3 import DEFAULT_GUIDANCE_SCALE, SD3Adapter
+from engine_lib.pipelines.sd3.adapter import DEFAULT_GUIDANCE_SCALE, SD3Adapter
 from engine_lib.request import InvalidInputError
-from engine_lib.sched.keys import step_batch_key
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, make_reference)
+                           load_tiny_adapter, parse, pipe_reference)
 
 TEXT_LENGTH = 32  # T5 tokens after CLIP's 77 (diffusers' default, 256, runs in one test)
 
@@ -36,7 +33,7 @@ def bitwise_adapter(adapter) -> SD3Adapter:
 
 @pytest.fixture(scope="module")
 def reference(adapter):
-    return make_reference(adapter, ("negative_prompt", "guidance_scale", "max_sequence_length"))
+    return pipe_reference(adapter)
 
 
 class TestSD3Parity(FlowMatchParitySuite):
@@ -50,11 +47,12 @@ params = TestSD3Parity.params
 
 def test_cfg_without_a_negative_prompt_uses_the_empty_one(adapter, reference):
     """guidance_scale unset is diffusers' 7.0 (CFG on); no negative prompt is diffusers' ""."""
-    p = dataclasses.replace(params(steps=3, seed=4), guidance_scale=None)
-    assert adapter.do_cfg(p) and adapter.cfg_scale(p) == DEFAULT_GUIDANCE_SCALE
+    p = {k: v for k, v in params(steps=3, seed=4).items() if k != "guidance_scale"}
+    parsed = parse(adapter, p)
+    assert adapter.do_cfg(parsed) and adapter.cfg_scale(parsed) == DEFAULT_GUIDANCE_SCALE
     arrivals = [Arrival(0, "default", p),
-                Arrival(1, "empty", dataclasses.replace(p, negative_prompt="", guidance_scale=7.0, seed=5)),
-                Arrival(1, "negative", dataclasses.replace(p, negative_prompt="blurry", guidance_scale=7.0, seed=4))]
+                Arrival(1, "empty", {**p, "negative_prompt": "", "guidance_scale": 7.0, "seed": 5}),
+                Arrival(1, "negative", {**p, "negative_prompt": "blurry", "guidance_scale": 7.0, "seed": 4})]
     result = drive_steps(adapter, arrivals, float_output=True)
     assert max(result.batch_sizes) == 3  # with and without a negative prompt in one CFG forward
     for a in arrivals:
@@ -63,31 +61,33 @@ def test_cfg_without_a_negative_prompt_uses_the_empty_one(adapter, reference):
 
 
 def test_keys_hold_text_length_and_cfg(adapter):
-    def key(p):
-        return step_batch_key(p, adapter.key_fields(p))
+    def key(inputs):
+        return adapter.step_key(parse(adapter, inputs))
 
     base = params(guidance_scale=5.0)
-    assert adapter.key_fields(base) == (("text_length", TEXT_LENGTH), ("cfg", True), ("cfg_scale", 5.0))
-    assert key(base) != key(dataclasses.replace(base, max_sequence_length=None))  # 77 + 32 vs 77 + 256 tokens
-    assert key(base) != key(dataclasses.replace(base, guidance_scale=4.0))  # the scale
-    assert key(base) != key(dataclasses.replace(base, guidance_scale=1.0))  # CFG off
-    assert adapter.key_fields(dataclasses.replace(base, guidance_scale=None))[1:] == (("cfg", True), ("cfg_scale", 7.0))
+    assert adapter.key_fields(parse(adapter, base)) == (("cfg", True), ("cfg_scale", 5.0), ("text_length", TEXT_LENGTH))
+    assert key(base) != key({**base, "max_sequence_length": 256})  # 77 + 32 vs 77 + 256 tokens
+    assert key(base) != key({**base, "guidance_scale": 4.0})  # the scale
+    assert key(base) != key({**base, "guidance_scale": 1.0})  # CFG off
+    default = {k: v for k, v in base.items() if k != "guidance_scale"}
+    assert adapter.key_fields(parse(adapter, default))[:2] == (("cfg", True), ("cfg_scale", 7.0))
     # CFG off: the (unused) scale and negative prompt do not split batches; seeds and prompts never do.
     off = params(guidance_scale=1.0)
-    assert adapter.key_fields(off)[1:] == (("cfg", False), ("cfg_scale", None))
+    assert adapter.key_fields(parse(adapter, off))[:2] == (("cfg", False), ("cfg_scale", None))
+    assert key(off) == key(params(guidance_scale=0.5, negative_prompt="x"))
     assert key(base) == key(params(PROMPTS[3], guidance_scale=5.0, seed=8, steps=9, negative_prompt="x"))
 
 
-def test_validate_knows_the_largest_size(adapter):
+def test_validation_knows_the_largest_size(adapter):
     assert adapter.size_multiple == 8 and adapter.max_size == 64 * 8
-    adapter.validate(params(height=512, width=8))
+    parse(adapter, params(height=512, width=8))
     with pytest.raises(InvalidInputError) as info:
-        adapter.validate(params(width=520))
+        parse(adapter, params(width=520))
     assert info.value.input_name == "width" and "512" in str(info.value)
 
 
 def test_registry_and_flags():
     assert get_adapter_class("sd3") is SD3Adapter
     assert SD3Adapter.supports_request_batch and SD3Adapter.supports_step_execution and SD3Adapter.supports_previews
-    assert SD3Adapter.cfg_kind == "cfg" and not SD3Adapter.per_row_guidance
-    assert "true_cfg_scale" not in SD3Adapter.supported_inputs
+    assert SD3Adapter.cfg_kind == "cfg" and SD3Adapter.input_spec("guidance_scale").batch == "adapter"
+    assert "true_cfg_scale" not in {s.name for s in SD3Adapter.inputs}

@@ -133,7 +133,9 @@ def test_qwen_scheduler_config_and_one_step_nan():
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
     scheduler = tiny_models.build_pipeline("qwen_image").scheduler
-    for key, value in tiny_models.QWEN_IMAGE_SCHEDULER_CONFIG.items():
+    from engine_lib.pipelines.qwen_image.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
+
+    for key, value in QWEN_IMAGE_SCHEDULER_CONFIG.items():
         assert scheduler.config[key] == value
     mu = calculate_shift(64, 256, 8192, 0.5, 0.9)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -1,4 +1,8 @@
-"""RequestScheduler with hand-made runner outputs (no model), and the admission wait."""
+"""RequestScheduler with hand-made runner outputs (no model), and the admission wait.
+
+A wave is admitted when nothing runs and then advances one denoise step per tick
+(the runner's one loop); nothing joins it until every member has ended.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +16,30 @@ from engine_lib.sched import RequestScheduler, RunnerOutput, request_batch_key, 
 
 
 def req(request_id: str, **overrides) -> DiffusionRequest:
-    return DiffusionRequest(request_id, SamplingParams(prompt=f"prompt {request_id}", **overrides))
+    values = {"prompt": f"prompt {request_id}", "height": 64, "seed": 0, "num_inference_steps": 4, **overrides}
+    return DiffusionRequest(request_id, SamplingParams(values))
 
 
 def finish_all(sched_out) -> RunnerOutput:
     return RunnerOutput(finished=set(sched_out.scheduled_ids))
 
 
+def one_step(sched: RequestScheduler, sched_out) -> RunnerOutput:
+    """What the runner reports after one denoise step of every scheduled request."""
+    return RunnerOutput(step_index={rid: sched.get_request(rid).step_index + 1 for rid in sched_out.scheduled_ids})
+
+
+def key(params):
+    return request_batch_key(params, ("height",))
+
+
 def make(max_num_seqs: int = 1) -> RequestScheduler:
-    return RequestScheduler(max_num_seqs, request_batch_key)
+    return RequestScheduler(max_num_seqs, key)
 
 
 def test_rejects_capacity_below_one():
     with pytest.raises(ValueError):
-        RequestScheduler(0, request_batch_key)
+        RequestScheduler(0, key)
 
 
 def test_single_request_lifecycle():
@@ -94,14 +108,34 @@ def test_different_step_counts_do_not_share_a_wave():
     assert sched.schedule().new_ids == ["a"]
 
 
-def test_schedule_is_empty_while_a_wave_is_in_flight():
-    sched = make(2)
-    sched.add_request(req("a"))
+def test_a_wave_advances_step_by_step_and_nothing_joins_it():
+    sched = make(3)
+    sched.add_request(req("a", num_inference_steps=3))
+    sched.add_request(req("b", num_inference_steps=3))
     out = sched.schedule()
-    sched.add_request(req("b"))
-    assert sched.schedule().is_empty
-    sched.update_from_output(out, finish_all(out))
-    assert sched.schedule().new_ids == ["b"]
+    assert (out.new_ids, out.running_ids) == (["a", "b"], [])
+    sched.add_request(req("c", num_inference_steps=3))  # compatible, and there is room: it still waits
+    for tick in range(3):
+        if tick:
+            out = sched.schedule()
+            assert (out.new_ids, out.running_ids) == ([], ["a", "b"])
+        ended = sched.update_from_output(out, one_step(sched, out))
+        assert [r.request_id for r in ended] == ([] if tick < 2 else ["a", "b"])
+    assert [r.status for r in ended] == [RequestStatus.FINISHED] * 2
+    assert sched.schedule().new_ids == ["c"]
+
+
+def test_a_failed_member_ends_alone_and_the_wave_goes_on():
+    sched = make(2)
+    a, b = req("a", num_inference_steps=2), req("b", num_inference_steps=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    ended = sched.update_from_output(out, RunnerOutput(step_index={"b": 1}, errors={"a": PipelineError("boom")}))
+    assert ended == [a] and a.status is RequestStatus.FAILED
+    out = sched.schedule()
+    assert (out.new_ids, out.running_ids) == ([], ["b"])
+    assert sched.update_from_output(out, one_step(sched, out)) == [b] and b.status is RequestStatus.FINISHED
 
 
 def test_duplicate_active_id_rejected_and_reusable_after_end():
@@ -143,15 +177,15 @@ def test_abort_running_request_drops_its_result_and_keeps_batch_mates():
     assert sorted(sched.schedule().finished_ids) == ["a", "b"]
 
 
-def test_abort_whole_wave_still_needs_update_before_next_wave():
+def test_aborting_the_whole_wave_drops_its_late_results_and_lets_the_next_wave_in():
     sched = make(1)
     sched.add_request(req("a"))
     sched.add_request(req("b"))
     out = sched.schedule()
     sched.abort(["a"])
-    assert sched.schedule().is_empty  # the runner is still busy with the wave
-    assert sched.update_from_output(out, RunnerOutput()) == []
-    assert sched.schedule().new_ids == ["b"]
+    assert sched.update_from_output(out, RunnerOutput()) == []  # the tick that was in flight: dropped
+    nxt = sched.schedule()
+    assert nxt.new_ids == ["b"] and nxt.finished_ids == ["a"]
 
 
 def test_error_output_marks_only_that_request_failed():
@@ -174,6 +208,8 @@ def test_scheduled_request_without_result_is_an_internal_error():
     out = sched.schedule()
     with pytest.raises(RuntimeError, match="b"):
         sched.update_from_output(out, RunnerOutput(finished={"a"}))
+    with pytest.raises(RuntimeError, match="step 9"):
+        sched.update_from_output(out, RunnerOutput(step_index={"a": 9, "b": 1}))
 
 
 # --- admission wait ---------------------------------------------------------------------

@@ -9,11 +9,12 @@ from engine_lib.sched import RunnerOutput, SchedulerOutput, StepScheduler, step_
 
 
 def req(request_id: str, steps: int = 3, **overrides) -> DiffusionRequest:
-    return DiffusionRequest(request_id, SamplingParams(prompt=request_id, num_inference_steps=steps, **overrides))
+    values = {"prompt": request_id, "height": 64, "num_inference_steps": steps, **overrides}
+    return DiffusionRequest(request_id, SamplingParams(values))
 
 
 def make(max_num_seqs: int = 4) -> StepScheduler:
-    return StepScheduler(max_num_seqs, step_batch_key)
+    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)))
 
 
 class FakeRunner:

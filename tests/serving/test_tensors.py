@@ -1,4 +1,9 @@
-"""tensors.py without Triton: request arrays -> SamplingParams (and every rejection), outputs -> arrays."""
+"""The Triton edge without Triton: request tensors -> validated params (and every rejection), outputs -> tensors.
+
+Reading tensors checks datatypes and shapes (serving/tensors.py); everything else
+is the one validation of the declaration (engine_lib/interface.py), which is
+what these tests drive, with a schema of the common inputs under a small config.
+"""
 
 from __future__ import annotations
 
@@ -9,58 +14,71 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from engine_lib import interface
 from engine_lib.config import EngineConfig
+from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.request import DiffusionOutput, InvalidInputError, SamplingParams
 from engine_lib.serving.sender import error_message
-from engine_lib.serving.tensors import INPUT_SPECS, output_arrays, parse_inputs
+from engine_lib.serving.tensors import NUMPY_DTYPES, output_arrays, read_inputs
 
 CONFIG = EngineConfig(max_height=256, max_width=128, max_steps=50, max_num_images=3, max_prompt_chars=20,
                       default_height=32, default_width=48, default_steps=5)
-DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
+GUIDANCE = InputSpec("guidance_scale", "FP32", "guidance", default=7.0, low=0)
+TRUE_CFG = InputSpec("true_cfg_scale", "FP32", "true CFG", default=1.0, low=0)
+SPECS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
+         interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,
+         interface.output_format("png"), GUIDANCE, TRUE_CFG)
+SPECS = interface.replace_spec(SPECS, "height", low=16, multiple_of=16)
+SPECS = interface.replace_spec(SPECS, "width", low=16, multiple_of=16)
+SCHEMA = InputSchema("fake", SPECS, CONFIG)
 
 
 def tensor(name, value):
     if isinstance(value, str):
         value = value.encode()
-    return np.array([value], dtype=DTYPES[INPUT_SPECS[name].datatype])
+    return np.array([value], dtype=NUMPY_DTYPES[SCHEMA.specs[name].datatype][0])
 
 
 def parse(**values):
-    return parse_inputs({name: tensor(name, v) for name, v in values.items()}, CONFIG, size_multiple=16)
+    return SCHEMA.parse(read_inputs({name: tensor(name, v) for name, v in values.items()}, SCHEMA.specs))
 
 
-def test_defaults_come_from_the_config_and_sampling_params():
+def test_defaults_come_from_the_config_and_the_declaration():
     params = parse(prompt="a cat")
-    assert params == SamplingParams(prompt="a cat", height=32, width=48, num_inference_steps=5, seed=params.seed)
+    assert params == SamplingParams(prompt="a cat", negative_prompt=None, height=32, width=48, num_inference_steps=5,
+                                    seed=params.seed, num_images=1, preview_interval=0, output_format="raw",
+                                    guidance_scale=7.0, true_cfg_scale=1.0)
 
 
 def test_a_left_out_seed_is_random():
     assert len({parse(prompt="a cat").seed for _ in range(5)}) > 1
 
 
-class FakeAdapter:
-    """Only what parse_inputs reads from an adapter: its inputs, their defaults, and validate()."""
-
-    name = "fake"
-    supported_inputs = frozenset({"height", "width", "num_inference_steps", "seed", "guidance_scale"})
-    default_inputs = {"guidance_scale": 7.0}
-
-    def validate(self, params):
-        pass
+def test_sent_values_replace_the_defaults():
+    assert parse(prompt="x", guidance_scale=2.0).guidance_scale == 2.0
 
 
-def test_pipeline_defaults_fill_left_out_inputs():
-    params = parse_inputs({"prompt": tensor("prompt", "x")}, CONFIG, adapter=FakeAdapter())
-    assert params.guidance_scale == 7.0
-    sent = parse_inputs({"prompt": tensor("prompt", "x"), "guidance_scale": tensor("guidance_scale", 2.0)},
-                        CONFIG, adapter=FakeAdapter())
-    assert sent.guidance_scale == 2.0
+def test_inputs_the_pipeline_does_not_declare_are_refused():
+    with pytest.raises(InvalidInputError, match="'strength': fake does not use this input"):
+        SCHEMA.parse({"prompt": "x", "strength": 0.5})
 
 
-def test_inputs_the_pipeline_does_not_use_are_refused():
-    inputs = {"prompt": tensor("prompt", "x"), "negative_prompt": tensor("negative_prompt", "y")}
-    with pytest.raises(InvalidInputError, match="'negative_prompt': fake does not use this input"):
-        parse_inputs(inputs, CONFIG, adapter=FakeAdapter())
+def test_an_input_the_checkpoint_does_not_use_is_refused_with_the_reason():
+    schema = InputSchema("fake", interface.replace_spec(SPECS, "guidance_scale", unused="not distilled"), CONFIG)
+    assert schema.parse({"prompt": "x"}).guidance_scale is None
+    with pytest.raises(InvalidInputError, match="'guidance_scale': fake does not use this input: not distilled"):
+        schema.parse({"prompt": "x", "guidance_scale": 3.0})
+
+
+def test_the_adapters_check_runs_last():
+    def check(params):
+        if params.guidance_scale > 5 and params.negative_prompt is None:
+            raise InvalidInputError("negative_prompt", "is needed above guidance 5")
+
+    schema = InputSchema("fake", SPECS, CONFIG, check=check)
+    with pytest.raises(InvalidInputError, match="'negative_prompt'"):
+        schema.parse({"prompt": "x"})
+    assert schema.parse({"prompt": "x", "guidance_scale": 2.0}).guidance_scale == 2.0
 
 
 def test_every_input_parsed():
@@ -70,10 +88,11 @@ def test_every_input_parsed():
     assert params == SamplingParams(prompt="a cat", negative_prompt="", height=64, width=128,
                                     num_inference_steps=50, guidance_scale=0.0, true_cfg_scale=4.5, seed=2**40,
                                     num_images=3, preview_interval=2, output_format="png")
+    assert type(params.height) is int and type(params.guidance_scale) is float and type(params.seed) is int
 
 
 def test_none_means_not_sent():
-    assert parse_inputs({"prompt": tensor("prompt", "x"), "height": None}, CONFIG).height == 32
+    assert SCHEMA.parse(read_inputs({"prompt": tensor("prompt", "x"), "height": None}, SCHEMA.specs)).height == 32
 
 
 @pytest.mark.parametrize("values, name, fragment", [
@@ -105,14 +124,28 @@ def test_out_of_range_inputs_name_the_input_and_the_range(values, name, fragment
     assert f"input '{name}'" in str(info.value) and fragment in str(info.value)
 
 
+@pytest.mark.parametrize("values, name, fragment", [
+    (dict(height=64.0), "height", "not an integer"),
+    (dict(height=True), "height", "not an integer"),
+    (dict(height="64"), "height", "not an integer"),
+    (dict(guidance_scale="2"), "guidance_scale", "not a number"),
+    (dict(negative_prompt=3), "negative_prompt", "must be text"),
+    (dict(seed=2**63), "seed", "[0, "),
+])
+def test_in_process_values_of_the_wrong_type_are_refused(values, name, fragment):
+    with pytest.raises(InvalidInputError) as info:
+        SCHEMA.parse({"prompt": "ok", **values})
+    assert info.value.input_name == name and fragment in str(info.value)
+
+
 def test_missing_prompt():
     with pytest.raises(InvalidInputError, match="input 'prompt': is required"):
-        parse_inputs({"height": tensor("height", 32)}, CONFIG)
+        SCHEMA.parse(read_inputs({"height": tensor("height", 32)}, SCHEMA.specs))
 
 
 def test_prompt_not_utf8():
     with pytest.raises(InvalidInputError, match="input 'prompt': must be UTF-8"):
-        parse_inputs({"prompt": np.array([b"\xff\xfe"], dtype=np.object_)}, CONFIG)
+        SCHEMA.parse(read_inputs({"prompt": np.array([b"\xff\xfe"], dtype=np.object_)}, SCHEMA.specs))
 
 
 @pytest.mark.parametrize("name, array, fragment", [
@@ -123,15 +156,19 @@ def test_prompt_not_utf8():
     ("height", np.array([[32]], dtype=np.int32), "shape must be [1]"),
 ])
 def test_wrong_datatype_or_shape(name, array, fragment):
-    inputs = {"prompt": tensor("prompt", "ok"), name: array}
     with pytest.raises(InvalidInputError) as info:
-        parse_inputs(inputs, CONFIG)
+        read_inputs({"prompt": tensor("prompt", "ok"), name: array}, SCHEMA.specs)
     assert info.value.input_name == name and fragment in str(info.value)
 
 
-def test_unknown_input_is_rejected():
-    with pytest.raises(InvalidInputError, match="input 'strength': unknown input"):
-        parse_inputs({"prompt": tensor("prompt", "ok"), "strength": np.array([0.5], dtype=np.float32)}, CONFIG)
+def test_unknown_tensor_is_refused_by_the_validation():
+    values = read_inputs({"prompt": tensor("prompt", "ok"), "strength": np.array([0.5], dtype=np.float32)},
+                         SCHEMA.specs)
+    with pytest.raises(InvalidInputError, match="input 'strength': fake does not use this input"):
+        SCHEMA.parse(values)
+
+
+IMAGE = OutputSpec("image", "UINT8", (-1, -1, -1, 3), "images", encodings=("png",), pipe_output="images")
 
 
 def test_outputs_progress_only():
@@ -143,7 +180,7 @@ def test_outputs_progress_only():
 
 def test_outputs_raw_image():
     images = np.random.default_rng(0).integers(0, 256, (2, 16, 32, 3), dtype=np.uint8)
-    arrays = output_arrays(DiffusionOutput("r", 5, 5, True, images=images))
+    arrays = output_arrays(DiffusionOutput("r", 5, 5, True, outputs={"image": images}), "raw", {"image": IMAGE})
     assert arrays["image"].dtype == np.uint8 and arrays["image"].shape == (2, 16, 32, 3)
     np.testing.assert_array_equal(arrays["image"], images)
     assert arrays["is_final"].tolist() == [True]
@@ -151,16 +188,27 @@ def test_outputs_raw_image():
 
 def test_outputs_png_round_trip():
     images = np.random.default_rng(1).integers(0, 256, (2, 16, 32, 3), dtype=np.uint8)
-    arrays = output_arrays(DiffusionOutput("r", 5, 5, True, images=images), "png")
+    arrays = output_arrays(DiffusionOutput("r", 5, 5, True, outputs={"image": images}), "png", {"image": IMAGE})
     assert "image" not in arrays and arrays["image_png"].shape == (2,)
     for encoded, expected in zip(arrays["image_png"], images):
         decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(encoded))))
         np.testing.assert_array_equal(decoded, expected)  # PNG is lossless
 
 
-def test_outputs_video():
+def test_outputs_are_named_by_the_declaration_and_encoded_only_where_declared():
     video = np.zeros((1, 3, 16, 16, 3), dtype=np.uint8)
-    assert output_arrays(DiffusionOutput("r", 1, 1, True, images=video))["video"].shape == (1, 3, 16, 16, 3)
+    audio = np.zeros((1, 2, 100), dtype=np.float32)
+    declared = {"video": OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "frames"),
+                "audio": OutputSpec("audio", "FP32", (-1, -1, -1), "audio")}
+    arrays = output_arrays(DiffusionOutput("r", 1, 1, True, outputs={"video": video, "audio": audio}), "png", declared)
+    assert arrays["video"].shape == (1, 3, 16, 16, 3) and arrays["audio"].dtype == np.float32
+    assert set(arrays) == {"video", "audio", "step", "num_steps", "is_final"}  # png: nothing declares it here
+
+
+def test_declared_outputs_convert_floats_as_diffusers_rounds_them():
+    floats = np.array([0.0, 0.4999, 0.5, 1.0, 1.2, -0.1], dtype=np.float32)
+    np.testing.assert_array_equal(IMAGE.convert(floats), [0, 127, 128, 255, 255, 0])
+    assert OutputSpec("audio", "FP32", (-1,), "audio").convert(np.array([0.5], dtype=np.float64)).dtype == np.float32
 
 
 def test_error_messages_lead_with_code_and_request_id():

@@ -19,11 +19,13 @@ the keys, with whether CFG is on and its scale.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Optional
+
 import torch
 
-from engine_lib.pipelines.base import COMMON_INPUTS, StepRequestState
-from engine_lib.pipelines.flow_match import FlowMatchAdapter, TextParts
-from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
+                                             TextParts, max_sequence_length)
 
 DEFAULT_GUIDANCE_SCALE = 7.0  # StableDiffusion3Pipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default
@@ -35,52 +37,26 @@ class SD3Adapter(FlowMatchAdapter):
 
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
-    supports_request_batch = True
-    supports_step_execution = True
-    supports_previews = True
-    supported_inputs = COMMON_INPUTS | {"negative_prompt", "guidance_scale", "preview_interval", "max_sequence_length"}
+    inputs = IMAGE_INPUTS + (
+        max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
+        replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="adapter",
+                doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
+    )
     cfg_kind = "cfg"
-    default_inputs = {"guidance_scale": DEFAULT_GUIDANCE_SCALE}
     cfg_order = ("uncond", "cond")  # torch.cat([negative_prompt_embeds, prompt_embeds]) in __call__
-    default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
-    max_max_sequence_length = MAX_SEQUENCE_LENGTH
 
     @property
     def size_multiple(self) -> int:
         return self.pipe.vae_scale_factor * self.pipe.patch_size
 
     @property
-    def max_size(self) -> int:
-        """The largest height/width the transformer's cropped position embedding covers (0: no limit)."""
+    def max_size(self) -> Optional[int]:
+        """The largest height/width the transformer's cropped position embedding covers (None: no limit)."""
         max_patches = self.pipe.transformer.config.pos_embed_max_size
-        return 0 if not max_patches else max_patches * self.size_multiple
-
-    def validate(self, params: SamplingParams) -> None:
-        super().validate(params)
-        if self.max_size:
-            for name in ("height", "width"):
-                value = getattr(params, name)
-                if value > self.max_size:
-                    raise InvalidInputError(name, f"{value} is above {self.max_size}, the largest size this "
-                                            "transformer's position embedding covers")
-
-    def guidance_scale(self, params: SamplingParams) -> float:
-        return float(DEFAULT_GUIDANCE_SCALE if params.guidance_scale is None else params.guidance_scale)
-
-    def do_cfg(self, params: SamplingParams) -> bool:
-        return self.guidance_scale(params) > 1  # the pipeline's do_classifier_free_guidance
-
-    def cfg_scale(self, params: SamplingParams) -> float:
-        return self.guidance_scale(params)
-
-    def key_fields(self, params: SamplingParams) -> tuple:
-        # One text length per forward (no text mask); CFG on/off and its scale shape the forward.
-        cfg = self.do_cfg(params)
-        return (("text_length", self.text_length(params)), ("cfg", cfg),
-                ("cfg_scale", self.guidance_scale(params) if cfg else None))
+        return max_patches * self.size_multiple if max_patches else None
 
     # -- pipeline-specific phases ------------------------------------------------
-    def _encode(self, state: StepRequestState) -> dict[str, TextParts]:
+    def _encode(self, state: FlowMatchState) -> dict[str, TextParts]:
         p = state.params
         do_cfg = self.do_cfg(p)
         embeds, negative_embeds, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -93,13 +69,13 @@ class SD3Adapter(FlowMatchAdapter):
             text["uncond"] = {"embeds": negative_embeds, "pooled": negative_pooled}
         return text
 
-    def _initial_latents(self, state: StepRequestState) -> torch.Tensor:
+    def _initial_latents(self, state: FlowMatchState) -> torch.Tensor:
         p = state.params
-        dtype = state.extra["text"]["cond"]["embeds"].dtype
+        dtype = state.text["cond"]["embeds"].dtype
         return self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels, p.height, p.width,
                                          dtype, self.device, state.generator)
 
-    def _timestep_kwargs(self, state: StepRequestState) -> dict:
+    def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
         config = self.pipe.scheduler.config
@@ -128,3 +104,6 @@ class SD3Adapter(FlowMatchAdapter):
             joint_attention_kwargs=None,
             return_dict=False,
         )[0]
+
+
+ADAPTER = SD3Adapter

@@ -1,6 +1,6 @@
 """Qwen-Image behind the engine's contracts: `QwenImagePipeline.__call__` cut into its phases.
 
-The shared skeleton (request batch = step loop, request-local scheduler,
+The shared skeleton (the image inputs and output, request-local scheduler,
 batched CFG, batched decode, previews) is `FlowMatchAdapter`; this module holds
 what is Qwen-Image's own, each piece calling the pipeline's helpers:
 
@@ -14,17 +14,22 @@ what is Qwen-Image's own, each piece calling the pipeline's helpers:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 import torch
 
-from engine_lib.pipelines.base import COMMON_INPUTS, StepRequestState
-from engine_lib.pipelines.flow_match import FlowMatchAdapter, TextParts, to_uint8
-from engine_lib.request import InvalidInputError, SamplingParams
-
-__all__ = ["QwenImageAdapter", "to_uint8"]
+from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
+                                             FlowMatchState, TextParts, max_sequence_length)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
+
+
+@dataclass
+class QwenImageState(FlowMatchState):
+    img_shape: tuple = ()  # (frames, latent height / 2, latent width / 2): the RoPE shape of each row
 
 
 class QwenImageAdapter(FlowMatchAdapter):
@@ -36,45 +41,31 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
-    supports_request_batch = True
-    supports_step_execution = True
-    supports_previews = True
-    supported_inputs = COMMON_INPUTS | {"negative_prompt", "true_cfg_scale", "guidance_scale", "preview_interval",
-                                        "max_sequence_length"}
-    cfg_kind = "true_cfg"
-    default_inputs = {"true_cfg_scale": 4.0}  # QwenImagePipeline.__call__'s default
-    default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
-    max_max_sequence_length = MAX_SEQUENCE_LENGTH
-    min_steps = 2  # Qwen-Image's shift_terminal schedule gives NaN sigmas for a single step
+    inputs = replace_spec(
+        IMAGE_INPUTS, "num_inference_steps", low=2,
+        low_note="Qwen-Image's shift_terminal schedule gives NaN sigmas for a single step",
+    ) + (
+        max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
+        replace(TRUE_CFG_SCALE, default=4.0),  # QwenImagePipeline.__call__'s default
+        replace(GUIDANCE_SCALE, doc="embedded guidance of guidance-distilled checkpoints (required there)"),
+    )
+    state_class = QwenImageState
     pads_text = True
 
-    @property
-    def size_multiple(self) -> int:
-        # The VAE downsamples by vae_scale_factor, then latents are packed in 2x2 patches.
-        return self.pipe.vae_scale_factor * 2
-
-    def validate(self, params: SamplingParams) -> None:
-        if params.num_inference_steps < self.min_steps:
-            raise InvalidInputError(
-                "num_inference_steps",
-                f"{params.num_inference_steps} must be >= 2 (Qwen-Image's shift_terminal schedule "
-                "gives NaN sigmas for a single step)",
-            )
-        super().validate(params)
-        distilled = self.pipe.transformer.config.guidance_embeds
-        if distilled and params.guidance_scale is None:
-            raise InvalidInputError("guidance_scale", "is required by this guidance-distilled model")
-        if not distilled and params.guidance_scale is not None:
-            raise InvalidInputError("guidance_scale", f"{params.guidance_scale}: this checkpoint is not guidance-"
-                                    "distilled and does not use it (use true_cfg_scale with a negative_prompt)")
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        if self.pipe.transformer.config.guidance_embeds:
+            return replace_spec(super().input_specs(), "guidance_scale", required=True)
+        return replace_spec(super().input_specs(), "guidance_scale",
+                            unused="this checkpoint is not guidance-distilled (use true_cfg_scale with a "
+                                   "negative_prompt)")
 
     # -- pipeline-specific phases ------------------------------------------------
-    def _encode(self, state: StepRequestState) -> dict[str, TextParts]:
+    def _encode(self, state: QwenImageState) -> dict[str, TextParts]:
         params = state.params
         msl = self.text_length(params)
         text = {}
         sides = {"cond": params.prompt}
-        if params.do_true_cfg:
+        if self.do_cfg(params):
             sides["uncond"] = params.negative_prompt
         for side, prompt in sides.items():
             embeds, mask = self.pipe.encode_prompt(prompt, device=self.device, num_images_per_prompt=params.num_images,
@@ -82,16 +73,16 @@ class QwenImageAdapter(FlowMatchAdapter):
             text[side] = {"embeds": embeds, "mask": mask}
         return text
 
-    def _initial_latents(self, state: StepRequestState) -> torch.Tensor:
+    def _initial_latents(self, state: QwenImageState) -> torch.Tensor:
         pipe, p = self.pipe, state.params
         num_channels_latents = pipe.transformer.config.in_channels // 4
-        dtype = state.extra["text"]["cond"]["embeds"].dtype
+        dtype = state.text["cond"]["embeds"].dtype
         latents = pipe.prepare_latents(p.num_images, num_channels_latents, p.height, p.width, dtype, self.device,
                                        state.generator)
-        state.extra["img_shape"] = (1, p.height // pipe.vae_scale_factor // 2, p.width // pipe.vae_scale_factor // 2)
+        state.img_shape = (1, p.height // pipe.vae_scale_factor // 2, p.width // pipe.vae_scale_factor // 2)
         return latents
 
-    def _timestep_kwargs(self, state: StepRequestState) -> dict:
+    def _timestep_kwargs(self, state: QwenImageState) -> dict:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
         config = self.pipe.scheduler.config
@@ -105,10 +96,10 @@ class QwenImageAdapter(FlowMatchAdapter):
         )
         return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": mu}
 
-    def _row_inputs(self, states: list[StepRequestState]) -> dict:
+    def _row_inputs(self, states: list[QwenImageState]) -> dict:
         return {
-            "img_shapes": [[s.extra["img_shape"]] for s in states for _ in range(s.num_rows)],
-            "guidance": self._guidance_rows(states, default=None),
+            "img_shapes": [[s.img_shape] for s in states for _ in range(s.num_rows)],
+            "guidance": self._guidance_rows(states),
         }
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
@@ -149,3 +140,6 @@ class QwenImageAdapter(FlowMatchAdapter):
         )
         latents = latents / latents_std + latents_mean
         return vae.decode(latents, return_dict=False)[0][:, :, 0]
+
+
+ADAPTER = QwenImageAdapter

@@ -17,16 +17,25 @@ length: both are in the keys (height/width, and `key_fields`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Optional
+
 import numpy as np
 import torch
 
-from engine_lib.pipelines.base import COMMON_INPUTS, StepRequestState
-from engine_lib.pipelines.flow_match import FlowMatchAdapter, TextParts
-from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
+                                             FlowMatchState, TextParts, max_sequence_length)
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.check_inputs rejects more
+
+
+@dataclass
+class FluxState(FlowMatchState):
+    txt_ids: Optional[torch.Tensor] = None  # zeros [text length, 3]: the same for both CFG sides
+    img_ids: Optional[torch.Tensor] = None  # [packed latent length, 3]: depends on the image size only
 
 
 class FluxAdapter(FlowMatchAdapter):
@@ -40,37 +49,25 @@ class FluxAdapter(FlowMatchAdapter):
 
     name = "flux"
     pipeline_class = "FluxPipeline"
-    supports_request_batch = True
-    supports_step_execution = True
-    supports_previews = True
-    supported_inputs = COMMON_INPUTS | {"negative_prompt", "true_cfg_scale", "guidance_scale", "preview_interval",
-                                        "max_sequence_length"}
-    cfg_kind = "true_cfg"
-    per_row_guidance = True
-    default_inputs = {"guidance_scale": DEFAULT_GUIDANCE_SCALE}
-    default_max_sequence_length = DEFAULT_MAX_SEQUENCE_LENGTH
-    max_max_sequence_length = MAX_SEQUENCE_LENGTH
+    inputs = IMAGE_INPUTS + (
+        max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
+        TRUE_CFG_SCALE,  # FluxPipeline.__call__'s default 1.0: no true CFG
+        replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="row",
+                doc="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev), per row"),
+    )
+    state_class = FluxState
 
-    @property
-    def size_multiple(self) -> int:
-        # The VAE downsamples by vae_scale_factor, then latents are packed in 2x2 patches.
-        return self.pipe.vae_scale_factor * 2
-
-    def validate(self, params: SamplingParams) -> None:
-        super().validate(params)
-        if not self.pipe.transformer.config.guidance_embeds and params.guidance_scale is not None:
-            raise InvalidInputError("guidance_scale", f"{params.guidance_scale}: this checkpoint has no guidance "
-                                    "embeddings and does not use it")
-
-    def key_fields(self, params: SamplingParams) -> tuple:
-        # txt_ids ([text length, 3]) are one tensor for the whole forward.
-        return (("text_length", self.text_length(params)),)
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        if self.pipe.transformer.config.guidance_embeds:
+            return super().input_specs()
+        return replace_spec(super().input_specs(), "guidance_scale",
+                            unused="this checkpoint has no guidance embeddings (FLUX.1-schnell)")
 
     # -- pipeline-specific phases ------------------------------------------------
-    def _encode(self, state: StepRequestState) -> dict[str, TextParts]:
+    def _encode(self, state: FluxState) -> dict[str, TextParts]:
         params = state.params
         sides = {"cond": params.prompt}
-        if params.do_true_cfg:
+        if self.do_cfg(params):
             sides["uncond"] = params.negative_prompt
         text = {}
         for side, prompt in sides.items():
@@ -79,18 +76,18 @@ class FluxAdapter(FlowMatchAdapter):
                 max_sequence_length=self.text_length(params),
             )
             text[side] = {"embeds": embeds, "pooled": pooled}
-            state.extra["txt_ids"] = txt_ids  # zeros [text length, 3]: the same for both sides
+            state.txt_ids = txt_ids
         return text
 
-    def _initial_latents(self, state: StepRequestState) -> torch.Tensor:
+    def _initial_latents(self, state: FluxState) -> torch.Tensor:
         p = state.params
         num_channels_latents = self.pipe.transformer.config.in_channels // 4
-        dtype = state.extra["text"]["cond"]["embeds"].dtype
-        latents, state.extra["img_ids"] = self.pipe.prepare_latents(
+        dtype = state.text["cond"]["embeds"].dtype
+        latents, state.img_ids = self.pipe.prepare_latents(
             p.num_images, num_channels_latents, p.height, p.width, dtype, self.device, state.generator)
         return latents
 
-    def _timestep_kwargs(self, state: StepRequestState) -> dict:
+    def _timestep_kwargs(self, state: FluxState) -> dict:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = self.pipe.scheduler.config
@@ -105,19 +102,19 @@ class FluxAdapter(FlowMatchAdapter):
         )
         return {"sigmas": sigmas, "mu": mu}
 
-    def _row_inputs(self, states: list[StepRequestState]) -> dict:
-        return {"guidance": self._guidance_rows(states, default=DEFAULT_GUIDANCE_SCALE)}
+    def _row_inputs(self, states: list[FluxState]) -> dict:
+        return {"guidance": self._guidance_rows(states)}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        img_ids = states[0].extra["img_ids"]
-        assert all(s.extra["img_ids"].shape == img_ids.shape for s in states), "one image size per batch (keys)"
+        img_ids = states[0].img_ids
+        assert all(s.img_ids.shape == img_ids.shape for s in states), "one image size per batch (keys)"
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
             guidance=rows["guidance"],
             pooled_projections=text["pooled"],
             encoder_hidden_states=text["embeds"],
-            txt_ids=states[0].extra["txt_ids"],
+            txt_ids=states[0].txt_ids,
             img_ids=img_ids,
             joint_attention_kwargs={},
             return_dict=False,
@@ -125,3 +122,6 @@ class FluxAdapter(FlowMatchAdapter):
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
+
+
+ADAPTER = FluxAdapter

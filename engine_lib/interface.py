@@ -1,0 +1,272 @@
+"""What a pipeline declares about its interface: its inputs, its outputs, and the one validation.
+
+An adapter lists `InputSpec`s and `OutputSpec`s (engine_lib/pipelines/). From
+that declaration follow, with no per-pipeline code anywhere else:
+
+* the input and output lists of `model_repository/<pipeline>/config.pbtxt`
+  (`make repository`; a test fails when a checked-in config drifts);
+* the one validation of every request, at admission (`InputSchema.parse`):
+  unknown inputs, types, ranges, size multiples, defaults, and the adapter's
+  checkpoint-specific rules, each error naming the input and what is allowed;
+* which inputs split batches (`InputSpec.batch`, read by the compatibility keys);
+* the mapping of named output arrays to Triton tensors (serving/tensors.py).
+
+Torch-free, so the serving edge and the schedulers read it without a model.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from engine_lib.request import InvalidInputError, SamplingParams
+
+INT_RANGES = {"INT32": (-2**31, 2**31 - 1), "INT64": (-2**63, 2**63 - 1)}
+DATATYPES = ("BYTES", "INT32", "INT64", "FP32", "UINT8", "BOOL")
+# How an input's value shapes a batched forward (see sched/keys.py):
+BATCH_ROLES = {
+    "key": "requests share a forward only with equal values",
+    "row": "each row carries its own value; never splits a batch",
+    "steps": "the step count: splits request-mode waves, not step batches",
+    "adapter": "the adapter's key_fields decide (e.g. a CFG scale matters only with CFG on)",
+}
+RANDOM = "random"  # InputSpec.default: a fresh random value per request (seeds, as diffusers without a generator)
+SEED_RANGE = (0, 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One optional or required request input, as a `[1]` Triton tensor.
+
+    Text inputs (BYTES) count `low` as "must not be blank" (1) and `high` as the
+    most characters; numbers are checked against `[low, high]` (inclusive) and,
+    for integers, `multiple_of`. `default_from` / `high_from` name EngineConfig
+    fields that supply the default or cap `high` (resolved by `InputSchema`).
+    """
+
+    name: str
+    datatype: str  # Triton datatype: BYTES (UTF-8 text), INT32, INT64, FP32
+    doc: str  # one line: what the input does (config.pbtxt comment and docs)
+    default: Any = None  # a left-out input takes this (None: absent; RANDOM: a random seed)
+    required: bool = False
+    low: Optional[float] = None
+    high: Optional[float] = None
+    multiple_of: int = 1
+    choices: tuple[str, ...] = ()  # text inputs: the allowed values (compared lower-cased)
+    default_from: str = ""
+    high_from: str = ""
+    batch: str = "key"
+    pipe_arg: str = ""  # the diffusers `__call__` argument this input is ("" if none)
+    low_note: str = ""  # why `low` is what it is; appended to the error of a value below it
+    unused: str = ""  # set by a checkpoint that does not use a declared input: why (sending it is an error)
+
+    def __post_init__(self) -> None:
+        assert self.datatype in ("BYTES", "INT32", "INT64", "FP32"), f"{self.name}: datatype {self.datatype}"
+        assert self.batch in BATCH_ROLES, f"{self.name}: batch role {self.batch!r}"
+
+    @property
+    def triton_type(self) -> str:
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
+    def check(self, value: Any) -> Any:
+        """The value as its Python type, or InvalidInputError naming this input and what is allowed."""
+        if self.datatype == "BYTES":
+            return self._check_text(value)
+        if self.datatype in INT_RANGES:
+            return self._check_int(value)
+        return self._check_float(value)
+
+    def _fail(self, message: str, below_low: bool = False) -> InvalidInputError:
+        note = f" ({self.low_note})" if below_low and self.low_note else ""
+        return InvalidInputError(self.name, message + note)
+
+    def _check_text(self, value: Any) -> str:
+        if isinstance(value, (bytes, np.bytes_)):
+            try:
+                value = bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                raise self._fail("must be UTF-8 text") from None
+        if not isinstance(value, str):
+            raise self._fail(f"must be text, got {type(value).__name__}")
+        if self.high is not None and len(value) > self.high:
+            raise self._fail(f"{len(value)} characters; at most {int(self.high)} allowed")
+        if self.low and not value.strip():
+            raise self._fail("must not be empty")
+        if self.choices:
+            value = value.strip().lower()
+            if value not in self.choices:
+                raise self._fail(f"{value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+    def _check_int(self, value: Any) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise self._fail(f"{value!r} is not an integer")
+        value = int(value)
+        low, high = self._bounds()
+        if self.multiple_of > 1:
+            if not low <= value <= high or value % self.multiple_of:
+                raise self._fail(f"{value} must be a multiple of {self.multiple_of} in the range [{low}, {high}]",
+                                 value < low)
+        elif not low <= value <= high:
+            raise self._fail(f"{value} is outside the allowed range [{low}, {high}]", value < low)
+        return value
+
+    def _check_float(self, value: Any) -> float:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise self._fail(f"{value!r} is not a number")
+        value = float(value)
+        low, high = self.low, self.high
+        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+            if high is None:
+                allowed = f">= {low:g}" if low is not None else ""
+            else:
+                allowed = f"in [{low:g}, {high:g}]" if low is not None else f"<= {high:g}"
+            raise self._fail(f"{value} must be a finite number {allowed}".rstrip())
+        return value
+
+    def _bounds(self) -> tuple[int, int]:
+        type_low, type_high = INT_RANGES[self.datatype]
+        low = type_low if self.low is None else int(self.low)
+        high = type_high if self.high is None else int(self.high)
+        return low, high
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One named output array of a final (or preview) response.
+
+    `dims` are Triton's (-1: variable, the leading one is the output count);
+    `encodings` are the `output_format` values that send it encoded instead, as
+    the BYTES output `<name>_<format>` (e.g. `image_png`); `pipe_output` is the
+    attribute of the diffusers pipeline's output this array is (`images`).
+    """
+
+    name: str
+    datatype: str  # Triton datatype: UINT8 (from floats in [0, 1]), FP32, INT32 (BOOL, BYTES: progress, encoded)
+    dims: tuple[int, ...]
+    doc: str
+    encodings: tuple[str, ...] = ()
+    pipe_output: str = ""
+
+    @property
+    def triton_type(self) -> str:
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
+    def convert(self, array: Any) -> np.ndarray:
+        """The pipeline's float output as this output's dtype (UINT8: diffusers' `numpy_to_pil` rounding)."""
+        array = np.asarray(array)
+        if self.datatype == "UINT8":
+            if array.dtype == np.uint8:
+                return array
+            return (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
+        return array.astype({"FP32": np.float32, "INT32": np.int32}[self.datatype])
+
+
+# Every response carries these, whatever the pipeline declares.
+PROGRESS_OUTPUTS = (
+    OutputSpec("step", "INT32", (1,), "denoising steps done"),
+    OutputSpec("num_steps", "INT32", (1,), "denoising steps asked for"),
+    OutputSpec("is_final", "BOOL", (1,), "true only on the last response"),
+)
+
+
+def encoded_outputs(outputs: Sequence[OutputSpec]) -> tuple[OutputSpec, ...]:
+    """The BYTES outputs that declared encodings add: `<name>_<format>` [N], base64 text of one file per item."""
+    return tuple(OutputSpec(f"{spec.name}_{fmt}", "BYTES", (-1,), f"`{spec.name}` as base64 {fmt.upper()}, one per item")
+                 for spec in outputs for fmt in spec.encodings)
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """Float images in [0, 1] to uint8, exactly as diffusers' `numpy_to_pil` (and every UINT8 output)."""
+    return (np.clip(images, 0, 1) * 255).round().astype(np.uint8)
+
+
+# -- the inputs every pipeline shares ----------------------------------------------------
+
+PROMPT = InputSpec("prompt", "BYTES", "the text to generate from", required=True, low=1, high_from="max_prompt_chars",
+                   batch="row", pipe_arg="prompt")
+NEGATIVE_PROMPT = InputSpec("negative_prompt", "BYTES", "what to steer away from (classifier-free guidance)",
+                            high_from="max_prompt_chars", batch="adapter", pipe_arg="negative_prompt")
+HEIGHT = InputSpec("height", "INT32", "image height in pixels", low=1, default_from="default_height",
+                   high_from="max_height", pipe_arg="height")
+WIDTH = InputSpec("width", "INT32", "image width in pixels", low=1, default_from="default_width",
+                  high_from="max_width", pipe_arg="width")
+NUM_INFERENCE_STEPS = InputSpec("num_inference_steps", "INT32", "denoising steps", low=1, default_from="default_steps",
+                                high_from="max_steps", batch="steps", pipe_arg="num_inference_steps")
+SEED = InputSpec("seed", "INT64", "random seed: the same seed and inputs give the same output", default=RANDOM,
+                 low=SEED_RANGE[0], high=SEED_RANGE[1], batch="row")
+NUM_IMAGES = InputSpec("num_images", "INT32", "images per prompt", default=1, low=1, high_from="max_num_images",
+                       pipe_arg="num_images_per_prompt")
+PREVIEW_INTERVAL = InputSpec("preview_interval", "INT32", "0: final response only; k: a preview every k steps",
+                             default=0, low=0, high=INT_RANGES["INT32"][1], batch="row")
+
+
+def output_format(*encodings: str) -> InputSpec:
+    """The `output_format` input: `raw` tensors, or one of the declared outputs' encodings."""
+    return InputSpec("output_format", "BYTES", "raw: uint8 tensors; " + ", ".join(encodings) + ": encoded outputs",
+                     default="raw", choices=("raw", *encodings), high=16, batch="row")
+
+
+# -- one request's validation ---------------------------------------------------------------
+
+Check = Callable[[SamplingParams], None]
+
+
+class InputSchema:
+    """A pipeline's declared inputs, resolved against one EngineConfig: the one place a request is validated.
+
+    `parse(values)` takes the sent inputs by name (Python or numpy scalars; None
+    means not sent) and returns complete SamplingParams: every declared input,
+    left-out ones at their default. `check` is the adapter's hook for rules only
+    the loaded checkpoint knows (e.g. guidance only on guidance-distilled models).
+    """
+
+    def __init__(self, pipeline: str, specs: Sequence[InputSpec], config: Any, check: Optional[Check] = None):
+        self.pipeline = pipeline
+        self.specs: dict[str, InputSpec] = {spec.name: _resolve(spec, config) for spec in specs}
+        self._check = check
+
+    def parse(self, values: Mapping[str, Any]) -> SamplingParams:
+        unknown = sorted(name for name in values if name not in self.specs)
+        if unknown:
+            uses = ", ".join(name for name, spec in self.specs.items() if not spec.unused)
+            raise InvalidInputError(unknown[0], f"{self.pipeline} does not use this input (it uses: {uses})")
+        parsed = {}
+        for name, spec in self.specs.items():
+            value = values.get(name)
+            if spec.unused:
+                if value is not None:
+                    raise InvalidInputError(name, f"{self.pipeline} does not use this input: {spec.unused}")
+            elif value is None:
+                if spec.required:
+                    raise InvalidInputError(name, "is required")
+                value = secrets.randbelow(2**31 - 1) if spec.default == RANDOM else spec.default
+            else:
+                value = spec.check(value)
+            parsed[name] = value
+        params = SamplingParams(parsed)
+        if self._check is not None:
+            self._check(params)
+        return params
+
+
+def _resolve(spec: InputSpec, config: Any) -> InputSpec:
+    """Take the default and the cap from EngineConfig where the spec names a field."""
+    changes = {}
+    if spec.default_from:
+        changes["default"] = getattr(config, spec.default_from)
+    if spec.high_from:
+        cap = getattr(config, spec.high_from)
+        changes["high"] = cap if spec.high is None else min(spec.high, cap)
+    return replace(spec, **changes) if changes else spec
+
+
+def replace_spec(specs: Sequence[InputSpec], name: str, **changes: Any) -> tuple[InputSpec, ...]:
+    """The specs with one of them changed (an adapter refining a shared input for its checkpoint)."""
+    assert any(s.name == name for s in specs), f"no input {name!r}"
+    return tuple(replace(s, **changes) if s.name == name else s for s in specs)

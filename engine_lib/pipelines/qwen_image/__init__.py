@@ -1,0 +1,1 @@
+"""qwen_image: its adapter (`adapter.py`) and its tiny random-weight preset (`tiny.py`)."""

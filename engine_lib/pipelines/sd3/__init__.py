@@ -1,0 +1,1 @@
+"""sd3: its adapter (`adapter.py`) and its tiny random-weight preset (`tiny.py`)."""
