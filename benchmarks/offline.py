@@ -136,12 +136,12 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
 
     from engine_lib.pipelines.base import InputBatch
 
-    def state(request_id: str, prompt: str, seed: int):
+    def new_state(request_id: str, prompt: str, seed: int):
         return adapter.state_class(request_id, request_params(adapter, prompt, size, steps, seed))
 
     out: dict = {"size": size, "steps": steps, "batch": batch}
     for n in (1, batch):
-        states = [state(f"prof-{i}", PROMPTS[i % len(PROMPTS)], i) for i in range(n)]
+        states = [new_state(f"prof-{i}", PROMPTS[i % len(PROMPTS)], i) for i in range(n)]
         start = time.perf_counter()
         for state in states:
             adapter.prepare_encode(state)
@@ -169,7 +169,7 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
             "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total_us} for e in events[:top_ops]],
         }
     # The same batch with one prompt for every row: no text padding, no attention mask.
-    same = [state(f"same-{i}", PROMPTS[0], i) for i in range(batch)]
+    same = [new_state(f"same-{i}", PROMPTS[0], i) for i in range(batch)]
     for state in same:
         adapter.prepare_encode(state)
     same_batch = InputBatch.gather(same)

@@ -27,7 +27,6 @@ import numpy as np
 from engine_lib.request import InvalidInputError, SamplingParams
 
 INT_RANGES = {"INT32": (-2**31, 2**31 - 1), "INT64": (-2**63, 2**63 - 1)}
-DATATYPES = ("BYTES", "INT32", "INT64", "FP32", "UINT8", "BOOL")
 # How an input's value shapes a batched forward (see sched/keys.py):
 BATCH_ROLES = {
     "key": "requests share a forward only with equal values",
@@ -35,7 +34,16 @@ BATCH_ROLES = {
     "steps": "the step count: splits request-mode waves, not step batches",
     "adapter": "the adapter's key_fields decide (e.g. a CFG scale matters only with CFG on)",
 }
-RANDOM = "random"  # InputSpec.default: a fresh random value per request (seeds, as diffusers without a generator)
+
+
+class _Random:
+    """InputSpec.default for a fresh random value per request (seeds, as diffusers without a generator)."""
+
+    def __repr__(self) -> str:
+        return "random"
+
+
+RANDOM = _Random()
 SEED_RANGE = (0, 2**63 - 1)
 
 
@@ -245,7 +253,7 @@ class InputSchema:
             elif value is None:
                 if spec.required:
                     raise InvalidInputError(name, "is required")
-                value = secrets.randbelow(2**31 - 1) if spec.default == RANDOM else spec.default
+                value = secrets.randbelow(2**31 - 1) if spec.default is RANDOM else spec.default
             else:
                 value = spec.check(value)
             parsed[name] = value

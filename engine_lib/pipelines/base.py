@@ -181,6 +181,13 @@ class PipelineAdapter(ABC):
     def check_inputs(self, params: SamplingParams) -> None:
         """Rules across inputs or from the checkpoint; raise InvalidInputError naming the input."""
 
+    def pipe_kwargs(self, params: SamplingParams) -> dict:
+        """The `pipe(...)` arguments these params stand for: each declared `pipe_arg` that is set, and the
+        seed as a generator on this device, as `prepare_encode` seeds it (how outputs are checked against
+        the pipeline's own; see OutputSpec.pipe_output)."""
+        kwargs = {s.pipe_arg: params[s.name] for s in self.input_specs() if s.pipe_arg and params[s.name] is not None}
+        return {**kwargs, "generator": torch.Generator(device=self.device).manual_seed(int(params.seed))}
+
     @classmethod
     def key_inputs(cls) -> tuple[str, ...]:
         """The inputs that enter the compatibility keys by value (`batch="key"`)."""

@@ -133,7 +133,7 @@ def _default(spec: InputSpec) -> str:
         return "required"
     if spec.default_from:
         return f"`{spec.default_from}`"
-    if spec.default == RANDOM:
+    if spec.default is RANDOM:
         return "random"
     return "none" if spec.default is None else f"`{spec.default}`"
 

@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
@@ -144,17 +143,14 @@ def parse(adapter: PipelineAdapter, inputs) -> SamplingParams:
 def pipe_reference(adapter: PipelineAdapter):
     """`pipe(...)` for a request's inputs: its declared image output as float32 [N, H, W, 3], memoised.
 
-    The call is built from the declaration alone: every input with a `pipe_arg`
-    is passed under that name when set, the seed as a CPU generator, and the
-    output read from the pipeline output's `pipe_output` attribute.
+    The call is built from the declaration alone (`adapter.pipe_kwargs`), and the
+    output read from the pipeline output's declared `pipe_output` attribute.
     """
-    specs = adapter.input_specs()
     [image] = [o for o in adapter.outputs if o.name == "image"]
 
     @functools.lru_cache(maxsize=None)
     def run(p: SamplingParams) -> np.ndarray:
-        kwargs = {s.pipe_arg: p[s.name] for s in specs if s.pipe_arg and p[s.name] is not None}
-        result = adapter.pipe(**kwargs, generator=torch.Generator().manual_seed(p.seed), output_type="np")
+        result = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np")
         images = getattr(result, image.pipe_output)
         images.setflags(write=False)
         return images

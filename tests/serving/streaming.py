@@ -19,20 +19,13 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from engine_lib.pipelines import registry
+from engine_lib.serving.tensors import NUMPY_DTYPES
+
 MODEL = "qwen_image"
-INPUT_TYPES = {
-    "prompt": ("BYTES", np.object_),
-    "negative_prompt": ("BYTES", np.object_),
-    "height": ("INT32", np.int32),
-    "width": ("INT32", np.int32),
-    "num_inference_steps": ("INT32", np.int32),
-    "guidance_scale": ("FP32", np.float32),
-    "true_cfg_scale": ("FP32", np.float32),
-    "seed": ("INT64", np.int64),
-    "num_images": ("INT32", np.int32),
-    "preview_interval": ("INT32", np.int32),
-    "output_format": ("BYTES", np.object_),
-}
+# Every registered pipeline's declared inputs: name -> (Triton datatype, numpy dtype).
+INPUT_TYPES = {spec.name: (spec.datatype, NUMPY_DTYPES[spec.datatype][0])
+               for name in registry.names() for spec in registry.get_adapter_class(name).inputs}
 
 
 def make_inputs(**values: Any) -> list[grpcclient.InferInput]:

@@ -90,24 +90,27 @@ def test_grpc_streams_previews_then_one_final_image(server, model, extra):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_served_image_is_the_diffusers_image(server, model_dirs, model):
-    """A request alone on the server gives exactly `pipe(...)`'s image for the same seed and defaults
-    (computed here on one CPU thread, as the server runs)."""
-    from diffusers import DiffusionPipeline
+def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
+    """A request alone on the server gives exactly `pipe(...)`'s outputs for the same seed and defaults,
+    each declared output compared with the pipeline output it names (computed here on one CPU thread,
+    as the server runs)."""
+    from engine_lib.config import EngineConfig
 
-    pipe = DiffusionPipeline.from_pretrained(str(model_dirs[model]), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    adapter = registry.load_adapter(EngineConfig(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
+                                                 dtype="float32"))
+    inputs = dict(prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=3, seed=11)
+    params = adapter.input_schema(EngineConfig()).parse(inputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected = pipe("a lighthouse at dusk", height=32, width=32, num_inference_steps=3,
-                        generator=torch.Generator().manual_seed(11), output_type="np").images
+        expected = adapter.pipe(**adapter.pipe_kwargs(params), output_type="np")
     finally:
         torch.set_num_threads(threads)
-    result = run_request(server.grpc_url, model=model, request_id="parity", prompt="a lighthouse at dusk",
-                         height=32, width=32, num_inference_steps=3, seed=11)
+    result = run_request(server.grpc_url, model=model, request_id="parity", **inputs)
     assert not result.errors, result.errors
-    np.testing.assert_array_equal(result.final.as_numpy("image"), (expected * 255).round().astype(np.uint8))
+    for output in adapter.outputs:
+        np.testing.assert_array_equal(result.final.as_numpy(output.name),
+                                      output.convert(getattr(expected, output.pipe_output)), err_msg=output.name)
 
 
 def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
@@ -124,7 +127,8 @@ def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server)
     assert "'height'" in result.error.message()
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [m for m in MODELS if "png" in registry.get_adapter_class(m).input_spec(
+    "output_format").choices])
 def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     body = {"prompt": "a blue circle", "height": 32, "width": 48, "num_inference_steps": 3,
             "preview_interval": 1, "output_format": "png", "seed": 3}

@@ -131,6 +131,12 @@ def test_out_of_range_inputs_name_the_input_and_the_range(values, name, fragment
     (dict(guidance_scale="2"), "guidance_scale", "not a number"),
     (dict(negative_prompt=3), "negative_prompt", "must be text"),
     (dict(seed=2**63), "seed", "[0, "),
+    (dict(height=2**40), "height", "[16, 256]"),  # no INT32 wrap in-process
+    (dict(height=[64]), "height", "not an integer"),
+    (dict(height={"value": 64}), "height", "not an integer"),
+    (dict(negative_prompt=["a", "b"]), "negative_prompt", "must be text"),
+    (dict(negative_prompt=b"\xff"), "negative_prompt", "UTF-8"),
+    (dict(output_format="x" * 10_000), "output_format", "at most 16"),
 ])
 def test_in_process_values_of_the_wrong_type_are_refused(values, name, fragment):
     with pytest.raises(InvalidInputError) as info:
@@ -159,6 +165,17 @@ def test_wrong_datatype_or_shape(name, array, fragment):
     with pytest.raises(InvalidInputError) as info:
         read_inputs({"prompt": tensor("prompt", "ok"), name: array}, SCHEMA.specs)
     assert info.value.input_name == name and fragment in str(info.value)
+
+
+def test_request_parameters_become_inputs_so_unknown_ones_are_refused_by_name():
+    from engine_lib.serving.tensors import parameters_as_inputs
+
+    assert parameters_as_inputs("{}") == {} and parameters_as_inputs("") == {}
+    assert parameters_as_inputs("not json") == {} and parameters_as_inputs("[1, 2]") == {}
+    values = parameters_as_inputs('{"heigth": 64, "nested": {"a": [1, 2]}}')
+    with pytest.raises(InvalidInputError, match="input 'heigth': fake does not use this input"):
+        SCHEMA.parse({"prompt": "x", **values})
+    assert SCHEMA.parse({"prompt": "x", **parameters_as_inputs('{"height": 64}')}).height == 64
 
 
 def test_unknown_tensor_is_refused_by_the_validation():

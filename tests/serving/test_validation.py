@@ -76,6 +76,7 @@ def test_bad_inputs_are_rejected_while_a_valid_request_completes(server):
     ({"height": 32}, "prompt"),
     ({"prompt": "ok", "heigth": 64}, "heigth"),  # a misspelled key reaches the model as a request parameter
     ({"prompt": "ok", "parameters": {"strength": 0.5}}, "strength"),
+    ({"prompt": "ok", "parameters": {"nested": {"deep": [1, [2, {"x": 3}]]}}}, "nested"),
 ])
 def test_http_bad_input_is_400_naming_the_input(server, body, input_name):
     status, reply = post_json(f"http://{server.http_url}/v2/models/qwen_image/generate_stream", body)
