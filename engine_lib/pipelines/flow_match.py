@@ -183,6 +183,16 @@ class FlowMatchAdapter(PipelineAdapter):
         """One transformer call, exactly as the pipeline's denoising loop makes it."""
         raise NotImplementedError
 
+    def _shift(self, image_seq_len: int, max_shift_default: float = 1.15) -> float:
+        """The schedule's `mu`: `calculate_shift` on the image sequence length, as each pipeline's `__call__`
+        computes it from its scheduler config (Qwen-Image, Flux and SD3 carry copies of one diffusers function)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipe.scheduler.config
+        return calculate_shift(image_seq_len, config.get("base_image_seq_len", 256),
+                               config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                               config.get("max_shift", max_shift_default))
+
     def _model_timestep(self, timesteps: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The scheduler's per-row timesteps as the transformer takes them (default: Flux/Qwen's `/ 1000`)."""
         return timesteps.to(latents.dtype) / 1000

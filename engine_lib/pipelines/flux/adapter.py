@@ -88,19 +88,10 @@ class FluxAdapter(FlowMatchAdapter):
         return latents
 
     def _timestep_kwargs(self, state: FluxState) -> dict:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = self.pipe.scheduler.config
         n = state.params.num_inference_steps
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
-        mu = calculate_shift(
-            state.latents.shape[1],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        return {"sigmas": sigmas, "mu": mu}
+        use_flow_sigmas = self.pipe.scheduler.config.get("use_flow_sigmas", False)
+        sigmas = None if use_flow_sigmas else np.linspace(1.0, 1 / n, n)
+        return {"sigmas": sigmas, "mu": self._shift(state.latents.shape[1])}
 
     def _row_inputs(self, states: list[FluxState]) -> dict:
         return {"guidance": self._guidance_rows(states)}

@@ -83,18 +83,8 @@ class QwenImageAdapter(FlowMatchAdapter):
         return latents
 
     def _timestep_kwargs(self, state: QwenImageState) -> dict:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        config = self.pipe.scheduler.config
         n = state.params.num_inference_steps
-        mu = calculate_shift(
-            state.latents.shape[1],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": mu}
+        return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": self._shift(state.latents.shape[1])}
 
     def _row_inputs(self, states: list[QwenImageState]) -> dict:
         return {

@@ -76,21 +76,11 @@ class SD3Adapter(FlowMatchAdapter):
                                          dtype, self.device, state.generator)
 
     def _timestep_kwargs(self, state: FlowMatchState) -> dict:
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-        config = self.pipe.scheduler.config
-        if not config.get("use_dynamic_shifting", None):
+        if not self.pipe.scheduler.config.get("use_dynamic_shifting", None):
             return {}
         _, _, height, width = state.latents.shape
         patch = self.pipe.transformer.config.patch_size
-        mu = calculate_shift(
-            (height // patch) * (width // patch),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
-        return {"mu": mu}
+        return {"mu": self._shift((height // patch) * (width // patch), max_shift_default=1.16)}
 
     def _model_timestep(self, timesteps: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return timesteps  # SD3's transformer takes the scheduler's timesteps as they are
