@@ -51,6 +51,9 @@ class EngineConfig:
     default_steps: int = 4
     # start-up
     warmup: bool = True
+    # tests only: make "still running" and "fails alone" facts instead of timing hopes (docs/configuration.md)
+    test_tick_budget_path: str = ""  # while this file holds 0, the engine waits before its next tick
+    test_fail_prompt: str = ""  # a request with exactly this prompt fails in the denoise step (INTERNAL)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":

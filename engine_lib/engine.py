@@ -10,10 +10,12 @@ the loop.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig, EngineMode, select_mode
@@ -93,7 +95,7 @@ class DiffusionEngine:
         self.config = config
         self.mode = select_mode(config, adapter)
         self.inputs = adapter.input_schema(config)  # the one validation of every request
-        self.runner = ModelRunner(adapter)
+        self.runner = ModelRunner(adapter, fail_prompt=config.test_fail_prompt)
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
         # Shared with callers' threads, guarded by _cond: scheduler, _sinks, _pending_aborts, _closed.
@@ -230,10 +232,32 @@ class DiffusionEngine:
                 self.runner.free([request.request_id])
                 self._emit_final(request, error=RequestCancelledError(f"request {request.request_id} cancelled"))
                 logger.info("cancelled request %s", request.request_id)
+            if not self._tick_allowed():
+                continue
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
+
+    def _tick_allowed(self) -> bool:
+        """Tests only (`test_tick_budget_path`): take one tick from the budget file, or wait while it holds 0.
+
+        The wait is short and on the engine's condition, so aborts and close act at once.
+        No path, or no file: every tick is allowed.
+        """
+        path = self.config.test_tick_budget_path
+        if not path:
+            return True
+        try:
+            budget = int(Path(path).read_text().strip() or "0")
+        except (OSError, ValueError):
+            return True
+        if budget > 0:
+            write_atomically(path, str(budget - 1))
+            return True
+        with self._cond:
+            self._cond.wait(timeout=0.01)
+        return False
 
     def _tick(self) -> None:
         with self._cond:
@@ -299,3 +323,10 @@ class DiffusionEngine:
             sink(output)
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
             logger.exception("output sink for %s failed", output.request_id)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace a small file in one step, so a reader never sees it half written (the tick budget)."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)

@@ -43,11 +43,14 @@ class ModelRunner:
 
     `float_outputs`: hand back the pipeline's own float outputs instead of the
     declared dtypes (tests and benchmarks compare them before the uint8 rounding).
+    `fail_prompt` (tests only, the `test_fail_prompt` parameter): a batch holding a
+    request with exactly this prompt fails its denoise forward, as a pipeline error would.
     """
 
-    def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False):
+    def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False, fail_prompt: str = ""):
         self.adapter = adapter
         self.float_outputs = float_outputs
+        self.fail_prompt = fail_prompt
         self._output_specs = {spec.name: spec for spec in adapter.outputs}
         self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread
         self._input_batch: Optional[InputBatch] = None
@@ -119,6 +122,8 @@ class ModelRunner:
                 result.fail(state.request_id, exc)
 
     def _predict(self, states: list[RequestState]) -> list[Prediction]:
+        if self.fail_prompt and any(s.params.get("prompt") == self.fail_prompt for s in states):
+            raise PipelineError(f"injected failure for the prompt {self.fail_prompt!r} (test_fail_prompt)")
         batch = InputBatch.gather(states, previous=self._input_batch)
         self._input_batch = batch
         with torch.inference_mode():

@@ -20,3 +20,42 @@ def tiny_qwen_dir() -> Path:
     from engine_lib.tiny_models import ensure_model
 
     return ensure_model("qwen_image", "tiny")
+
+
+class TickBudget:
+    """The engine's test tick budget (`test_tick_budget_path`), seen from a test.
+
+    `hold()` stops the engine before its next tick; `allow(n)` lets exactly n more
+    ticks (denoise steps of the running batch) run, then holds again; `release()`
+    removes the limit. Works across processes (the file is the whole protocol), so
+    server tests hold a tritonserver's engine the same way.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def hold(self) -> "TickBudget":
+        return self.allow(0)
+
+    def allow(self, ticks: int) -> "TickBudget":
+        from engine_lib.engine import write_atomically
+
+        write_atomically(str(self.path), str(ticks))
+        return self
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def left(self):
+        """Ticks still allowed (None: no limit)."""
+        try:
+            return int(self.path.read_text() or 0)
+        except FileNotFoundError:
+            return None
+
+
+@pytest.fixture
+def tick_budget(tmp_path):
+    budget = TickBudget(tmp_path / "tick_budget")
+    yield budget
+    budget.release()

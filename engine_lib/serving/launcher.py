@@ -139,6 +139,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else self._workdir / "tritonserver.log"
         # Unique per server: two servers on one host must not share shm region names.
         self.shm_prefix = f"dtriton{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self.leaked_shm: list[str] = []  # regions the stopped server left in /dev/shm (removed by stop())
         self.process: Optional[subprocess.Popen] = None
         self._log_file = None
 
@@ -269,10 +270,11 @@ class TritonServer:
         return process.returncode
 
     def _remove_shm_regions(self) -> None:
-        """A killed server leaves its Python-backend shm regions in /dev/shm; remove ours."""
+        """A killed server leaves its Python-backend shm regions in /dev/shm; remove ours (and say which)."""
         shm = Path("/dev/shm")
         if shm.is_dir():
             for path in shm.glob(f"{self.shm_prefix}*"):
+                self.leaked_shm.append(path.name)
                 path.unlink(missing_ok=True)
 
     def cleanup(self) -> None:

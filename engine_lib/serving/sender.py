@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from engine_lib.interface import OutputSpec
-from engine_lib.request import DiffusionOutput, EngineError, EngineUnavailableError, RequestCancelledError
+from engine_lib.request import (DiffusionOutput, EngineError, EngineUnavailableError, PipelineError,
+                                RequestCancelledError)
 from engine_lib.serving.tensors import output_arrays
 
 ERROR_CODES = ("INVALID_ARG", "CANCELLED", "UNAVAILABLE", "INTERNAL")
@@ -153,11 +154,18 @@ class ResponseSender:
                     output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
                 flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.is_final else 0
                 stream.response_sender.send(response, flags=flags)
-        except Exception as exc:  # noqa: BLE001 - the stream cannot be answered any more
+        except Exception as exc:  # noqa: BLE001 - end the stream with what can still be sent
             self._log(f"{self._model_name}: send failed for request {stream.request_id}: {exc!r}")
             if not output.is_final:
                 self._streams.pop(output.request_id, None)
                 self._abort([output.request_id])
+            # The send may have failed on this response (e.g. its encoding) with the stream still
+            # open: try once to end it with an error, so the client is not left waiting.
+            try:
+                self._send_error(stream.response_sender, PipelineError(f"could not send a response: {exc}"),
+                                 stream.client_id)
+            except Exception:  # noqa: BLE001 - the stream itself is gone
+                pass
             self._metrics.request_done("error", None)
             return
         if stream.first_response_at is None:

@@ -256,6 +256,33 @@ def test_cli_http_gives_the_same_image_as_grpc(triton, tmp_path):
     assert grpc_image.shape == (32, 32, 3) and np.array_equal(grpc_image, http_image)
 
 
+def test_a_stream_left_early_cancels_its_request_and_leaves_no_thread(triton):
+    """Closing `stream()` before the final event cancels the request on the server; the gRPC transport
+    also ends the thread tritonclient 2.50 leaves blocked after a cancel (grpc_transport.stop_stream)."""
+    import threading
+
+    from client import stream
+
+    before = set(threading.enumerate())
+    cancelled_before = triton.log_text().count("qwen_image: cancelled request")
+    triton.budget.allow(1)
+    try:
+        for _ in range(3):
+            events = stream("left early", url=triton.grpc_url, steps=50, height=32, width=32, preview_interval=1)
+            assert next(events).step == 1
+            events.close()
+            triton.budget.allow(1)
+    finally:
+        triton.budget.release()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and triton.log_text().count("qwen_image: cancelled request") < cancelled_before + 3:
+        time.sleep(0.05)
+    assert triton.log_text().count("qwen_image: cancelled request") == cancelled_before + 3
+    while time.monotonic() < deadline and not set(threading.enumerate()) <= before:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) <= before, [t.name for t in set(threading.enumerate()) - before]
+
+
 def test_api_several_images_and_server_errors(triton):
     images = generate("two of them", url=triton.grpc_url, steps=2, height=32, width=32, num_images=2, seed=1)
     assert [image.size for image in images] == [(32, 32), (32, 32)]
@@ -266,10 +293,12 @@ def test_api_several_images_and_server_errors(triton):
 
 @pytest.mark.parametrize("protocol_args", [[], ["--http"]], ids=["grpc", "http"])
 def test_ctrl_c_cancels_the_request_on_the_server(triton, protocol_args, tmp_path):
+    """The engine is held after the first step (the tick budget), so the request is running at Ctrl-C."""
     url = triton.http_url if protocol_args else triton.grpc_url
     cancelled_before = triton.log_text().count("qwen_image: cancelled request")
+    triton.budget.allow(1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client", "generate", "--prompt", "long", "--size", "128", "--steps", "100",
+        [sys.executable, "-m", "client", "generate", "--prompt", "long", "--size", "64", "--steps", "100",
          "--preview-every", "1", "--preview-dir", str(tmp_path), "--out", str(tmp_path / "never.png"),
          "--url", url, *protocol_args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -283,6 +312,7 @@ def test_ctrl_c_cancels_the_request_on_the_server(triton, protocol_args, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        triton.budget.release()
     assert proc.returncode == 130, stderr
     assert stderr.splitlines()[-1] == "cancelled" and "Traceback" not in stderr and stdout == ""
     assert not (tmp_path / "never.png").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -12,7 +13,8 @@ import torch
 from engine_lib.config import EngineConfig
 from engine_lib.engine import DiffusionEngine, EngineMode
 from engine_lib.interface import to_uint8
-from engine_lib.request import ConfigError, EngineUnavailableError, InvalidInputError, RequestCancelledError
+from engine_lib.request import (ConfigError, EngineUnavailableError, InvalidInputError, PipelineError,
+                                RequestCancelledError)
 
 MODES = [
     pytest.param(False, 1, id="request-serial"),
@@ -42,7 +44,7 @@ def params(seed=0, steps=3, size=64, **kw):
 
 
 def drain(stream, timeout=120):
-    """All outputs of one stream, checking the contract: exactly one final, and it is last."""
+    """The outputs of one stream up to its final one (`assert_ended` then checks nothing follows it)."""
     outputs = []
     deadline = time.monotonic() + timeout
     while True:
@@ -51,7 +53,7 @@ def drain(stream, timeout=120):
             return outputs
 
 
-def wait_until(predicate, timeout=5.0):
+def wait_until(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -67,6 +69,27 @@ def assert_idle(engine):
     assert (stats.num_waiting, stats.num_running, stats.num_runner_states, stats.num_streams) == (0, 0, 0, 0)
 
 
+def assert_ended(engine, *streams):
+    """Exactly one final per stream: once the engine is idle, nothing arrived after the final one."""
+    assert_idle(engine)
+    for stream in streams:
+        with pytest.raises(queue.Empty):
+            extra = stream.get(timeout=0)
+            pytest.fail(f"{stream.request_id}: an output after the final one: {extra}")
+
+
+def run_held(engine, budget, waiting: int, ticks: int) -> None:
+    """Once `waiting` requests wait (added while the engine was held), let exactly `ticks` ticks run."""
+    assert wait_until(lambda: engine.stats().num_waiting == waiting), engine.stats()
+    budget.allow(ticks)
+
+
+def first_output(stream, timeout=60):
+    output = stream.get(timeout=timeout)
+    assert not output.is_final, output.error
+    return output
+
+
 @pytest.mark.parametrize("step_execution,max_num_seqs", MODES)
 def test_eight_concurrent_requests_each_end_once(adapter, step_execution, max_num_seqs):
     engine = make(adapter, step_execution, max_num_seqs)
@@ -75,9 +98,9 @@ def test_eight_concurrent_requests_each_end_once(adapter, step_execution, max_nu
         assert engine.mode is expected_mode
         streams = [engine.add_request(f"r{i}", params(seed=i, steps=2 + i % 3, preview_interval=1))
                    for i in range(8)]
-        for i, stream in enumerate(streams):
-            outputs = drain(stream)
-            assert [o.is_final for o in outputs].count(True) == 1
+        outputs_of = [drain(stream) for stream in streams]
+        assert_ended(engine, *streams)
+        for i, outputs in enumerate(outputs_of):
             final = outputs[-1]
             assert final.error is None, final.error
             assert final.outputs["image"].shape == (1, 64, 64, 3) and final.outputs["image"].dtype == np.uint8
@@ -89,40 +112,47 @@ def test_eight_concurrent_requests_each_end_once(adapter, step_execution, max_nu
         engine.close()
 
 
-def test_abort_mid_denoise_frees_state_even_when_idle(adapter):
-    engine = make(adapter, step_execution=True, max_num_seqs=2)
+def test_abort_mid_denoise_frees_state_even_when_idle(adapter, tick_budget):
+    engine = make(adapter, step_execution=True, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
     try:
-        stream = engine.add_request("long", params(steps=200, preview_interval=1))
-        first = stream.get(timeout=60)
-        assert not first.is_final and first.step == 1
-        assert engine.stats().num_runner_states == 1
+        tick_budget.allow(1)  # one step, then the engine holds: the request is mid-denoise, and stays so
+        stream = engine.add_request("long", params(steps=5, preview_interval=1))
+        assert first_output(stream).step == 1
+        assert wait_until(lambda: tick_budget.left() == 0) and engine.stats().num_runner_states == 1
         engine.abort(["long"])
         final = drain(stream)[-1]
-        assert isinstance(final.error, RequestCancelledError)
-        assert_idle(engine)
-        # the engine still serves afterwards
-        assert engine.add_request("next", params()).result(timeout=60).error is None
+        assert isinstance(final.error, RequestCancelledError) and final.step == 1
+        assert_ended(engine, stream)
+        tick_budget.release()
+        assert engine.add_request("next", params()).result(timeout=60).error is None  # it still serves
     finally:
         engine.close()
 
 
-def test_abort_waiting_request(adapter):
-    engine = make(adapter, step_execution=True, max_num_seqs=1)
+def test_abort_waiting_request(adapter, tick_budget):
+    engine = make(adapter, step_execution=True, max_num_seqs=1, test_tick_budget_path=str(tick_budget.path))
     try:
-        running = engine.add_request("running", params(steps=30))
+        tick_budget.allow(1)  # admits "running" alone (capacity 1), one step, then holds
+        running = engine.add_request("running", params(steps=3, preview_interval=1))
         waiting = engine.add_request("waiting", params(seed=1, steps=3))
+        assert first_output(running).step == 1
+        assert engine.stats().num_waiting == 1
         engine.abort(["waiting"])
-        assert isinstance(waiting.result(timeout=60).error, RequestCancelledError)
-        assert running.result(timeout=120).error is None
-        assert_idle(engine)
+        assert isinstance(drain(waiting)[-1].error, RequestCancelledError)
+        tick_budget.release()
+        assert drain(running)[-1].error is None
+        assert_ended(engine, running, waiting)
     finally:
         engine.close()
 
 
-def test_close_ends_every_stream_and_joins_promptly(adapter):
-    engine = make(adapter, step_execution=True, max_num_seqs=2)
-    streams = [engine.add_request(f"c{i}", params(seed=i, steps=500)) for i in range(4)]
-    time.sleep(0.3)
+def test_close_ends_every_stream_and_joins_promptly(adapter, tick_budget):
+    engine = make(adapter, step_execution=True, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
+    tick_budget.hold()
+    streams = [engine.add_request(f"c{i}", params(seed=i, steps=5, preview_interval=1)) for i in range(4)]
+    run_held(engine, tick_budget, waiting=4, ticks=1)  # two run one step, two wait; then it holds, all open
+    assert [first_output(s).step for s in streams[:2]] == [1, 1]
+    assert engine.stats().num_waiting == 2
     start = time.monotonic()
     engine.close(timeout=5.0)
     assert time.monotonic() - start < 5.0
@@ -130,34 +160,43 @@ def test_close_ends_every_stream_and_joins_promptly(adapter):
     for stream in streams:
         outputs = drain(stream, timeout=5)
         assert isinstance(outputs[-1].error, EngineUnavailableError)
+        with pytest.raises(queue.Empty):
+            stream.get(timeout=0)
+    assert engine.stats().num_streams == 0 and engine.stats().num_runner_states == 0
     with pytest.raises(EngineUnavailableError):
         engine.add_request("late", params())
 
 
-def test_queue_limit_rejects_with_unavailable(adapter):
-    engine = make(adapter, step_execution=True, max_num_seqs=1, max_queue=2)
+def test_queue_limit_rejects_with_unavailable(adapter, tick_budget):
+    engine = make(adapter, step_execution=True, max_num_seqs=1, max_queue=2,
+                  test_tick_budget_path=str(tick_budget.path))
     try:
-        streams = [engine.add_request("a", params(steps=100))]
-        wait_until(lambda: engine.stats().num_running == 1)
+        tick_budget.allow(1)
+        streams = [engine.add_request("a", params(steps=3, preview_interval=1))]
+        assert first_output(streams[0]).step == 1  # "a" runs; the engine holds
         streams += [engine.add_request(i, params()) for i in ("b", "c")]
         with pytest.raises(EngineUnavailableError, match="max_queue=2"):
             engine.add_request("d", params())
         engine.abort(["a"])
-        assert [s.result(timeout=60).error is None for s in streams] == [False, True, True]
+        tick_budget.release()
+        assert [drain(s)[-1].error is None for s in streams] == [False, True, True]
+        assert_ended(engine, *streams)
     finally:
         engine.close()
 
 
-def test_invalid_input_and_duplicate_id_rejected(adapter):
-    engine = make(adapter, step_execution=True)
+def test_invalid_input_and_duplicate_id_rejected(adapter, tick_budget):
+    engine = make(adapter, step_execution=True, test_tick_budget_path=str(tick_budget.path))
     try:
         with pytest.raises(InvalidInputError, match="height"):
             engine.add_request("bad", params(size=60))
-        stream = engine.add_request("dup", params(steps=20))
+        tick_budget.hold()  # "dup" stays active until released
+        stream = engine.add_request("dup", params(steps=2))
         with pytest.raises(ValueError, match="already active"):
             engine.add_request("dup", params())
-        assert stream.result(timeout=60).error is None
-        assert_idle(engine)
+        tick_budget.release()
+        assert drain(stream)[-1].error is None
+        assert_ended(engine, stream)
     finally:
         engine.close()
 
@@ -214,12 +253,12 @@ def test_failing_request_fails_alone(adapter, step_execution, where):
         streams = [engine.add_request(f"g{i}", p) for i, p in enumerate(good[:2])]
         streams.insert(1, engine.add_request("bad", params(seed=9, steps=3, prompt="boom")))
         streams.append(engine.add_request("g2", good[2]))
-        finals = [s.result(timeout=120) for s in streams]
+        finals = [drain(s)[-1] for s in streams]
         assert f"injected {where}" in str(finals[1].error)
         for final, reference in zip(finals[:1] + finals[2:], references):
             assert final.error is None
             assert max_level_diff(final.outputs["image"], reference) <= 1
-        assert_idle(engine)
+        assert_ended(engine, *streams)
     finally:
         engine.close()
 
@@ -240,39 +279,84 @@ def test_make_engine_cleans_up_when_warmup_fails(adapter):
         def denoise_step(self, input_batch, *, states):
             raise RuntimeError("broken pipeline")
 
-    before = {t.name for t in threading.enumerate()}
+    before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="warm-up failed"):
         DiffusionEngine.make_engine(EngineConfig(), adapter=Broken(adapter, None))
-    assert wait_until(lambda: {t.name for t in threading.enumerate()} <= before)
+    assert wait_until(lambda: set(threading.enumerate()) <= before), set(threading.enumerate()) - before
 
 
-def test_admission_wait_forms_one_wave(adapter):
+def test_admission_wait_is_asked_before_a_new_wave(adapter, monkeypatch):
+    """The engine asks `wait_for_admission` (unit-tested with a fake clock in tests/sched) before a new wave,
+    with its capacity and max wait; arrivals during the wait join the wave."""
+    import engine_lib.engine as engine_module
+
+    calls = []
+
+    def spy(cond, num_waiting, capacity, max_wait_s, stopped, **kw):
+        calls.append((num_waiting(), capacity, max_wait_s))
+        while num_waiting() < capacity:  # as the real wait does when arrivals keep coming in time
+            cond.wait(timeout=0.01)
+        return "capacity"
+
+    monkeypatch.setattr(engine_module, "wait_for_admission", spy)
     ticks = []
     engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=2000, warmup=False),
                              tick_listener=ticks.append)
     try:
-        streams = []
-        for i in range(4):
-            streams.append(engine.add_request(f"w{i}", params(seed=i)))
-            time.sleep(0.005)
-        assert all(s.result(timeout=60).error is None for s in streams)
+        streams = [engine.add_request("w0", params(seed=0))]
+        assert wait_until(lambda: calls)
+        streams += [engine.add_request(f"w{i}", params(seed=i)) for i in range(1, 4)]
+        assert all(drain(s)[-1].error is None for s in streams)
+        assert calls == [(1, 4, 2.0)]
         assert [t.batch_size for t in ticks] == [4, 4, 4]  # one wave of four, one tick per denoise step
+        assert_ended(engine, *streams)
     finally:
         engine.close()
 
 
-def test_request_mode_aborts_at_a_step_boundary(adapter):
+def test_no_admission_wait_without_a_max_wait_or_in_step_mode(adapter, monkeypatch):
+    import engine_lib.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "wait_for_admission", lambda *a, **k: pytest.fail("waited"))
+    for config in (EngineConfig(max_num_seqs=4, warmup=False),
+                   EngineConfig(max_num_seqs=4, step_execution=True, request_batch_max_wait_ms=2000, warmup=False)):
+        engine = DiffusionEngine(adapter, config)
+        try:
+            assert engine.add_request("r", params()).result(timeout=60).error is None
+        finally:
+            engine.close()
+
+
+def test_request_mode_aborts_at_a_step_boundary(adapter, tick_budget):
     """A wave runs step by step, so an abort frees its member at once and the others go on."""
-    engine = make(adapter, step_execution=False, max_num_seqs=2)
+    engine = make(adapter, step_execution=False, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
     try:
-        doomed = engine.add_request("doomed", params(steps=200, preview_interval=1))
-        mate = engine.add_request("mate", params(seed=1, steps=200))
-        assert not doomed.get(timeout=60).is_final  # the wave is running
+        tick_budget.hold()
+        doomed = engine.add_request("doomed", params(steps=4, preview_interval=1))
+        mate = engine.add_request("mate", params(seed=1, steps=4, preview_interval=1))
+        run_held(engine, tick_budget, waiting=2, ticks=1)  # the wave of two runs one step, then holds
+        assert first_output(doomed).step == 1 and first_output(mate).step == 1
         engine.abort(["doomed"])
         assert isinstance(drain(doomed)[-1].error, RequestCancelledError)
-        assert wait_until(lambda: engine.stats().num_runner_states == 1)  # freed long before the mate ends
-        assert mate.result(timeout=120).error is None
-        assert_idle(engine)
+        assert wait_until(lambda: engine.stats().num_runner_states == 1)  # freed while the mate still runs
+        tick_budget.release()
+        assert drain(mate)[-1].error is None
+        assert_ended(engine, doomed, mate)
+    finally:
+        engine.close()
+
+
+def test_an_injected_failure_fails_its_request_alone(adapter):
+    """`test_fail_prompt`: the request fails in the batched denoise step with INTERNAL, batch-mates finish."""
+    engine = make(adapter, step_execution=True, max_num_seqs=4, test_fail_prompt="boom")
+    try:
+        streams = [engine.add_request(f"g{i}", params(seed=i)) for i in range(3)]
+        streams.insert(1, engine.add_request("bad", params(prompt="boom")))
+        finals = [drain(s)[-1] for s in streams]
+        assert isinstance(finals[1].error, PipelineError) and finals[1].error.code == "INTERNAL"
+        assert "injected failure" in str(finals[1].error)
+        assert all(f.error is None for f in finals[:1] + finals[2:])
+        assert_ended(engine, *streams)
     finally:
         engine.close()
 

@@ -1,8 +1,10 @@
 """Real tritonserver fixtures: the repository's qwen_image model, copied to a tmp dir with
 parameters adjusted per test module, served on free loopback ports.
 
-`server` is shared by the whole session (the shipped configuration); modules that need
-other parameters or that kill their server start their own with `start_server`.
+`server` is shared by the whole session (the shipped configuration, plus the engine's test
+hooks: a tick budget file, `server.budget`, and a prompt that fails, FAIL_PROMPT); modules
+that need other parameters or that kill their server start their own with `start_server`.
+Every server started here is checked for leaks when it stops (`LeakProbe`).
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from engine_lib.serving.launcher import REPO_ROOT, TritonServer
+from tests.conftest import TickBudget
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
+FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's test_fail_prompt
 
 
 def free_port() -> int:
@@ -51,18 +58,81 @@ def model_path(request) -> str:
     return os.environ.get("DIFFUSION_MODEL_PATH") or str(request.getfixturevalue("tiny_qwen_dir"))
 
 
-def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, **parameters: str) -> TritonServer:
-    repo = write_repository(tmp_dir / "repository", model_path=model_path, **parameters)
-    server = TritonServer(
+def client_threads() -> set:
+    """This process's gRPC client threads (tritonclient stream handlers, grpc's request iterators)."""
+    def is_client(thread) -> bool:
+        module = getattr(getattr(thread, "_target", None), "__module__", "") or ""
+        return module.startswith(("grpc", "tritonclient"))
+    return {t for t in threading.enumerate() if is_client(t)}
+
+
+class LeakProbe:
+    """What Triton's own QA checks after a server stops: no process of its group, no shared-memory
+    region of its own prefix in /dev/shm (left by a server that exited cleanly), and no gRPC client
+    thread the tests started against it still alive in this process."""
+
+    def __init__(self, server: TritonServer):
+        self.server = server
+        self.threads = client_threads()
+
+    def check(self, code) -> None:
+        pid = self.server.process.pid if self.server.process else None
+        if pid is not None:
+            left = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout.split()
+            assert left == [], f"processes of the server's group left behind: {left}"
+        if code == 0:  # a killed server cannot clean up after itself; the launcher removes what it left
+            assert self.server.leaked_shm == [], f"shared memory left behind: {self.server.leaked_shm}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not client_threads() <= self.threads:
+            time.sleep(0.05)
+        extra = client_threads() - self.threads
+        assert not extra, f"client threads left behind: {[(t.name, getattr(t, '_target', None)) for t in extra]}"
+
+
+class ProbedServer(TritonServer):
+    """A TritonServer whose cleanup checks for leaks; `budget` is its engine's tick budget, if it has one."""
+
+    budget = None
+
+    def start(self, timeout_s: float = 300.0) -> "ProbedServer":
+        super().start(timeout_s)
+        self.probe = LeakProbe(self)
+        return self
+
+    def cleanup(self) -> None:
+        if self.budget is not None:
+            self.budget.release()
+        code = self.stop()
+        super().cleanup()
+        if getattr(self, "probe", None) is not None:
+            self.probe.check(code)
+
+
+def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(),
+                 **parameters: str) -> ProbedServer:
+    """Serve the qwen_image entry with `parameters` overridden; its tick budget file is `server.budget`
+    (absent until a test holds the engine)."""
+    budget = TickBudget(tmp_dir / "tick_budget")
+    repo = write_repository(tmp_dir / "repository", model_path=model_path,
+                            test_tick_budget_path=str(budget.path), **parameters)
+    server = ProbedServer(
         repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), address="127.0.0.1",
-        log_path=tmp_dir / "tritonserver.log", exit_timeout_s=exit_timeout_s,
+        log_path=tmp_dir / "tritonserver.log", exit_timeout_s=exit_timeout_s, extra_args=extra_args,
     )
+    server.budget = budget
     return server.start(timeout_s=300)
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, request):
     """The shipped qwen_image configuration on the tiny model, shared by the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request))
+    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), test_fail_prompt=FAIL_PROMPT)
     yield srv
     srv.cleanup()
+
+
+@pytest.fixture
+def held(server):
+    """The shared server's tick budget, released (and the engine running freely) after the test."""
+    yield server.budget
+    server.budget.release()

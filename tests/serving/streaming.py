@@ -19,6 +19,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.grpc_transport import stop_stream
 from engine_lib.pipelines import registry
 from engine_lib.serving.tensors import NUMPY_DTYPES
 
@@ -121,11 +122,26 @@ class RequestStream:
         return self.result
 
     def cancel(self) -> None:
-        self.client.stop_stream(cancel_requests=True)
+        stop_stream(self.client, cancel=True)
 
     def close(self) -> None:
         self.client.stop_stream()
         self.client.close()
+
+
+def close_all(streams, budget=None) -> None:
+    """Release a held engine first (a stream with a request in flight closes only once it has ended),
+    then close every stream."""
+    if budget is not None:
+        budget.release()
+    for stream in streams:
+        stream.close()
+
+
+def run_held(server, waiting: int, ticks: int, model: str = MODEL) -> None:
+    """Once `waiting` requests wait in the held engine (its gauge says so), let exactly `ticks` ticks run."""
+    assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", float(waiting), model=model) == waiting
+    server.budget.allow(ticks)
 
 
 def run_request(url: str, timeout: float = 120.0, request_id: str = "", **inputs: Any) -> StreamResult:

@@ -1,8 +1,8 @@
-"""Custom metrics on Triton's /metrics port move with traffic."""
+"""Custom metrics on Triton's /metrics port move with traffic, and the gauges say what the engine holds."""
 
 from __future__ import annotations
 
-from .streaming import metric, run_request, scrape, wait_for_metric
+from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
 
 LABELS = {"model": "qwen_image"}
 
@@ -22,8 +22,27 @@ def test_counters_and_histograms_move(server):
                       "diffusion_request_latency_seconds"):
         assert metric(after, f"{histogram}_count", **LABELS) > metric(before, f"{histogram}_count", **LABELS), histogram
         assert metric(after, f"{histogram}_sum", **LABELS) > metric(before, f"{histogram}_sum", **LABELS), histogram
-    for gauge in ("diffusion_requests_waiting", "diffusion_requests_running", "diffusion_runner_states",
-                  "diffusion_open_streams"):
-        assert ("{}".format(gauge), frozenset(LABELS.items())) in after, gauge
     # Triton's own per-model counters count the request too.
     assert metric(after, "nv_inference_request_success", model="qwen_image", version="1") > 0
+
+
+def test_gauges_show_running_and_waiting_requests_then_nothing(server, held):
+    """With max_num_seqs 4 and the engine held after one step: 4 running (each with runner state and an open
+    stream), 2 waiting; once released and done, every gauge is back to 0."""
+    held.hold()
+    streams = [RequestStream(server.grpc_url).send(f"g{i}", prompt=f"gauge {i}", height=32, width=32,
+                                                   num_inference_steps=3, preview_interval=1) for i in range(6)]
+    try:
+        run_held(server, waiting=6, ticks=1)
+        for stream in streams[:4]:
+            assert stream.wait_first(timeout=60).steps() == [1]
+        expected = {"diffusion_requests_running": 4.0, "diffusion_requests_waiting": 2.0,
+                    "diffusion_runner_states": 4.0, "diffusion_open_streams": 6.0}
+        for gauge, value in expected.items():
+            assert wait_for_metric(server.metrics_url, gauge, value, **LABELS) == value, gauge
+        held.release()
+        assert all(stream.collect(timeout=120).num_final == 1 for stream in streams)
+    finally:
+        close_all(streams, held)
+    for gauge in expected:
+        assert wait_for_metric(server.metrics_url, gauge, 0.0, **LABELS) == 0.0, gauge

@@ -20,9 +20,9 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 
 from engine_lib.pipelines import registry
-from engine_lib.serving.launcher import REPO_ROOT, TritonServer
+from engine_lib.serving.launcher import REPO_ROOT
 
-from .conftest import free_port, set_parameter
+from .conftest import ProbedServer, free_port, set_parameter
 from .streaming import RequestStream, post_json, run_request, sse_events
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
@@ -45,7 +45,7 @@ def server(tmp_path_factory, model_dirs):
                         ignore=shutil.ignore_patterns("__pycache__"))
         config = repo / name / "config.pbtxt"
         config.write_text(set_parameter(config.read_text(), "model_path", str(model_dirs[name])))
-    srv = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
                        env={"OMP_NUM_THREADS": "1"})  # two model processes share the CPU cores
     srv.start(timeout_s=300)
