@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test bench bench-quick clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -21,6 +21,9 @@ demo: models  ## start the server, generate one image with the client, stop the 
 
 test: models  ## unit, engine, pipeline and real-tritonserver tests
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+mutants: models  ## plant each bug of tests/mutants/ and check the tests catch it (a few minutes)
+	@$(PY) tests/mutants/run.py
 
 bench: models  ## the full benchmark (about 30 min): writes benchmarks/results and docs/benchmarks.md
 	@$(PY) -m benchmarks.run $(BENCH_ARGS)

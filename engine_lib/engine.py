@@ -228,11 +228,12 @@ class DiffusionEngine:
                     return
                 aborted = self.scheduler.abort(self._pending_aborts)
                 self._pending_aborts.clear()
+                has_work = self.scheduler.has_requests  # else the tick only reports what ended
             for request in aborted:
                 self.runner.free([request.request_id])
                 self._emit_final(request, error=RequestCancelledError(f"request {request.request_id} cancelled"))
                 logger.info("cancelled request %s", request.request_id)
-            if not self._tick_allowed():
+            if has_work and not self._tick_allowed():
                 continue
             try:
                 self._tick()
@@ -242,8 +243,8 @@ class DiffusionEngine:
     def _tick_allowed(self) -> bool:
         """Tests only (`test_tick_budget_path`): take one tick from the budget file, or wait while it holds 0.
 
-        The wait is short and on the engine's condition, so aborts and close act at once.
-        No path, or no file: every tick is allowed.
+        Only ticks with requests to run count. The wait is short and on the engine's
+        condition, so aborts and close act at once. No path, or no file: every tick is allowed.
         """
         path = self.config.test_tick_budget_path
         if not path:

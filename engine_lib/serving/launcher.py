@@ -217,8 +217,13 @@ class TritonServer:
         raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
     def is_ready(self) -> bool:
+        """Every model loaded, and the metrics port answering (it starts a little after the HTTP
+        service: a scrape right after /v2/health/ready turned 200 was refused, seen here)."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as reply:
+                if reply.status != 200:
+                    return False
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as reply:
                 return reply.status == 200
         except (urllib.error.URLError, OSError):
             return False

@@ -268,7 +268,8 @@ def test_a_stream_left_early_cancels_its_request_and_leaves_no_thread(triton):
     triton.budget.allow(1)
     try:
         for _ in range(3):
-            events = stream("left early", url=triton.grpc_url, steps=50, height=32, width=32, preview_interval=1)
+            events = stream("left early", url=triton.grpc_url, steps=50, height=32, width=32, preview_interval=1,
+                            timeout=60)
             assert next(events).step == 1
             events.close()
             triton.budget.allow(1)

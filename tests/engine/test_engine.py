@@ -381,3 +381,23 @@ def test_every_mode_gives_the_diffusers_image(adapter, step_execution, max_num_s
             assert levels.max() <= 1 and (levels > 0).mean() <= 0.001
     finally:
         engine.close()
+
+
+def test_a_tick_with_nothing_to_run_takes_nothing_from_the_budget(adapter, tick_budget):
+    """An abort that leaves the engine idle wakes its loop; that wake-up must not spend the next request's tick."""
+    engine = make(adapter, step_execution=True, test_tick_budget_path=str(tick_budget.path))
+    try:
+        tick_budget.allow(1)
+        first = engine.add_request("first", params(steps=3, preview_interval=1))
+        assert first_output(first).step == 1
+        tick_budget.allow(1)
+        engine.abort(["first"])  # the engine goes idle with one tick allowed
+        assert isinstance(drain(first)[-1].error, RequestCancelledError)
+        assert_idle(engine)
+        assert tick_budget.left() == 1
+        second = engine.add_request("second", params(steps=3, preview_interval=1))
+        assert first_output(second).step == 1
+        tick_budget.release()
+        assert drain(second)[-1].error is None
+    finally:
+        engine.close()
