@@ -144,3 +144,15 @@ def test_compose_mount_sources_are_relative_or_configurable(service):
     """Absolute host paths would tie the file to one machine."""
     for source in _volumes(service).values():
         assert source.startswith(("./", "${")), f"volume source {source!r} should be relative or an env var"
+
+
+def test_the_openai_front_door_runs_from_the_same_image_against_tritonserver():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    front, triton = compose["services"]["openai"], compose["services"]["tritonserver"]
+    assert front["image"] == triton["image"], "the front door ships in the project's image"
+    command = _command(front)
+    assert command[:3] == ["python3", "-m", "engine_lib.serving.openai_api"]
+    assert command[command.index("--triton") + 1] == "tritonserver:8001"
+    port = command[command.index("--port") + 1]
+    assert any(str(p).split(":")[-1] == port for p in front["ports"])
+    assert front["depends_on"]["tritonserver"]["condition"] == "service_healthy"

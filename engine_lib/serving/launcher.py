@@ -8,8 +8,12 @@ group on the given ports, waits for /v2/health/ready, and stops it with a
 bounded SIGTERM -> SIGKILL of the whole group: tritonserver 2.51 can hang on
 exit while a client holds a gRPC stream (see DESIGN.md, Platform notes).
 
-CLI (for `make serve`): `python -m engine_lib.serving.launcher serve`.
-Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002),
+`OpenAIFrontDoor` runs the OpenAI Images API (engine_lib/serving/openai_api) as a
+second process next to it.
+
+CLI (for `make serve`): `python -m engine_lib.serving.launcher serve` starts both.
+Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), OPENAI_PORT (9000;
+0: no front door), OPENAI_API_KEY (a bearer key the front door asks for),
 MODEL_REPOSITORY (<repo>/model_repository), EXIT_TIMEOUT_SECS (30).
 """
 
@@ -305,6 +309,75 @@ class TritonServer:
         self.cleanup()
 
 
+class OpenAIFrontDoor:
+    """The OpenAI front door (`python -m engine_lib.serving.openai_api`) as a child process.
+
+    `start()` waits until its /health answers; a process that exits first, or a timeout,
+    raises TritonServerError with its output's tail. `stop()` is bounded (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, triton_grpc_url: str, host: str = "127.0.0.1", port: Optional[int] = None,
+                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None):
+        self.triton_grpc_url = triton_grpc_url
+        self.host = host
+        self.port = port if port is not None else _env_int("OPENAI_PORT", 9000)
+        self.log_path = Path(log_path) if log_path else None  # None: the launcher's console
+        self.env = dict(os.environ if env is None else env)
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> "OpenAIFrontDoor":
+        env = dict(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", "engine_lib.serving.openai_api", "--triton", self.triton_grpc_url,
+                   "--host", self.host, "--port", str(self.port)]
+        if self.log_path is None:
+            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TritonServerError(f"the OpenAI front door exited with code {self.process.returncode} on port "
+                                        f"{self.port}; its output:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        self.stop()
+        raise TritonServerError(f"the OpenAI front door did not answer on port {self.port} within {timeout_s:.0f} s; "
+                                f"its output:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None:
+            return "(on the console above)"
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
 def _signal_group(pid: int, sig: int, only_leader: bool = False) -> None:
     try:
         if only_leader:
@@ -340,7 +413,10 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--log-file", default=None, help="default: the console")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="the OpenAI Images API front door's port; default: $OPENAI_PORT or 9000; 0: none")
     args = parser.parse_args(argv)
+    openai_port = args.openai_port if args.openai_port is not None else _env_int("OPENAI_PORT", 9000)
 
     log_path = args.log_file or "/dev/stdout"
     server = TritonServer(
@@ -356,15 +432,23 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _request_stop)
     print(f"launcher: starting tritonserver on {server.model_repository} "
           f"(http {server.http_port}, grpc {server.grpc_port}, metrics {server.metrics_port})", flush=True)
+    front_door = None
     try:
         server.start(timeout_s=args.start_timeout)
+        if openai_port:
+            front_door = OpenAIFrontDoor(server.grpc_url, host=args.address, port=openai_port,
+                                         log_path=args.log_file).start()
     except TritonServerError as exc:
         print(f"launcher: {exc}", file=sys.stderr, flush=True)
         server.cleanup()
         return 1
-    print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}); Ctrl-C stops", flush=True)
-    while not stop_requested and server.is_running():
+    openai = f", openai {front_door.url}/v1" if front_door else ""
+    print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}{openai}); Ctrl-C stops", flush=True)
+    while not stop_requested and server.is_running() and (front_door is None or front_door.process.poll() is None):
         time.sleep(0.5)
+    if front_door is not None:
+        print("launcher: stopping the OpenAI front door", flush=True)
+        front_door.stop()
     print("launcher: stopping tritonserver", flush=True)
     code = server.stop()
     server.cleanup()

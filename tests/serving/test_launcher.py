@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -101,10 +104,11 @@ def test_stop_is_bounded_when_the_server_hangs(tmp_path):
 
 
 def test_cli_serves_until_interrupted(tmp_path):
+    """`make serve`: tritonserver and the OpenAI front door come up together and stop together."""
     (tmp_path / "repo").mkdir()
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=ports[0], GRPC_PORT=ports[1],
-               METRICS_PORT=ports[2])
+               METRICS_PORT=ports[2], OPENAI_PORT=ports[3])
     cli = subprocess.Popen([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address", "127.0.0.1",
                             "--log-file", str(tmp_path / "cli.log")],
                            env=env, stdout=subprocess.PIPE, text=True)
@@ -117,9 +121,32 @@ def test_cli_serves_until_interrupted(tmp_path):
             if "ready" in line or not line:
                 break
         assert any(f"grpc 127.0.0.1:{ports[1]}" in line for line in lines), lines
+        assert any(f"openai http://127.0.0.1:{ports[3]}/v1" in line for line in lines), lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/v1/models", timeout=10) as reply:
+            assert json.load(reply) == {"object": "list", "data": []}  # the empty repository serves no model
         cli.send_signal(signal.SIGINT)
         assert cli.wait(timeout=30) == 0
-        assert "stopped (exit code 0)" in cli.stdout.read()
+        output = cli.stdout.read()
+        assert "stopping the OpenAI front door" in output and "stopped (exit code 0)" in output
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/health", timeout=5)
     finally:
         if cli.poll() is None:
             cli.kill()
+
+
+def test_cli_fails_when_the_openai_front_door_cannot_start(tmp_path):
+    (tmp_path / "repo").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=str(free_port()),
+                   GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
+                   OPENAI_PORT=str(taken.getsockname()[1]))
+        cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address",
+                              "127.0.0.1", "--log-file", str(tmp_path / "cli.log")],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1
+    assert "the OpenAI front door exited" in cli.stderr and "address already in use" in cli.stderr.lower(), cli.stderr
+    assert "tritonserver" not in subprocess.run(["pgrep", "-f", str(tmp_path / "repo")], capture_output=True,
+                                                 text=True).stdout

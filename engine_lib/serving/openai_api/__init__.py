@@ -1,0 +1,11 @@
+"""An OpenAI Images API front door for the Triton models: `/v1/models`, `/v1/images/generations`.
+
+A thin async HTTP server (FastAPI + uvicorn) that speaks gRPC streaming to the local
+tritonserver through tritonclient's asyncio client; no model code runs in it (it imports
+no torch). `make serve` starts it on OPENAI_PORT (default 9000) next to tritonserver.
+
+requests.py  the OpenAI request body -> a model's inputs, and OpenAI-shaped errors
+gateway.py   tritonclient.grpc.aio: ready models, their declared inputs, one streamed request
+app.py       the FastAPI app: endpoints, bearer key, server-sent events, client disconnects
+__main__.py  `python -m engine_lib.serving.openai_api --triton HOST:PORT --port 9000`
+"""

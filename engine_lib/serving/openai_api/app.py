@@ -1,0 +1,192 @@
+"""The FastAPI app of the OpenAI front door: `/v1/models` and `/v1/images/generations`.
+
+Streaming (`stream: true`) answers server-sent events as OpenAI streams images: up to
+`partial_images` events `image_generation.partial_image` (the engine's previews, spread
+over the steps), then one `image_generation.completed` per image. An error before the
+first event is an HTTP error in OpenAI's shape; after it, an `error` event. A client that
+goes away cancels its Triton request (streamed: at once; otherwise: within half a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
+from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, error_from_triton,
+                                                    parse_image_request)
+
+DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
+# The usage OpenAI reports for GPT image models; these models count no tokens.
+NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
+            "total_tokens": 0}
+
+
+def png_base64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def partial_steps(num_steps: int, partial_images: int) -> list[int]:
+    """The steps whose previews become partial images: spread evenly, before the last step."""
+    steps = {max(1, round(num_steps * (i + 1) / (partial_images + 1))) for i in range(partial_images)}
+    return sorted(s for s in steps if s < num_steps)
+
+
+def create_app(triton_url: str, api_key: str = "") -> FastAPI:
+    """The app, talking gRPC to the tritonserver at `triton_url`; with `api_key`, requests need that bearer key."""
+    request_ids = itertools.count(1)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.gateway = TritonGateway(triton_url)  # the asyncio client belongs to the server's loop
+        yield
+        await app.state.gateway.close()
+
+    app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def bearer_key(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's middleware wraps the request's receive
+        # channel, and the endpoints would no longer see a client disconnect.
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise OpenAIError(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_key)])
+
+    @app.get("/health")
+    async def health() -> dict:
+        """The front door itself is up (whether Triton is: /v1/models answers 503 when it is not)."""
+        return {"status": "ok"}
+
+    @v1.get("/models")
+    async def models(request: Request) -> dict:
+        names = await ready_models(request.app.state.gateway)
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "triton"}
+                                           for n in names]}
+
+    @v1.post("/images/generations")
+    async def generations(request: Request):
+        gateway: TritonGateway = request.app.state.gateway
+        body = await read_json(request)
+        names = await ready_models(gateway)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model not in names:
+            raise OpenAIError(404, f"model {model!r} is not served here (ready: {', '.join(names)})", param="model",
+                              code="model_not_found")
+        default = names[0] if len(names) == 1 else None
+        input_types = await gateway.input_types(model or default) if (model or default) else {}
+        image_request = parse_image_request(body, input_types, default)
+        request_id = f"openai-{next(request_ids)}"
+        responses = gateway.stream(image_request.model, image_request.inputs, input_types, request_id)
+        if image_request.stream:
+            first = await first_response(responses)
+            return StreamingResponse(events(image_request, first, responses), media_type="text/event-stream")
+        final = await until_final(responses, request)
+        return {"created": int(time.time()), "data": [{"b64_json": png_base64(image)} for image in final.images],
+                "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
+
+    app.include_router(v1)
+    return app
+
+
+async def read_json(request: Request) -> Any:
+    """The JSON body, refused with 413 past MAX_BODY_BYTES and with 400 when it is not JSON (or nests too deep)."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise OpenAIError(400, "the request body is not JSON (or nests too deep)", code="invalid_json") from None
+
+
+async def ready_models(gateway: TritonGateway) -> list[str]:
+    if not await gateway.server_ready():
+        raise OpenAIError(503, f"Triton at {gateway.url} is not ready", code="unavailable", type_="server_error")
+    return await gateway.ready_models()
+
+
+async def first_response(responses: AsyncIterator[Response]) -> Response:
+    """The first response, so an error before any event is answered as an HTTP error."""
+    try:
+        return await responses.__anext__()
+    except TritonRequestError as exc:
+        raise error_from_triton(str(exc)) from None
+
+
+async def until_final(responses: AsyncIterator[Response], request: Request) -> Response:
+    """Read responses up to the final one; if the HTTP client leaves meanwhile, cancel the Triton request."""
+    async def read() -> Response:
+        async for response in responses:
+            if response.is_final:
+                return response
+        raise OpenAIError(500, "the model ended the request without a final response", type_="server_error")
+
+    task = asyncio.ensure_future(read())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # unwinds the gateway's stream, which cancels the Triton request
+                await asyncio.wait({task})
+                raise OpenAIError(499, "the client went away", code="cancelled", type_="server_error")
+        return task.result()
+    except TritonRequestError as exc:
+        raise error_from_triton(str(exc)) from None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def events(image_request: ImageRequest, first: Response, responses: AsyncIterator[Response]):
+    """Server-sent events: the chosen previews as partial images, then each final image."""
+    common = {"background": "opaque", "output_format": "png", "quality": "auto", "size": image_request.size}
+    targets: Optional[list[int]] = None
+    index = 0
+    try:
+        response: Optional[Response] = first
+        while response is not None:
+            if targets is None:
+                targets = partial_steps(response.num_steps, image_request.partial_images)
+            if response.is_final:
+                for image in response.images:
+                    yield sse("image_generation.completed", {"b64_json": png_base64(image), "created_at":
+                                                             int(time.time()), "usage": NO_USAGE, **common})
+                return
+            if response.images is not None and response.step in targets:
+                for image in response.images:
+                    yield sse("image_generation.partial_image", {"b64_json": png_base64(image), "created_at":
+                                                                 int(time.time()), "partial_image_index": index,
+                                                                 **common})
+                index += 1
+            response = await responses.__anext__()
+    except TritonRequestError as exc:
+        error = error_from_triton(str(exc))
+        yield sse("error", error.body())
+    finally:
+        await responses.aclose()  # a client that went away cancels the Triton request here
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    payload = data if event == "error" else {"type": event, **data}
+    return f"event: {event}\ndata: {json.dumps(payload)}\n\n"

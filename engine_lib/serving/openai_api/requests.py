@@ -1,0 +1,132 @@
+"""The OpenAI Images request body -> one Triton request, and errors in OpenAI's shape.
+
+What the body may hold: OpenAI's own fields (`model`, `prompt`, `n`, `size`,
+`response_format`, `output_format`, `stream`, `partial_images`, `user`; `quality` and
+`background` only at their no-op values), and any input the model declares in its Triton
+config (`seed`, `num_inference_steps`, `negative_prompt`, `guidance_scale`, ...), sent as
+that input. Anything else is refused naming it. Values are checked by the model itself
+(its one validation); its INVALID_ARG errors come back naming the OpenAI field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+# Model inputs the front door sets itself from OpenAI fields: not accepted as extra fields.
+MANAGED_INPUTS = {"prompt": "prompt", "num_images": "n", "height": "size", "width": "size",
+                  "output_format": "output_format", "preview_interval": "partial_images"}
+OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "stream", "partial_images",
+                 "user", "quality", "background")
+NO_OP_VALUES = {"quality": ("auto",), "background": ("auto", "opaque")}
+MAX_PARTIAL_IMAGES = 3
+
+
+class OpenAIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str], code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+@dataclass
+class ImageRequest:
+    """One images request, as the Triton model gets it."""
+
+    model: str
+    inputs: dict[str, Any] = field(default_factory=dict)  # model input name -> value
+    size: str = "auto"  # echoed in the events, as OpenAI does
+    stream: bool = False
+    partial_images: int = 0
+
+
+def parse_size(size: Any) -> tuple[Optional[int], Optional[int]]:
+    """"WxH" -> (width, height); "auto" -> the model's defaults."""
+    if size == "auto":
+        return None, None
+    match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size) if isinstance(size, str) else None
+    if match is None:
+        raise bad_request(f"size {size!r} is not 'auto' or WIDTHxHEIGHT, e.g. '1024x1024'", "size")
+    return int(match.group(1)), int(match.group(2))
+
+
+def parse_image_request(body: Any, input_types: Mapping[str, str], default_model: Optional[str]) -> ImageRequest:
+    """Map an `/v1/images/generations` body onto the model's inputs (`input_types`: name -> Triton datatype)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    model = body.get("model", default_model)
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required (GET /v1/models lists them)", "model", "missing_required_parameter")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt is required and must be a string", "prompt", "missing_required_parameter")
+    request = ImageRequest(model, {"prompt": prompt})
+
+    for name, allowed in NO_OP_VALUES.items():
+        if name in body and body[name] not in allowed:
+            raise bad_request(f"{name} {body[name]!r} is not supported here (only {', '.join(allowed)})", name)
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise bad_request("response_format 'url' is not supported: images come back inline as b64_json",
+                          "response_format")
+    if body.get("output_format", "png") != "png":
+        raise bad_request(f"output_format {body['output_format']!r} is not supported (only png)", "output_format")
+    if "n" in body:
+        if isinstance(body["n"], bool) or not isinstance(body["n"], int):
+            raise bad_request("n must be an integer", "n")
+        request.inputs["num_images"] = body["n"]
+    if "size" in body:
+        request.size = body["size"] if isinstance(body["size"], str) else str(body["size"])
+        width, height = parse_size(body["size"])
+        if width is not None:
+            request.inputs.update(width=width, height=height)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    partial = body.get("partial_images", 0)
+    if isinstance(partial, bool) or not isinstance(partial, int) or not 0 <= partial <= MAX_PARTIAL_IMAGES:
+        raise bad_request(f"partial_images must be an integer in [0, {MAX_PARTIAL_IMAGES}]", "partial_images")
+    request.stream, request.partial_images = stream, partial if stream else 0
+    if request.partial_images:
+        request.inputs["preview_interval"] = 1  # every step; the front door forwards the ones it needs
+
+    for name, value in body.items():
+        if name in OPENAI_FIELDS:
+            continue
+        if name in MANAGED_INPUTS or name not in input_types:
+            known = sorted(set(input_types) - set(MANAGED_INPUTS))
+            raise bad_request(f"unknown field {name!r}; {model} also takes: {', '.join(known)}", name,
+                              "unknown_parameter")
+        request.inputs[name] = value
+    return request
+
+
+def openai_param(input_name: Optional[str]) -> Optional[str]:
+    """The OpenAI field a model input came from (height -> size, num_images -> n)."""
+    return MANAGED_INPUTS.get(input_name, input_name) if input_name else None
+
+
+def error_from_triton(message: str) -> OpenAIError:
+    """A Triton error message ("CODE: [request id: r] input 'x': ...", or Triton's own wording) in OpenAI's shape."""
+    code = message.split(":", 1)[0].strip()
+    text = re.sub(r"^[A-Z_]+: (\[request id: [^\]]*\] )?", "", message)
+    named = re.search(r"input '([^']+)'", message)
+    param = openai_param(named.group(1)) if named else None
+    if code == "INVALID_ARG" or (code not in ("UNAVAILABLE", "INTERNAL", "CANCELLED") and named):
+        return OpenAIError(400, text, param=param, code="invalid_value")
+    if code == "UNAVAILABLE" and "queue full" in message:
+        return OpenAIError(429, text, code="rate_limit_exceeded", type_="requests")
+    if code == "UNAVAILABLE":
+        return OpenAIError(503, text, code="unavailable", type_="server_error")
+    if code == "CANCELLED":
+        return OpenAIError(499, text, code="cancelled", type_="server_error")
+    return OpenAIError(500, text, code="internal_error", type_="server_error")
