@@ -129,6 +129,16 @@ class RequestStream:
         self.client.close()
 
 
+def run_concurrently(url: str, cases: list[dict], prefix: str = "c", model: str = MODEL,
+                     timeout: float = 180.0) -> list[StreamResult]:
+    """Send every case at once, each on its own stream (request ids prefix0, prefix1, ...), and collect all."""
+    streams = [RequestStream(url).send(f"{prefix}{i}", model=model, **case) for i, case in enumerate(cases)]
+    try:
+        return [stream.collect(timeout=timeout) for stream in streams]
+    finally:
+        close_all(streams)
+
+
 def close_all(streams, budget=None) -> None:
     """Release a held engine first (a stream with a request in flight closes only once it has ended),
     then close every stream."""

@@ -11,7 +11,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from .streaming import MODEL, RequestStream, run_request
+from .streaming import MODEL, run_concurrently, run_request
 
 
 def test_model_is_ready(server):
@@ -43,12 +43,7 @@ def test_sixteen_concurrent_requests_each_end_once_in_step_order(server):
         height, width = sizes[i % 4]
         cases.append(dict(prompt=f"request {i}", height=height, width=width, num_inference_steps=2 + i % 4,
                           num_images=1 + (i % 5 == 0), preview_interval=i % 3, seed=i))
-    streams = [RequestStream(server.grpc_url).send(f"c{i}", **case) for i, case in enumerate(cases)]
-    try:
-        results = [stream.collect(timeout=180) for stream in streams]
-    finally:
-        for stream in streams:
-            stream.close()
+    results = run_concurrently(server.grpc_url, cases)
     for i, (case, result) in enumerate(zip(cases, results)):
         assert not result.errors, f"request {i}: {result.errors}"
         assert result.num_final == 1, f"request {i}: {result.num_final} final responses"
@@ -105,12 +100,7 @@ def test_served_images_are_the_diffusers_images(server, tiny_qwen_dir):
         torch.set_num_threads(threads)
     solo = run_request(server.grpc_url, request_id="solo", **cases[0])
     np.testing.assert_array_equal(solo.final.as_numpy("image"), expected[0])
-    streams = [RequestStream(server.grpc_url).send(f"b{i}", **c) for i, c in enumerate(cases)]
-    try:
-        results = [stream.collect(timeout=120) for stream in streams]
-    finally:
-        for stream in streams:
-            stream.close()
+    results = run_concurrently(server.grpc_url, cases, prefix="b")
     for result, reference in zip(results, expected):
         levels = np.abs(result.final.as_numpy("image").astype(int) - reference.astype(int))
         assert levels.max() <= 1 and (levels > 0).mean() <= 0.001

@@ -23,7 +23,7 @@ from engine_lib.pipelines import registry
 from engine_lib.serving.launcher import REPO_ROOT
 
 from .conftest import ProbedServer, free_port, set_parameter
-from .streaming import RequestStream, post_json, run_request, sse_events
+from .streaming import post_json, run_concurrently, run_request, sse_events
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 
@@ -71,12 +71,7 @@ def test_grpc_streams_previews_then_one_final_image(server, model, extra):
     cases = [dict(prompt=f"a {color} square", height=48, width=64, num_inference_steps=steps, seed=i,
                   preview_interval=1, **extra)
              for i, (color, steps) in enumerate((("red", 3), ("green", 4), ("blue", 2)))]
-    streams = [RequestStream(server.grpc_url).send(f"{model}-{i}", model=model, **case) for i, case in enumerate(cases)]
-    try:
-        results = [stream.collect(timeout=180) for stream in streams]
-    finally:
-        for stream in streams:
-            stream.close()
+    results = run_concurrently(server.grpc_url, cases, prefix=f"{model}-", model=model)
     for case, result in zip(cases, results):
         assert not result.errors, result.errors
         assert result.num_final == 1
