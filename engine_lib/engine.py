@@ -29,7 +29,7 @@ from engine_lib.request import (
 )
 from engine_lib.runner import ModelRunner, RunnerResult
 from engine_lib.sched.base import Scheduler
-from engine_lib.sched.keys import RequestBatchKey
+from engine_lib.sched.keys import request_batch_key
 from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
 from engine_lib.sched.step_scheduler import StepScheduler
 
@@ -109,11 +109,11 @@ class DiffusionEngine:
                     adapter.name, self.mode.value, config.max_num_seqs)
 
     def _make_scheduler(self) -> Scheduler:
-        step_key = self.adapter.step_key
+        adapter = self.adapter
         if self.mode is EngineMode.REQUEST_BATCH:
             return RequestScheduler(self.config.max_num_seqs,
-                                    lambda p: RequestBatchKey(step_key(p), int(p.num_inference_steps)))
-        return StepScheduler(self.config.max_num_seqs, step_key)
+                                    lambda p: request_batch_key(p, adapter.key_inputs(), adapter.key_fields(p)))
+        return StepScheduler(self.config.max_num_seqs, adapter.step_key)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,

@@ -169,9 +169,7 @@ class OutputSpec:
         """The pipeline's float output as this output's dtype (UINT8: diffusers' `numpy_to_pil` rounding)."""
         array = np.asarray(array)
         if self.datatype == "UINT8":
-            if array.dtype == np.uint8:
-                return array
-            return (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
+            return array if array.dtype == np.uint8 else to_uint8(array)
         return array.astype({"FP32": np.float32, "INT32": np.int32}[self.datatype])
 
 

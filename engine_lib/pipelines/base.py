@@ -33,7 +33,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
-import numpy as np
 import torch
 
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec

@@ -71,23 +71,25 @@ def _dims(dims: Sequence[int]) -> str:
     return "[ " + ", ".join(str(d) for d in dims) + " ]"
 
 
+def _pbtxt_list(name: str, entries: Sequence[tuple[str, str]]) -> list[str]:
+    """`name [ ... ]`: one `{ entry }` a line, each followed by its doc as a comment."""
+    lines = [f"{name} ["]
+    for i, (entry, doc) in enumerate(entries):
+        comma = "," if i < len(entries) - 1 else ""
+        lines.append(f"  {{ {entry} }}{comma}  # {doc}")
+    return lines + ["]"]
+
+
 def io_block(adapter_cls) -> str:
     """The generated part of a config.pbtxt: every declared input and output, one per line with its doc."""
     source = f"engine_lib/pipelines/{adapter_cls.name}/adapter.py"
-    lines = [f"{BEGIN} from {source}: edit the declaration, not this block.", "input ["]
-    inputs = list(adapter_cls.inputs)
-    for i, spec in enumerate(inputs):
-        optional = "" if spec.required else ", optional: true"
-        comma = "," if i < len(inputs) - 1 else ""
-        lines.append(f'  {{ name: "{spec.name}", data_type: {spec.triton_type}, dims: [ 1 ]{optional} }}{comma}'
-                     f"  # {spec.doc}")
-    lines += ["]", "output ["]
-    outputs = list(adapter_cls.outputs) + list(encoded_outputs(adapter_cls.outputs)) + list(PROGRESS_OUTPUTS)
-    for i, spec in enumerate(outputs):
-        comma = "," if i < len(outputs) - 1 else ""
-        lines.append(f'  {{ name: "{spec.name}", data_type: {spec.triton_type}, dims: {_dims(spec.dims)} }}{comma}'
-                     f"  # {spec.doc}")
-    lines += ["]", END]
+    optional = {True: "", False: ", optional: true"}
+    inputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: [ 1 ]{optional[s.required]}', s.doc)
+              for s in adapter_cls.inputs]
+    outputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: {_dims(s.dims)}', s.doc)
+               for s in (*adapter_cls.outputs, *encoded_outputs(adapter_cls.outputs), *PROGRESS_OUTPUTS)]
+    lines = [f"{BEGIN} from {source}: edit the declaration, not this block."]
+    lines += _pbtxt_list("input", inputs) + _pbtxt_list("output", outputs) + [END]
     return "\n".join(lines)
 
 

@@ -10,8 +10,6 @@ goes away cancels its Triton request (streamed: at once; otherwise: within half 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import itertools
 import json
 import time
@@ -25,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
 from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, error_from_triton,
                                                     parse_image_request)
+from engine_lib.serving.tensors import encode_png_base64
 
 DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
@@ -34,11 +33,8 @@ NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text
 
 
 def png_base64(image: np.ndarray) -> str:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    """One image as base64 PNG text, encoded as the model's own `png` output is."""
+    return encode_png_base64(image[None])[0].decode("ascii")
 
 
 def partial_steps(num_steps: int, partial_images: int) -> list[int]:

@@ -12,11 +12,9 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 import numpy as np
 
+from engine_lib.interface import INT_RANGES
 from engine_lib.serving.openai_api.requests import OpenAIError, bad_request, openai_param
-
-NUMPY = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
-         "TYPE_FP32": ("FP32", np.float32)}
-INT_RANGES = {"INT32": (-2**31, 2**31 - 1), "INT64": (-2**63, 2**63 - 1)}
+from engine_lib.serving.tensors import NUMPY_DTYPES
 
 
 @dataclass
@@ -33,9 +31,15 @@ class TritonRequestError(Exception):
     """The request ended with an error (Triton's message, which starts with its code)."""
 
 
+def triton_datatype(triton_type: str) -> str:
+    """A model config's `TYPE_INT32` as the request datatype `INT32` (`TYPE_STRING`: `BYTES`)."""
+    return "BYTES" if triton_type == "TYPE_STRING" else triton_type.removeprefix("TYPE_")
+
+
 def to_tensor(name: str, value: Any, triton_type: str) -> np.ndarray:
     """A JSON value as the [1] array of the input's datatype; a value of the wrong kind is refused naming it."""
-    datatype, dtype = NUMPY[triton_type]
+    datatype = triton_datatype(triton_type)
+    dtype = NUMPY_DTYPES[datatype][0]
     param = openai_param(name)
     if datatype == "BYTES":
         if not isinstance(value, str):
@@ -92,7 +96,7 @@ class TritonGateway:
         tensors = []
         for name, value in inputs.items():
             array = to_tensor(name, value, input_types[name])
-            tensor = self._grpc.InferInput(name, [1], NUMPY[input_types[name]][0])
+            tensor = self._grpc.InferInput(name, [1], triton_datatype(input_types[name]))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
         finished = asyncio.Event()
