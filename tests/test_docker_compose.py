@@ -64,9 +64,9 @@ def test_built_from_the_project_dockerfile(service):
     assert (ROOT / build.get("context", ".") / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
 
 
-def test_runs_tritonserver_on_the_mounted_model_repository(service):
+def test_runs_the_supervising_launcher_on_the_mounted_model_repository(service):
     command = _command(service)
-    assert command[0] == "tritonserver"
+    assert command[:4] == ["python3", "-m", "engine_lib.serving.launcher", "serve"]
     repo_args = [a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")]
     assert repo_args, "tritonserver needs --model-repository"
     mounts = _volumes(service)
@@ -75,9 +75,11 @@ def test_runs_tritonserver_on_the_mounted_model_repository(service):
 
 
 def test_python_backend_shared_memory_fits_in_shm_size(service):
-    shm_args = [a for a in _command(service) if a.startswith("--backend-config=python,shm-default-byte-size=")]
-    assert shm_args, "set the Python backend's shm-default-byte-size"
-    shm_default = int(shm_args[0].rsplit("=", 1)[1])
+    from engine_lib.serving.launcher import DEFAULT_SHM_BYTES, TritonServer
+
+    command = TritonServer(Path("/models")).command(Path("/backends"))
+    assert f"--backend-config=python,shm-default-byte-size={DEFAULT_SHM_BYTES}" in command
+    shm_default = DEFAULT_SHM_BYTES
     assert shm_default >= 16 << 20, "a few 1024x1024 images need more than 16 MiB"
     assert _size_bytes(service["shm_size"]) >= 4 * shm_default, "shm_size must hold several stub regions"
 
@@ -93,9 +95,7 @@ def test_weights_and_hf_cache(service):
 
 def test_loads_only_the_chosen_model(service):
     """Every model loads at start in the default mode; with weights for one pipeline the others would fail."""
-    command = _command(service)
-    assert "--model-control-mode=explicit" in command
-    assert any(a.startswith("--load-model=") for a in command)
+    assert any(a.startswith("--load-model=") for a in _command(service))
 
 
 def test_reserves_an_nvidia_gpu(service):
@@ -116,9 +116,17 @@ def test_healthcheck_asks_for_readiness(service):
 
 
 def test_stop_grace_period_covers_the_drain(service):
-    exit_timeout = [a for a in _command(service) if a.startswith("--exit-timeout-secs=")]
-    drain_s = int(exit_timeout[0].split("=")[1]) if exit_timeout else 30  # tritonserver's default
-    assert _seconds(service["stop_grace_period"]) > drain_s, "SIGKILL must not come before Triton's drain ends"
+    drain_s = int(service["environment"].get("EXIT_TIMEOUT_SECS", 30))  # the launcher's default
+    assert _seconds(service["stop_grace_period"]) > drain_s, "SIGKILL must not come before the drain ends"
+
+
+def test_listening_on_every_interface_is_an_explicit_opt_in(service):
+    from engine_lib.serving.launcher import DEFAULT_ADDRESS
+
+    assert DEFAULT_ADDRESS == "127.0.0.1", "the launcher alone exposes nothing"
+    assert service["environment"]["TRITON_ADDRESS"] == "0.0.0.0"
+    dockerfile = DOCKERFILE.read_text()
+    assert "TRITON_ADDRESS=0.0.0.0" in dockerfile and "TRITONSERVER=/opt/tritonserver/bin/tritonserver" in dockerfile
 
 
 def test_dockerfile_base_image_is_a_pinned_triton_tag():
@@ -146,13 +154,10 @@ def test_compose_mount_sources_are_relative_or_configurable(service):
         assert source.startswith(("./", "${")), f"volume source {source!r} should be relative or an env var"
 
 
-def test_the_openai_front_door_runs_from_the_same_image_against_tritonserver():
+def test_the_front_door_runs_in_the_same_service():
+    """The launcher starts it next to tritonserver (it needs the repository API's key)."""
     compose = yaml.safe_load(COMPOSE.read_text())
-    front, triton = compose["services"]["openai"], compose["services"]["tritonserver"]
-    assert front["image"] == triton["image"], "the front door ships in the project's image"
-    command = _command(front)
-    assert command[:3] == ["python3", "-m", "engine_lib.serving.openai_api"]
-    assert command[command.index("--triton") + 1] == "tritonserver:8001"
-    port = command[command.index("--port") + 1]
-    assert any(str(p).split(":")[-1] == port for p in front["ports"])
-    assert front["depends_on"]["tritonserver"]["condition"] == "service_healthy"
+    assert set(compose["services"]) == {"tritonserver"}
+    service = compose["services"]["tritonserver"]
+    assert not any(a.startswith("--openai-port") for a in _command(service))  # default 9000
+    assert any(str(p).split(":")[-1] == "9000" for p in service["ports"])

@@ -26,7 +26,6 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

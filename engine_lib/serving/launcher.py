@@ -8,37 +8,55 @@ group on the given ports, waits for /v2/health/ready, and stops it with a
 bounded SIGTERM -> SIGKILL of the whole group: tritonserver 2.51 can hang on
 exit while a client holds a gRPC stream (see DESIGN.md, Platform notes).
 
-`OpenAIFrontDoor` runs the OpenAI Images API (engine_lib/serving/openai_api) as a
-second process next to it.
+With an `admin_key`, the server loads its models in explicit mode behind a
+repository API that needs that key, and `stop()` first unloads every model (new
+requests are refused, running ones send their finals, finalize() runs), then ends
+the server: tritonserver 2.51 otherwise spends its whole exit timeout waiting for
+idle HTTP keep-alive connections and then exits without unloading anything.
 
-CLI (for `make serve`): `python -m engine_lib.serving.launcher serve` starts both.
-Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), OPENAI_PORT (9000;
-0: no front door), OPENAI_API_KEY (a bearer key the front door asks for),
-MODEL_REPOSITORY (<repo>/model_repository), EXIT_TIMEOUT_SECS (30).
+`OpenAIFrontDoor` runs the front door (engine_lib/serving/openai_api: the OpenAI
+Images API and strict generate endpoints) as a second process next to it.
+
+CLI (for `make serve` and the Docker image): `python -m engine_lib.serving.launcher serve`
+starts both under a `Supervisor` (supervisor.py) that restarts a server or stub that dies.
+Environment: TRITON_ADDRESS (127.0.0.1; 0.0.0.0 listens on every interface), HTTP_PORT,
+GRPC_PORT, METRICS_PORT (8000, 8001, 8002), OPENAI_PORT (9000; 0: no front door),
+OPENAI_API_KEY (a bearer key the front door asks for), MODEL_REPOSITORY
+(<repo>/model_repository), EXIT_TIMEOUT_SECS (30), TRITON_ADMIN_KEY (the repository API's
+key; default: a random one per launch), TRITONSERVER (a tritonserver binary to use instead
+of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Shared memory between tritonserver and each Python stub: one 1024x1024 RGB image
 # is 3 MiB, a response of 4 is 12 MiB; start at 64 MiB and grow in 64 MiB steps.
 DEFAULT_SHM_BYTES = 64 * 1024 * 1024
+DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is exposed by default
+# With an admin key, the models are drained by unloading them before SIGTERM; what tritonserver's
+# own exit timeout still covers is only its wait for idle HTTP connections.
+DRAINED_EXIT_TIMEOUT_S = 3
+ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
 
 
 class TritonServerError(RuntimeError):
@@ -48,6 +66,16 @@ class TritonServerError(RuntimeError):
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.strip() else default
+
+
+def default_address() -> str:
+    return os.environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS
+
+
+def system_tritonserver() -> Optional[Path]:
+    """$TRITONSERVER, a tritonserver binary with its backends in ../backends (NGC images); None: use the wheel."""
+    value = os.environ.get("TRITONSERVER", "").strip()
+    return Path(value) if value else None
 
 
 def find_pytriton_dist() -> Path:
@@ -119,13 +147,15 @@ class TritonServer:
         http_port: Optional[int] = None,
         grpc_port: Optional[int] = None,
         metrics_port: Optional[int] = None,
-        address: str = "0.0.0.0",
+        address: Optional[str] = None,
         log_path: Optional[os.PathLike | str] = None,
         shm_bytes: int = DEFAULT_SHM_BYTES,
         exit_timeout_s: Optional[int] = None,
         log_verbose: int = 0,
         extra_args: Sequence[str] = (),
         env: Optional[Mapping[str, str]] = None,
+        admin_key: Optional[str] = None,
+        load_models: Sequence[str] = ("*",),
     ):
         self.model_repository = Path(
             model_repository or os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY
@@ -133,7 +163,10 @@ class TritonServer:
         self.http_port = http_port or _env_int("HTTP_PORT", 8000)
         self.grpc_port = grpc_port or _env_int("GRPC_PORT", 8001)
         self.metrics_port = metrics_port or _env_int("METRICS_PORT", 8002)
-        self.address = address
+        self.address = address or default_address()
+        self.admin_key = admin_key
+        self.load_models = list(load_models)  # with an admin key: the models loaded at start ("*": all)
+        self.unloaded_cleanly: Optional[bool] = None  # set by stop(): every model unloaded before the exit
         self.shm_bytes = shm_bytes
         self.exit_timeout_s = exit_timeout_s if exit_timeout_s is not None else _env_int("EXIT_TIMEOUT_SECS", 30)
         self.log_verbose = log_verbose
@@ -166,9 +199,10 @@ class TritonServer:
 
     # -- lifecycle -----------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
-        dist = find_pytriton_dist()
+        binary = system_tritonserver() or find_pytriton_dist() / "bin" / "tritonserver"
+        exit_timeout_s = DRAINED_EXIT_TIMEOUT_S if self.admin_key else self.exit_timeout_s
         args = [
-            str(dist / "bin" / "tritonserver"),
+            str(binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={backend_dir}",
             f"--http-address={self.address}",
@@ -179,26 +213,35 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
-            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--exit-timeout-secs={exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             f"--backend-config=python,shm-default-byte-size={self.shm_bytes}",
             f"--backend-config=python,shm-growth-byte-size={self.shm_bytes}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
+        if self.admin_key:
+            args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models),
+                     f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self.admin_key}",
+                     f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self.admin_key}"]
         return args + self.extra_args
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
         """Start the server and wait until /v2/health/ready (every model loaded)."""
         assert self.process is None, "server already started"
-        dist = find_pytriton_dist()
-        backend_dir = prepare_backend_dir(self._workdir / "backends", dist)
-        env = server_env(dist)
+        system = system_tritonserver()
+        if system is not None:  # an NGC image: its own backends and libraries
+            backend_dir, env = system.parent.parent / "backends", dict(os.environ)
+        else:
+            dist = find_pytriton_dist()
+            backend_dir = prepare_backend_dir(self._workdir / "backends", dist)
+            env = server_env(dist)
         env.update(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             self.command(backend_dir), env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stubs die with it
+            preexec_fn=die_with_parent,
         )
         try:
             self.wait_ready(timeout_s)
@@ -249,11 +292,69 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, grace_s: float = 15.0) -> Optional[int]:
-        """SIGTERM the server, wait up to grace_s, then SIGKILL its process group. Bounded; idempotent."""
+    # -- the repository API (only with an admin key) ------------------------------------
+    def _repository(self, path: str, timeout_s: float = 10.0) -> Any:
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}", method="POST",
+                                         headers={ADMIN_HEADER: self.admin_key or ""})
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            body = reply.read()
+        return json.loads(body) if body else None
+
+    def model_states(self) -> dict[str, str]:
+        """Each model of the repository and its state (READY, UNLOADING, UNAVAILABLE, ...)."""
+        return {m["name"]: m.get("state", "") for m in self._repository("index")}
+
+    def unload_all(self, timeout_s: float) -> list[str]:
+        """Unload every model (Triton refuses their new requests at once; running ones finish) and wait
+        up to timeout_s for each to be unloaded; returns the models still loaded (empty: all done)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            for name, state in self.model_states().items():
+                if state == "READY":
+                    self._repository(f"models/{name}/unload")
+            while True:
+                left = sorted(n for n, state in self.model_states().items() if state not in ("UNAVAILABLE", ""))
+                if not left or time.monotonic() >= deadline:
+                    return left
+                time.sleep(0.1)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return [f"(repository API unreachable: {exc})"]
+
+    def stub_pids(self) -> dict[int, str]:
+        """The server's Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0)."""
+        stubs = {}
+        if not self.is_running():
+            return stubs
+        for status in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(status.read_text().rsplit(")", 1)[1].split()[1])
+                if ppid != self.process.pid:
+                    continue
+                argv = (status.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 8:
+                stubs[int(status.parent.name)] = argv[8].decode(errors="replace")
+        return stubs
+
+    def stop(self, grace_s: Optional[float] = None, drain: bool = True) -> Optional[int]:
+        """End the server within a bounded time; idempotent.
+
+        With an admin key and `drain`, first unload every model (up to the exit timeout);
+        then SIGTERM the server, wait up to grace_s (default 15 s), and SIGKILL whatever is
+        left of its process group.
+        """
         process = self.process
         if process is None:
             return None
+        if grace_s is None:
+            grace_s = 15.0
+        if drain and self.admin_key and process.poll() is None:
+            left = self.unload_all(self.exit_timeout_s)
+            self.unloaded_cleanly = not left
+            if left:
+                print(f"launcher: still loaded after {self.exit_timeout_s} s: {', '.join(left)}", flush=True)
+            grace_s = DRAINED_EXIT_TIMEOUT_S + 5.0
         if process.poll() is None:
             _signal_group(process.pid, signal.SIGTERM, only_leader=True)
             try:
@@ -336,12 +437,12 @@ class OpenAIFrontDoor:
         command = [sys.executable, "-m", "engine_lib.serving.openai_api", "--triton", self.triton_grpc_url,
                    "--host", self.host, "--port", str(self.port)]
         if self.log_path is None:
-            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL)
+                                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -378,6 +479,15 @@ class OpenAIFrontDoor:
             return ""
 
 
+def die_with_parent() -> None:
+    """Run in a child before exec: the kernel SIGKILLs it when the thread that started it exits
+    (PR_SET_PDEATHSIG), so a launcher or test run killed with SIGKILL leaves no server behind.
+    Start servers from a thread that outlives them (the main thread does)."""
+    import ctypes  # noqa: PLC0415
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def _signal_group(pid: int, sig: int, only_leader: bool = False) -> None:
     try:
         if only_leader:
@@ -401,59 +511,80 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
 
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
-    """Run tritonserver in the foreground until Ctrl-C or SIGTERM, logging to the console."""
+    """Run tritonserver (supervised) and the front door in the foreground until Ctrl-C or SIGTERM."""
+    from engine_lib.serving.supervisor import RESTARTS_ENV, Supervisor  # noqa: PLC0415 (it imports this module)
+
     parser = argparse.ArgumentParser(prog="python -m engine_lib.serving.launcher")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start tritonserver on the model repository and wait")
+    p = sub.add_parser("serve", help="start tritonserver on the model repository and keep it serving")
     p.add_argument("--model-repository", default=None, help="default: $MODEL_REPOSITORY or <repo>/model_repository")
     p.add_argument("--http-port", type=int, default=None, help="default: $HTTP_PORT or 8000")
     p.add_argument("--grpc-port", type=int, default=None, help="default: $GRPC_PORT or 8001")
     p.add_argument("--metrics-port", type=int, default=None, help="default: $METRICS_PORT or 8002")
-    p.add_argument("--address", default="0.0.0.0")
+    p.add_argument("--address", default=None,
+                   help=f"the address every port listens on; default: $TRITON_ADDRESS or {DEFAULT_ADDRESS}")
     p.add_argument("--log-file", default=None, help="default: the console")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--load-model", action="append", default=None,
+                   help="a model to load at start (repeatable); default: every model of the repository")
+    p.add_argument("--stub-drain", type=float, default=10.0,
+                   help="after a stub dies: seconds the other models' running requests get before the restart")
     p.add_argument("--openai-port", type=int, default=None,
-                   help="the OpenAI Images API front door's port; default: $OPENAI_PORT or 9000; 0: none")
+                   help="the front door's port (OpenAI Images API, strict generate); default: $OPENAI_PORT or 9000; "
+                        "0: none")
     args = parser.parse_args(argv)
     openai_port = args.openai_port if args.openai_port is not None else _env_int("OPENAI_PORT", 9000)
+    address = args.address or default_address()
+    admin_key = os.environ.get("TRITON_ADMIN_KEY", "").strip() or secrets.token_urlsafe(24)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
-    log_path = args.log_file or "/dev/stdout"
-    server = TritonServer(
-        args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, address=args.address, log_path=log_path, log_verbose=args.log_verbose,
-    )
-    stop_requested = []
+    def make_server(restarts: int) -> TritonServer:
+        return TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+                            metrics_port=args.metrics_port, address=address, log_path=args.log_file or "/dev/stdout",
+                            log_verbose=args.log_verbose, admin_key=admin_key, env={RESTARTS_ENV: str(restarts)},
+                            load_models=args.load_model or ["*"])
 
-    def _request_stop(signum, _frame):
-        stop_requested.append(signum)
+    front_doors: list[OpenAIFrontDoor] = []
+    failed = threading.Event()  # the front door could not start, or exited on its own
 
-    signal.signal(signal.SIGINT, _request_stop)
-    signal.signal(signal.SIGTERM, _request_stop)
-    print(f"launcher: starting tritonserver on {server.model_repository} "
-          f"(http {server.http_port}, grpc {server.grpc_port}, metrics {server.metrics_port})", flush=True)
-    front_door = None
-    try:
-        server.start(timeout_s=args.start_timeout)
-        if openai_port:
-            front_door = OpenAIFrontDoor(server.grpc_url, host=args.address, port=openai_port,
-                                         log_path=args.log_file).start()
-    except TritonServerError as exc:
-        print(f"launcher: {exc}", file=sys.stderr, flush=True)
-        server.cleanup()
-        return 1
-    openai = f", openai {front_door.url}/v1" if front_door else ""
-    print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}{openai}); Ctrl-C stops", flush=True)
-    while not stop_requested and server.is_running() and (front_door is None or front_door.process.poll() is None):
-        time.sleep(0.5)
-    if front_door is not None:
-        print("launcher: stopping the OpenAI front door", flush=True)
+    def on_ready(server: TritonServer) -> None:
+        if openai_port and not front_doors:  # one front door for the launcher's life: it reconnects by itself
+            env = {**os.environ, "TRITON_ADMIN_KEY": admin_key}
+            try:
+                front_doors.append(OpenAIFrontDoor(server.grpc_url, host=address, port=openai_port,
+                                                   log_path=args.log_file, env=env).start())
+            except TritonServerError as exc:
+                print(f"launcher: {exc}", file=sys.stderr, flush=True)
+                failed.set()
+                stop.set()
+                return
+            threading.Thread(target=_stop_when_exits, args=(front_doors[0], stop, failed), daemon=True).start()
+        front = f", front door {front_doors[0].url}" if front_doors else ""
+        print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}{front}); Ctrl-C stops", flush=True)
+
+    print(f"launcher: starting tritonserver on {args.model_repository or os.environ.get('MODEL_REPOSITORY') or DEFAULT_MODEL_REPOSITORY} "
+          f"(address {address})", flush=True)
+    supervisor = Supervisor(make_server, stop, on_ready=on_ready, start_timeout_s=args.start_timeout,
+                            stub_drain_s=args.stub_drain)
+    code = supervisor.run()
+    for front_door in front_doors:
+        print("launcher: stopping the front door", flush=True)
         front_door.stop()
-    print("launcher: stopping tritonserver", flush=True)
-    code = server.stop()
-    server.cleanup()
+    code = 1 if failed.is_set() else code
     print(f"launcher: stopped (exit code {code})", flush=True)
-    return 0 if stop_requested else (code or 1)
+    return code
+
+
+def _stop_when_exits(front_door: OpenAIFrontDoor, stop: threading.Event, failed: threading.Event) -> None:
+    """The front door exiting on its own ends the launcher (a supervisor above restarts both)."""
+    while not stop.wait(0.5):
+        if front_door.process.poll() is not None:
+            print(f"launcher: the front door exited (code {front_door.process.returncode}); stopping", flush=True)
+            failed.set()
+            stop.set()
 
 
 if __name__ == "__main__":

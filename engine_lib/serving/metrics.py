@@ -10,12 +10,15 @@ tests. Every metric carries the label `model`.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from typing import Any, Callable, Optional
 
-OUTCOMES = ("success", "error", "cancelled", "rejected")
+# invalid: refused at admission for its inputs; unavailable: refused because the queue was full or the
+# engine was shutting down. Neither ran.
+OUTCOMES = ("success", "error", "cancelled", "invalid", "unavailable")
 SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -35,6 +38,13 @@ HISTOGRAMS = {
     "latency_seconds": ("diffusion_request_latency_seconds",
                         "From execute() to a request's final response (successes and errors)", SECONDS_BUCKETS),
 }
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0
 
 
 class ModelMetrics:
@@ -57,13 +67,17 @@ class ModelMetrics:
             self._families.append(family(name=name, description=description, kind=kind))
             return self._families[-1]
 
-        requests = make("diffusion_requests_total", "Requests by outcome: success, error, cancelled, rejected",
+        requests = make("diffusion_requests_total", "Requests by outcome: success, error, cancelled, invalid, unavailable",
                         family.COUNTER)
         self._outcomes = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         self._gauges = {field: make(name, text, family.GAUGE).Metric(labels=labels)
                         for field, (name, text) in GAUGES.items()}
         self._histograms = {key: make(name, text, family.HISTOGRAM).Metric(labels=labels, buckets=buckets)
                             for key, (name, text, buckets) in HISTOGRAMS.items()}
+        # Set once: the launcher's supervisor starts each server with its restart count so far.
+        self._restarts = make("diffusion_server_restarts", "Times the launcher restarted this tritonserver after "
+                              "it or a Python stub died", family.GAUGE).Metric(labels=labels)
+        self._restarts.set(float(_env_int("DIFFUSION_SERVER_RESTARTS")))
         self._thread = threading.Thread(target=self._run, name=f"{model_name}-metrics", daemon=True)
 
     def start(self, stats: Optional[Callable[[], Any]] = None) -> None:
@@ -127,5 +141,5 @@ class ModelMetrics:
             self._sample()  # final gauges: what the closed engine still holds
         except Exception as exc:  # noqa: BLE001
             self._log(f"metrics update failed: {exc!r}")
-        self._outcomes, self._gauges, self._histograms = {}, {}, {}
+        self._outcomes, self._gauges, self._histograms, self._restarts = {}, {}, {}, None
         self._families = []

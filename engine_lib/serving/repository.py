@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from engine_lib.interface import PROGRESS_OUTPUTS, RANDOM, InputSpec, OutputSpec, encoded_outputs
+from engine_lib.interface import PROGRESS_OUTPUTS, RANDOM, InputSpec, encoded_outputs
 from engine_lib.pipelines import registry
 
 REPO_ROOT = registry.REPO_ROOT

@@ -26,6 +26,7 @@ from engine_lib.request import (DiffusionOutput, EngineError, EngineUnavailableE
 from engine_lib.serving.tensors import output_arrays
 
 ERROR_CODES = ("INVALID_ARG", "CANCELLED", "UNAVAILABLE", "INTERNAL")
+MAX_ECHOED_ID = 128  # a 100 KB request id is not echoed back (or logged) in full
 
 
 @dataclass
@@ -45,8 +46,19 @@ def error_message(error: BaseException, client_id: str = "") -> tuple[str, str]:
     code = getattr(error, "code", "INTERNAL")
     if code not in ERROR_CODES:
         code = "INTERNAL"
-    request = f"[request id: {client_id}] " if client_id else ""
+    request = f"[request id: {echoed_id(client_id)}] " if client_id else ""
     return code, f"{code}: {request}{error}"
+
+
+def echoed_id(client_id: str) -> str:
+    """A client's request id as messages and log lines repeat it: cut past MAX_ECHOED_ID characters."""
+    return client_id if len(client_id) <= MAX_ECHOED_ID else client_id[:MAX_ECHOED_ID] + "..."
+
+
+def refusal_outcome(error: BaseException) -> str:
+    """The metrics outcome of a request refused before it ran: `unavailable` (queue full, shutting
+    down) or `invalid` (its inputs)."""
+    return "unavailable" if getattr(error, "code", "") == "UNAVAILABLE" else "invalid"
 
 
 class ResponseSender:
@@ -131,10 +143,10 @@ class ResponseSender:
                 stream = self._streams.pop(message[1], None)
                 if stream is not None:
                     self._send_error(stream.response_sender, message[2], stream.client_id)
-                    self._metrics.request_done("rejected", None)
+                    self._metrics.request_done(refusal_outcome(message[2]), None)
             elif kind == "reject":
                 self._send_error(message[1], message[2], message[3])
-                self._metrics.request_done("rejected", None)
+                self._metrics.request_done(refusal_outcome(message[2]), None)
         except Exception as exc:  # noqa: BLE001 - one bad message must not stop the thread
             self._log(f"{self._model_name}: sender error on {kind}: {exc!r}")
 

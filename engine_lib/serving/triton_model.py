@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 from engine_lib.config import EngineConfig
 from engine_lib.request import ConfigError
 from engine_lib.serving.metrics import ModelMetrics
-from engine_lib.serving.sender import OpenStream, ResponseSender
+from engine_lib.serving.sender import OpenStream, ResponseSender, echoed_id
 from engine_lib.serving.tensors import parameters_as_inputs, read_inputs
 
 
@@ -115,7 +115,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - bad input (or a bug): answer now, queue nothing
                 self.sender.reject(response_sender, exc, client_id)
                 continue
-            request_id = f"{client_id or 'request'}#{next(self._ids)}"  # unique even if clients reuse ids
+            request_id = f"{echoed_id(client_id) or 'request'}#{next(self._ids)}"  # unique even if clients reuse ids
             self.sender.open(OpenStream(request_id, client_id, response_sender,
                                         params.output_format, time.monotonic()))
             try:

@@ -1,5 +1,5 @@
 """Over max_queue a request is refused with UNAVAILABLE (gRPC and HTTP); admitted requests are not
-disturbed; the refusals are counted as `rejected`.
+disturbed; the refusals are counted as `unavailable`.
 
 The running request is held by the engine's tick budget, so the queue is certainly full when the
 request over the limit arrives. Also issue 2's stop check: a server that served requests exits on
@@ -16,7 +16,7 @@ import pytest
 from .conftest import model_path, start_server
 from .streaming import RequestStream, close_all, metric, post_json, run_held, scrape, wait_for_metric
 
-LABELS = dict(model="qwen_image", outcome="rejected")
+LABELS = dict(model="qwen_image", outcome="unavailable")
 
 
 @pytest.fixture(scope="module")

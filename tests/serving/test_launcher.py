@@ -121,13 +121,13 @@ def test_cli_serves_until_interrupted(tmp_path):
             if "ready" in line or not line:
                 break
         assert any(f"grpc 127.0.0.1:{ports[1]}" in line for line in lines), lines
-        assert any(f"openai http://127.0.0.1:{ports[3]}/v1" in line for line in lines), lines
+        assert any(f"front door http://127.0.0.1:{ports[3]}" in line for line in lines), lines
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/v1/models", timeout=10) as reply:
             assert json.load(reply) == {"object": "list", "data": []}  # the empty repository serves no model
         cli.send_signal(signal.SIGINT)
         assert cli.wait(timeout=30) == 0
         output = cli.stdout.read()
-        assert "stopping the OpenAI front door" in output and "stopped (exit code 0)" in output
+        assert "stopping the front door" in output and "stopped (exit code 0)" in output
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/health", timeout=5)
     finally:
@@ -150,3 +150,22 @@ def test_cli_fails_when_the_openai_front_door_cannot_start(tmp_path):
     assert "the OpenAI front door exited" in cli.stderr and "address already in use" in cli.stderr.lower(), cli.stderr
     assert "tritonserver" not in subprocess.run(["pgrep", "-f", str(tmp_path / "repo")], capture_output=True,
                                                  text=True).stdout
+
+
+def test_loopback_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("TRITON_ADDRESS", raising=False)
+    command = TritonServer(Path("/models")).command(Path("/backends"))
+    for flag in ("http", "grpc", "metrics"):
+        assert f"--{flag}-address=127.0.0.1" in command
+    monkeypatch.setenv("TRITON_ADDRESS", "0.0.0.0")
+    assert "--grpc-address=0.0.0.0" in TritonServer(Path("/models")).command(Path("/backends"))
+
+
+def test_an_admin_key_protects_the_repository_api_of_an_explicit_mode_server():
+    server = TritonServer(Path("/models"), admin_key="k", load_models=["flux"], exit_timeout_s=120)
+    command = server.command(Path("/backends"))
+    assert {"--model-control-mode=explicit", "--load-model=flux", "--http-restricted-api=model-repository:admin-key=k",
+            "--grpc-restricted-protocol=model-repository:admin-key=k"} <= set(command)
+    # The drain is the launcher's unload (up to 120 s); tritonserver's own exit timeout only covers idle connections.
+    assert "--exit-timeout-secs=3" in command
+    assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))

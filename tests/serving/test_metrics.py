@@ -13,7 +13,7 @@ def test_counters_and_histograms_move(server):
     bad = run_request(server.grpc_url, prompt="metrics", height=33)
     assert ok.num_final == 1 and not ok.errors and bad.errors
 
-    for outcome in ("success", "rejected"):
+    for outcome in ("success", "invalid"):
         expected = metric(before, "diffusion_requests_total", outcome=outcome, **LABELS) + 1
         assert wait_for_metric(server.metrics_url, "diffusion_requests_total", expected, outcome=outcome,
                                **LABELS) == expected, outcome

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine_lib.interface import OutputSpec
-from engine_lib.request import DiffusionOutput, InvalidInputError, PipelineError
+from engine_lib.request import DiffusionOutput, EngineUnavailableError, InvalidInputError, PipelineError
 from engine_lib.serving.sender import OpenStream, ResponseSender
 
 FINAL = 1
@@ -187,7 +187,18 @@ def test_refused_before_and_after_opening(sender):
     settle(sender, lambda: rejected.finals and opened.finals)
     assert rejected.finals[0].error.message == "INVALID_ARG: [request id: c1] input 'height': 33 is bad"
     assert opened.finals[0].error.code == "INVALID_ARG" and len(opened.sent) == 1
-    assert sender.metrics.outcomes == ["rejected", "rejected"]
+    assert sender.metrics.outcomes == ["invalid", "invalid"]
+
+
+def test_queue_full_counts_as_unavailable_and_long_ids_are_cut(sender):
+    opened = open_stream(sender, "q")
+    sender.fail("q", EngineUnavailableError("waiting queue is full (max_queue=1)"))
+    rejected = FakeResponseSender()
+    sender.reject(rejected, InvalidInputError("height", "33 is bad"), "x" * 100_000)
+    settle(sender, lambda: rejected.finals and opened.finals)
+    assert sender.metrics.outcomes == ["unavailable", "invalid"]
+    message = rejected.finals[0].error.message
+    assert len(message) < 300 and message.startswith("INVALID_ARG: [request id: " + "x" * 128 + "...]")
 
 
 def test_shutdown_sends_what_is_queued_then_ends_open_streams_unavailable():

@@ -1,4 +1,5 @@
-"""The FastAPI app of the OpenAI front door: `/v1/models` and `/v1/images/generations`.
+"""The FastAPI app of the front door: the OpenAI Images API (`/v1/models`, `/v1/images/generations`)
+and strict versions of Triton's `generate` / `generate_stream` (generate.py).
 
 Streaming (`stream: true`) answers server-sent events as OpenAI streams images: up to
 `partial_images` events `image_generation.partial_image` (the engine's previews, spread
@@ -9,7 +10,6 @@ goes away cancels its Triton request (streamed: at once; otherwise: within half 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import time
@@ -21,11 +21,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
-from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, error_from_triton,
-                                                    parse_image_request)
+from engine_lib.request import InvalidInputError
+from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, bad_request, error_from_triton,
+                                                    openai_param, parse_image_request)
+from engine_lib.serving.openai_api.generate import make_router
+from engine_lib.serving.openai_api.watch import until_final
 from engine_lib.serving.tensors import encode_png_base64
 
-DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
 # The usage OpenAI reports for GPT image models; these models count no tokens.
 NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
@@ -91,15 +93,20 @@ def create_app(triton_url: str, api_key: str = "") -> FastAPI:
         input_types = await gateway.input_types(model or default) if (model or default) else {}
         image_request = parse_image_request(body, input_types, default)
         request_id = f"openai-{next(request_ids)}"
-        responses = gateway.stream(image_request.model, image_request.inputs, input_types, request_id)
+        try:
+            tensors = gateway.tensors(image_request.inputs, input_types)
+        except InvalidInputError as exc:
+            raise bad_request(str(exc), openai_param(exc.input_name)) from None
+        responses = gateway.stream(image_request.model, tensors, request_id)
         if image_request.stream:
             first = await first_response(responses)
             return StreamingResponse(events(image_request, first, responses), media_type="text/event-stream")
-        final = await until_final(responses, request)
+        final = await until_final(responses, request, on_error=error_from_triton)
         return {"created": int(time.time()), "data": [{"b64_json": png_base64(image)} for image in final.images],
                 "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
 
     app.include_router(v1)
+    app.include_router(make_router(read_json, dependencies=[Depends(bearer_key)]))
     return app
 
 
@@ -128,30 +135,6 @@ async def first_response(responses: AsyncIterator[Response]) -> Response:
         return await responses.__anext__()
     except TritonRequestError as exc:
         raise error_from_triton(str(exc)) from None
-
-
-async def until_final(responses: AsyncIterator[Response], request: Request) -> Response:
-    """Read responses up to the final one; if the HTTP client leaves meanwhile, cancel the Triton request."""
-    async def read() -> Response:
-        async for response in responses:
-            if response.is_final:
-                return response
-        raise OpenAIError(500, "the model ended the request without a final response", type_="server_error")
-
-    task = asyncio.ensure_future(read())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # unwinds the gateway's stream, which cancels the Triton request
-                await asyncio.wait({task})
-                raise OpenAIError(499, "the client went away", code="cancelled", type_="server_error")
-        return task.result()
-    except TritonRequestError as exc:
-        raise error_from_triton(str(exc)) from None
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 async def events(image_request: ImageRequest, first: Response, responses: AsyncIterator[Response]):

@@ -7,13 +7,16 @@ on it in step order); leaving `stream()` early cancels the request on the server
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Optional
 
+import grpc
 import numpy as np
 
 from engine_lib.interface import INT_RANGES
-from engine_lib.serving.openai_api.requests import OpenAIError, bad_request, openai_param
+from engine_lib.request import InvalidInputError
+from engine_lib.serving.openai_api.requests import OpenAIError
 from engine_lib.serving.tensors import NUMPY_DTYPES
 
 
@@ -25,6 +28,8 @@ class Response:
     num_steps: int
     is_final: bool
     images: Optional[np.ndarray]
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)  # every output tensor of the response
+    model_version: str = ""
 
 
 class TritonRequestError(Exception):
@@ -37,34 +42,44 @@ def triton_datatype(triton_type: str) -> str:
 
 
 def to_tensor(name: str, value: Any, triton_type: str) -> np.ndarray:
-    """A JSON value as the [1] array of the input's datatype; a value of the wrong kind is refused naming it."""
+    """A JSON value as the [1] array of the input's datatype; a value of the wrong kind (a float or a
+    string for an integer, an integer past the datatype's range, a list) raises InvalidInputError naming it."""
     datatype = triton_datatype(triton_type)
     dtype = NUMPY_DTYPES[datatype][0]
-    param = openai_param(name)
+    if isinstance(value, (list, dict)):
+        raise InvalidInputError(name, f"must be one JSON value, not {type(value).__name__} {_short(value)}")
     if datatype == "BYTES":
         if not isinstance(value, str):
-            raise bad_request(f"{param} must be a string", param)
+            raise InvalidInputError(name, f"must be a string, got {_short(value)}")
         return np.array([value.encode("utf-8")], dtype=dtype)
     if datatype in INT_RANGES:
         low, high = INT_RANGES[datatype]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise bad_request(f"{param} must be an integer in [{low}, {high}]", param)
+            raise InvalidInputError(name, f"must be an integer in [{low}, {high}], got {_short(value)}")
         return np.array([value], dtype=dtype)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{param} must be a number", param)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise InvalidInputError(name, f"must be a finite number, got {_short(value)}")
     return np.array([value], dtype=dtype)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 class TritonGateway:
     """Ready models, their declared inputs, and streamed requests, over tritonclient.grpc.aio."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, admin_key: Optional[str] = None):
         import tritonclient.grpc.aio as grpcclient
 
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
         self._input_types: dict[str, dict[str, str]] = {}
+        # The launcher protects Triton's repository API (which lists the models) with a key.
+        key = os.environ.get("TRITON_ADMIN_KEY", "") if admin_key is None else admin_key
+        self._index_headers = {"triton-grpc-protocol-admin-key": key} if key else None
 
     async def close(self) -> None:
         await self.client.close()
@@ -76,7 +91,7 @@ class TritonGateway:
             return False
 
     async def ready_models(self) -> list[str]:
-        index = await self.client.get_model_repository_index(as_json=True)
+        index = await self.client.get_model_repository_index(headers=self._index_headers, as_json=True)
         return sorted(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
 
     async def input_types(self, model: str) -> dict[str, str]:
@@ -86,19 +101,22 @@ class TritonGateway:
             self._input_types[model] = {i["name"]: i["data_type"] for i in config["config"].get("input", [])}
         return self._input_types[model]
 
-    async def stream(self, model: str, inputs: Mapping[str, Any], input_types: Mapping[str, str],
-                     request_id: str) -> AsyncIterator[Response]:
-        """Send one request and yield its responses up to the final one; raises TritonRequestError.
-
-        Leaving the iteration before the final response (the HTTP client went away, or
-        an error here) cancels the request on the server.
-        """
+    def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, str]) -> list:
+        """JSON values as the request's input tensors; raises InvalidInputError naming a bad one."""
         tensors = []
         for name, value in inputs.items():
             array = to_tensor(name, value, input_types[name])
             tensor = self._grpc.InferInput(name, [1], triton_datatype(input_types[name]))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
+        return tensors
+
+    async def stream(self, model: str, tensors: list, request_id: str) -> AsyncIterator[Response]:
+        """Send one request and yield its responses up to the final one; raises TritonRequestError.
+
+        Leaving the iteration before the final response (the HTTP client went away, or
+        an error here) cancels the request on the server.
+        """
         finished = asyncio.Event()
 
         async def requests():
@@ -118,6 +136,9 @@ class TritonGateway:
                 yield response
                 if response.is_final:
                     return
+        except grpc.RpcError as exc:  # the stream broke: tritonserver died or went away
+            finished.set()
+            raise TritonRequestError(f"{exc.code().name}: {exc.details()}") from None
         finally:
             if not finished.is_set():
                 finished.set()
@@ -125,12 +146,14 @@ class TritonGateway:
 
 
 def _response(result) -> Response:
-    params = result.get_response().parameters
-    is_final = "triton_final_response" in params and params["triton_final_response"].bool_param
-    step, num_steps = result.as_numpy("step"), result.as_numpy("num_steps")
+    response = result.get_response()
+    is_final = "triton_final_response" in response.parameters and response.parameters["triton_final_response"].bool_param
+    outputs = {output.name: result.as_numpy(output.name) for output in response.outputs}
+    step, num_steps = outputs.get("step"), outputs.get("num_steps")
     return Response(step=int(step[0]) if step is not None else 0,
                     num_steps=int(num_steps[0]) if num_steps is not None else 0,
-                    is_final=is_final, images=result.as_numpy("image"))
+                    is_final=is_final, images=outputs.get("image"), outputs=outputs,
+                    model_version=response.model_version)
 
 
 __all__ = ["OpenAIError", "Response", "TritonGateway", "TritonRequestError", "to_tensor"]
