@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -30,6 +30,9 @@ bench: models  ## the full benchmark (about 30 min): writes benchmarks/results a
 
 bench-quick: models  ## the quick benchmark (under 5 min)
 	@$(PY) -m benchmarks.run --quick $(BENCH_ARGS)
+
+bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (about 2 min)
+	@$(PY) -m benchmarks.lora
 
 clean:
 	rm -rf models out build .pytest_cache

@@ -93,6 +93,8 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
     if streaming:
         values.append(("num_images", "INT32", np.array([spec.num_images], dtype=np.int32)))
         values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
+        if spec.lora_name:
+            values.append(("lora_name", "BYTES", np.array([spec.lora_name.encode()], dtype=np.object_)))
     inputs = []
     for name, dtype, array in values:
         if batch_dim:

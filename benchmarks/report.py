@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += gpu_section(results) + reproduce_section()
+    lines += lora_section() + gpu_section(results) + reproduce_section()
     return "\n".join(lines) + "\n"
 
 
@@ -518,6 +518,32 @@ def perf_analyzer_section(results: dict) -> list[str]:
     return lines
 
 
+def lora_section(path: Optional[Path] = None) -> list[str]:
+    """Mixed vs LoRA-homogeneous step batching (`make bench-lora`, its own run: benchmarks/results/lora.json)."""
+    path = path or RESULTS_DIR / "lora.json"
+    if not path.is_file():
+        return []
+    results = json.loads(path.read_text())
+    w = results["workload"]
+    lines = ["", "## LoRA per request: mixed vs homogeneous batches", "",
+             f"`make bench-lora`, started {results['started']}: the tiny Qwen-Image, {w['size']}x{w['size']}, "
+             f"{w['steps']} steps, requests cycling through {', '.join(w['loras'])}, closed loop at concurrency "
+             f"{w['concurrency']}, {w['requests_per_point']} requests per point, {w['repeats']} interleaved repeats "
+             "(median, min-max). Both servers run step mode; `lora_batching=homogeneous` puts the LoRA in the step "
+             "key (the seed's rule), `mixed` lets any LoRAs share a forward.", "",
+             "| system | req/s | mean requests per forward | errors |", "|---|---|---|---|"]
+    for entry in results["systems"].values():
+        rates = spread([p["requests_per_s"] for p in entry["points"]])
+        batches = spread([p["server"].get("mean_batch_size") for p in entry["points"]])
+        errors = sum(p.get("errors", 0) for p in entry["points"])
+        lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(batches)} | {errors} |")
+    lines += ["", f"Mixed / homogeneous requests/s (medians): {f(results.get('mixed_over_homogeneous'), 2, 'x')}. "
+              "Homogeneous forwards stay near one request here because the step scheduler admits in FIFO order: a "
+              "waiting request whose LoRA differs from the running batch's holds up everything behind it until that "
+              "batch drains (the seed's head-of-line blocking; issue 13)."]
+    return lines
+
+
 def other_pipelines_section(results: dict) -> list[str]:
     """Serial vs continuous on the other pipelines' tiny presets; nothing for results without them (older runs)."""
     other = results.get("other_pipelines")
@@ -585,6 +611,7 @@ def reproduce_section() -> list[str]:
     return ["", "## Reproduce", "",
             "```", "make bench-quick        # under 5 minutes: fewer points and requests, 4 steps",
             "make bench              # the full run (20-30 minutes on 2 CPUs)",
+            "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

@@ -7,7 +7,7 @@ one run sees exactly the same requests in the same order.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 PROMPTS = (
@@ -31,6 +31,7 @@ class RequestSpec:
     seed: int
     num_images: int = 1
     preview_interval: int = 0
+    lora_name: str = ""  # "": no LoRA (the input is not sent)
 
     @property
     def shape_key(self) -> str:
@@ -44,6 +45,11 @@ class RequestSpec:
 def uniform(n: int, size: int, steps: int, preview_interval: int = 0, seed: int = 0) -> list[RequestSpec]:
     """n requests of one size and one step count (prompts and seeds vary)."""
     return [_spec(i, size, size, steps, preview_interval, seed) for i in range(n)]
+
+
+def mixed_loras(n: int, size: int, steps: int, names: Sequence[str], seed: int = 0) -> list[RequestSpec]:
+    """n requests of one shape cycling through LoRA names ("" = none)."""
+    return [replace(spec, lora_name=names[i % len(names)]) for i, spec in enumerate(uniform(n, size, steps, 0, seed))]
 
 
 def mixed_steps(n: int, size: int, step_choices: Sequence[int], preview_interval: int = 0,

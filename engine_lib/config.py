@@ -38,6 +38,10 @@ class EngineConfig:
     request_batch_max_wait_ms: float = 0.0
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
+    # LoRA per request (engine_lib/lora.py)
+    lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
+    max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
+    lora_batching: str = "mixed"  # step mode: "mixed" (any LoRAs share a forward) or "homogeneous" (one per batch)
     # limits, checked per request at the Triton edge
     max_height: int = 1024
     max_width: int = 1024
@@ -82,7 +86,9 @@ class EngineConfig:
         if self.max_sequence_length < 0:
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be >= 0 "
                               "(0: the pipeline's default)")
-        for name in ("max_num_seqs", "max_height", "max_width", "max_steps", "max_num_images",
+        if self.lora_batching not in ("mixed", "homogeneous"):
+            raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
+        for name in ("max_num_seqs", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",
                      "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")

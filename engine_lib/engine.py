@@ -29,7 +29,6 @@ from engine_lib.request import (
 )
 from engine_lib.runner import ModelRunner, RunnerResult
 from engine_lib.sched.base import Scheduler
-from engine_lib.sched.keys import request_batch_key
 from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
 from engine_lib.sched.step_scheduler import StepScheduler
 
@@ -112,7 +111,7 @@ class DiffusionEngine:
         adapter = self.adapter
         if self.mode is EngineMode.REQUEST_BATCH:
             return RequestScheduler(self.config.max_num_seqs,
-                                    lambda p: request_batch_key(p, adapter.key_inputs(), adapter.key_fields(p)))
+                                    adapter.request_key)
         return StepScheduler(self.config.max_num_seqs, adapter.step_key)
 
     @classmethod

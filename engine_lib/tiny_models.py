@@ -150,6 +150,46 @@ def ensure_model(
 
 
 # ---------------------------------------------------------------------------
+# Tiny LoRAs (engine_lib/lora.py): two per pipeline, as diffusers' save_lora_weights writes them
+
+TOY_LORAS = {"toy_a": 1, "toy_b": 2}  # name -> seed
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections every transformer here has
+LORA_RANK = 4
+LORA_B_GAIN = 8.0  # peft's random init is too gentle for a tiny model's image to change visibly
+
+
+def ensure_loras(pipeline: str, model_dir: Path, out_dir: Optional[os.PathLike] = None) -> Path:
+    """`<out_dir>/toy_a.safetensors` and `toy_b.safetensors` for the model at `model_dir` (default:
+    models/loras/<pipeline>); kept when present. `pipe.load_lora_weights(path)` loads them."""
+    import diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    target = Path(out_dir) if out_dir is not None else registry.default_lora_dir(pipeline)
+    missing = [name for name in TOY_LORAS if not (target / f"{name}.safetensors").is_file()]
+    if not missing:
+        return target
+    pipeline_cls = getattr(diffusers, registry.get_adapter_class(pipeline).pipeline_class)
+    pipe = pipeline_cls.from_pretrained(str(model_dir))
+    target.mkdir(parents=True, exist_ok=True)
+    for name in missing:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TOY_LORAS[name])
+            config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=LORA_TARGETS,
+                                init_lora_weights=False)
+            pipe.transformer.add_adapter(config, adapter_name=name)
+        layers = get_peft_model_state_dict(pipe.transformer, adapter_name=name)
+        layers = {k: v * LORA_B_GAIN if ".lora_B." in k else v for k, v in layers.items()}
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target))
+        try:
+            pipeline_cls.save_lora_weights(str(tmp), transformer_lora_layers=layers, weight_name=f"{name}.safetensors")
+            os.replace(tmp / f"{name}.safetensors", target / f"{name}.safetensors")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------
 # Timing (documents the presets' cost split; never asserted in tests)
 
 
@@ -228,6 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         print(path)
+        if args.preset == "tiny" and args.out is None:
+            print(ensure_loras(name, path))
         if args.measure:
             from diffusers import DiffusionPipeline
             from diffusers.utils import logging

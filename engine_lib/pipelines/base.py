@@ -37,7 +37,7 @@ import torch
 
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.request import SamplingParams
-from engine_lib.sched.keys import StepBatchKey, step_batch_key
+from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
 Outputs = dict  # output name -> numpy array
 Prediction = Union[torch.Tensor, dict]  # one tensor per row, or several by name (video + audio)
@@ -198,6 +198,9 @@ class PipelineAdapter(ABC):
 
     def step_key(self, params: SamplingParams) -> StepBatchKey:
         return step_batch_key(params, self.key_inputs(), self.key_fields(params))
+
+    def request_key(self, params: SamplingParams) -> RequestBatchKey:
+        return request_batch_key(params, self.key_inputs(), self.key_fields(params))
 
     # -- the step contract ---------------------------------------------------------------
     @abstractmethod

@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 from engine_lib import interface
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
+from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState, Schedule
 from engine_lib.request import ConfigError, SamplingParams
+from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
 # The text tensors of one side (cond or uncond) of one request: "embeds" [N, L, D]
 # plus whatever else the transformer takes per row ("mask" [N, L], "pooled" [N, P]).
@@ -54,7 +56,7 @@ GUIDANCE_SCALE = InputSpec("guidance_scale", "FP32", "guidance scale", low=0, pi
 # The inputs every flow-matching image pipeline takes; subclasses add max_sequence_length and guidance.
 IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
                 interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,
-                interface.output_format("png"))
+                interface.output_format("png"), *LORA_INPUTS)
 
 
 @dataclass
@@ -81,7 +83,8 @@ class FlowMatchAdapter(PipelineAdapter):
 
     Options: `cfg_batching` (default True): CFG cond and uncond as one forward of
     2B rows (False: two forwards of B rows); `max_sequence_length`: the text
-    length used when a request leaves it unset (default: the pipeline's own).
+    length used when a request leaves it unset (default: the pipeline's own);
+    `lora_dir`, `max_loras`, `lora_batching` (engine_lib/lora.py).
     """
 
     outputs = (IMAGE,)
@@ -109,6 +112,8 @@ class FlowMatchAdapter(PipelineAdapter):
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be in "
                               f"[1, {int(declared.high)}] for {self.name}")
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
+        self.lora_batching = self.options.get("lora_batching") or "mixed"
 
     # -- loading and limits --------------------------------------------------
     @classmethod
@@ -142,6 +147,22 @@ class FlowMatchAdapter(PipelineAdapter):
     def text_length(self, params: SamplingParams) -> int:
         """The `max_sequence_length` this request is encoded with."""
         return int(params.max_sequence_length or self.max_sequence_length)
+
+    def check_inputs(self, params: SamplingParams) -> None:
+        self.loras.check(params.lora_name)
+
+    @staticmethod
+    def row_lora(params: SamplingParams) -> RowLora:
+        return (params.lora_name, float(params.lora_scale)) if params.lora_name else None
+
+    def request_key(self, params: SamplingParams) -> RequestBatchKey:
+        """Request mode: one LoRA (and scale) per wave, the seed's homogeneous activation."""
+        return request_batch_key(params, self.key_inputs(), self.key_fields(params) + (("lora", self.row_lora(params)),))
+
+    def step_key(self, params: SamplingParams) -> StepBatchKey:
+        """Step mode: LoRAs apply per row, so they split batches only with lora_batching=homogeneous."""
+        lora = (("lora", self.row_lora(params)),) if self.lora_batching == "homogeneous" else ()
+        return step_batch_key(params, self.key_inputs(), self.key_fields(params) + lora)
 
     def key_fields(self, params: SamplingParams) -> tuple:
         """CFG on/off and its scale shape the forward; without a text mask, so does the text length."""
@@ -221,6 +242,8 @@ class FlowMatchAdapter(PipelineAdapter):
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
         p = state.params
+        if p.lora_name:
+            self.loras.ensure([p.lora_name])  # a file that cannot be loaded fails this request alone
         state.text = self._encode(state)
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.latents = self._initial_latents(state)
@@ -244,7 +267,13 @@ class FlowMatchAdapter(PipelineAdapter):
         timestep = self._model_timestep(input_batch["timesteps"], latents)
         rows = self._row_inputs(states)
         text = self._text_inputs(input_batch)
-        if not do_cfg.pop():
+        plan = [self.row_lora(s.params) for s in states for _ in range(s.num_rows)]
+        with self.loras.rows(plan):
+            return self._denoise(latents, timestep, text, rows, states, do_cfg.pop())
+
+    def _denoise(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
+                 states: list[FlowMatchState], do_cfg: bool) -> torch.Tensor:
+        if not do_cfg:
             with self._cache_context("cond"):
                 return self._transformer(latents, timestep, text["cond"], rows, states)
 

@@ -58,6 +58,11 @@ def default_model_dir(pipeline: str, preset: str = "tiny") -> Path:
     return REPO_ROOT / "models" / f"{pipeline}-{preset}"
 
 
+def default_lora_dir(pipeline: str) -> Path:
+    """Where `make models` writes the tiny LoRAs of a pipeline: `<repo root>/models/loras/<pipeline>`."""
+    return REPO_ROOT / "models" / "loras" / pipeline
+
+
 def resolve_device(name: str) -> "torch.device":
     """'auto' -> cuda when available, else cpu; otherwise the named device (which must exist)."""
     import torch
@@ -107,7 +112,11 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
             "is not built (run `make models`)"
         )
-    options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None}
+    lora_dir = config.lora_dir
+    if not lora_dir and model_path == str(default_model_dir(config.pipeline)):
+        lora_dir = str(default_lora_dir(config.pipeline))
+    options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
+               "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching}
     adapter = adapter_cls.load(model_path, device, dtype, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter

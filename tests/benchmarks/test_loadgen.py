@@ -281,3 +281,25 @@ def test_loadgen_drives_the_naive_baseline_and_flags_a_wrong_shape(tiny_model, t
     assert [r.ok for r in good.records] == [True, True], [r.check_error() for r in good.records]
     assert good.records[0].image_shape == (1, 64, 64, 3)
     assert "image shape" in bad.records[0].check_error()  # the baseline makes 1 image where 2 were asked for
+
+
+def test_lora_workload_sends_the_lora_input_and_its_section_renders(tmp_path):
+    import json
+
+    from benchmarks import report
+    from benchmarks.loadgen import infer_inputs
+
+    specs = workloads.mixed_loras(6, 64, 4, ("", "toy_a", "toy_b"), seed=1)
+    assert [s.lora_name for s in specs] == ["", "toy_a", "toy_b"] * 2
+    assert "lora_name" not in {i.name() for i in infer_inputs(specs[0], streaming=True)}
+    assert "lora_name" in {i.name() for i in infer_inputs(specs[1], streaming=True)}
+    point = {"requests_per_s": 2.0, "server": {"mean_batch_size": 3.0}, "errors": 0}
+    results = {"started": "t", "workload": {"size": 64, "steps": 4, "loras": ["none", "toy_a"], "concurrency": 8,
+                                            "requests_per_point": 16, "repeats": 1},
+               "systems": {"lora_mixed": {"label": "mixed", "points": [point]},
+                           "lora_homogeneous": {"label": "homogeneous", "points": [{**point, "requests_per_s": 1.0}]}},
+               "mixed_over_homogeneous": 2.0}
+    (tmp_path / "lora.json").write_text(json.dumps(results))
+    text = "\n".join(report.lora_section(tmp_path / "lora.json"))
+    assert "| mixed | 2.000" in text and "| homogeneous | 1.000" in text and "2.00x" in text
+    assert report.lora_section(tmp_path / "absent.json") == []

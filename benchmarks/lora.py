@@ -1,0 +1,85 @@
+"""`make bench-lora`: LoRA per request, mixed batching vs LoRA-homogeneous batching, side by side in one run.
+
+Workload: requests cycling through no LoRA, toy_a and toy_b (the tiny LoRAs `make models`
+writes) on the tiny Qwen-Image, closed loop at concurrency 8, in step mode on two
+servers: `lora_batching=mixed` (any LoRAs share one denoise forward, each row gets its
+own delta) and `lora_batching=homogeneous` (the LoRA is part of the step key, so each
+forward holds one LoRA). Rounds are interleaved between the two servers. Results go to
+benchmarks/results/lora.json; docs/benchmarks.md shows them (`make bench`
+or `python -m benchmarks.report` re-renders it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks import systems, workloads
+from benchmarks.run import QUICK, RESULTS_DIR, closed_point, log, machine_info, save, warm_up
+
+NAMES = ("", "toy_a", "toy_b")
+
+
+def lora_systems(max_num_seqs: int) -> list[systems.System]:
+    engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs=str(max_num_seqs))
+    return [systems.System(f"lora_{mode}", f"STEP_BATCH x{max_num_seqs}, lora_batching={mode}",
+                           systems.MODEL_REPOSITORY, "qwen_image", parameters={**engine, "lora_batching": mode})
+            for mode in ("mixed", "homogeneous")]
+
+
+def run(concurrency: int = 8, size: int = 64, steps: int = 8, rounds: int = 12, repeats: int = 3,
+        log_dir: Optional[Path] = None) -> dict:
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    model_path = ensure_model("qwen_image", "tiny")
+    ensure_loras("qwen_image", model_path)
+    results = {"kind": "lora", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+               "workload": {"concurrency": concurrency, "size": size, "steps": steps, "loras": ["none", *NAMES[1:]],
+                            "requests_per_point": rounds * concurrency, "repeats": repeats},
+               "systems": {}}
+    with contextlib.ExitStack() as stack:
+        running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir))
+                   for s in lora_systems(concurrency)}
+        plan = replace(QUICK, size=size, steps=steps, max_num_seqs=concurrency, preview_interval=0)
+        for name, rs in running.items():
+            warm_up(rs, plan)
+            results["systems"][name] = {"label": rs.system.label, "points": []}
+        for r in range(repeats):
+            specs = workloads.mixed_loras(rounds * concurrency, size, steps, NAMES, seed=300 + r)
+            for name, rs in running.items():
+                point = closed_point(rs, specs, concurrency, None, 3.0, f"lora-{name}-{r}")
+                results["systems"][name]["points"].append(point)
+                log(f"repeat {r} {name}: {point['requests_per_s']:.3f} req/s, mean batch "
+                    f"{point['server'].get('mean_batch_size', 0):.2f}, errors {point['errors']}")
+    for entry in results["systems"].values():
+        entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
+        entry["mean_batch_size_median"] = statistics.median(p["server"].get("mean_batch_size", 0)
+                                                            for p in entry["points"])
+    mixed, homogeneous = (results["systems"][f"lora_{m}"]["requests_per_s_median"] for m in ("mixed", "homogeneous"))
+    results["mixed_over_homogeneous"] = mixed / homogeneous if homogeneous else None
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
+    path = RESULTS_DIR / "lora.json"
+    save(results, path)
+    log(f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x; results {path}")
+    if not args.no_report:
+        from benchmarks import report
+
+        report.write_report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""LoRA per request: the files of one folder, loaded into the pipeline on demand, applied per row.
+
+diffusers' `load_lora_weights` injects peft LoRA layers into the transformer, and its
+`set_adapters` activates one set of adapters for the whole batch. We load the same way
+but keep every adapter disabled in peft's own forward, and add each request's low-rank
+delta to its own rows from a forward hook instead:
+
+    output[rows of request r] += lora_B(lora_A(x[rows])) * (scale_r * lora_alpha / r)
+
+which is peft's own expression (its `set_scale` and `Linear.forward`) restricted to those
+rows, so requests with different LoRAs, scales or none share one denoise forward. A
+group that covers every row uses `x` itself, the same operation as diffusers with
+`set_adapters([name], [scale])`, so a solo request matches it bit for bit.
+
+Files are `<lora_dir>/<name>.safetensors` in the format `save_lora_weights` writes. A
+file dropped in is found on its first use; a changed file (mtime) is reloaded; at most
+`max_loras` adapters stay loaded (least recently used unloaded first, never one the
+current batch needs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from engine_lib.interface import InputSpec
+from engine_lib.request import InvalidInputError
+
+LORA_NAME = InputSpec("lora_name", "BYTES", "a LoRA: the stem of a .safetensors file in the model's lora_dir; "
+                      "empty (default): none", default="", high=128, batch="adapter")
+LORA_SCALE = InputSpec("lora_scale", "FP32", "the LoRA's weight (diffusers' set_adapters weight)", default=1.0,
+                       low=-8.0, high=8.0, batch="adapter")
+LORA_INPUTS = (LORA_NAME, LORA_SCALE)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_LISTED = 20
+
+RowLora = Optional[tuple[str, float]]  # (name, scale) of one row; None: no LoRA
+
+
+class LoraLibrary:
+    """The LoRAs of `folder` for one pipeline (see the module docstring). `check` reads only the
+    folder and may run on any thread; `ensure` and `rows` run on the engine thread only."""
+
+    def __init__(self, pipe: Any, folder: Optional[str], max_loras: int = 4):
+        self.pipe = pipe
+        self.folder = Path(folder) if folder else None
+        self.max_loras = max(1, int(max_loras))
+        self._loaded: "OrderedDict[str, tuple[str, float]]" = OrderedDict()  # name -> (adapter, mtime), LRU first
+        self._ids = itertools.count(1)
+        self._hooked: set[int] = set()
+        self._plan: Optional[list[RowLora]] = None
+
+    # -- names (admission) ---------------------------------------------------------------
+    def names(self) -> list[str]:
+        if self.folder is None or not self.folder.is_dir():
+            return []
+        return sorted(p.stem for p in self.folder.glob("*.safetensors") if p.is_file())
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}.safetensors"
+
+    def check(self, name: str) -> None:
+        """Refuse a name that is not a file stem of the folder, naming `lora_name` and the available ones."""
+        if not name:
+            return
+        if not NAME_PATTERN.fullmatch(name) or ".." in name:
+            raise InvalidInputError("lora_name", f"{name[:64]!r} is not a LoRA name (a file stem: letters, digits, "
+                                                 f"'.', '_', '-'; no path)")
+        if self.folder is None or not self.path(name).is_file():
+            names = self.names()
+            listed = ", ".join(names[:MAX_LISTED]) + (f", ... ({len(names)} in all)" if len(names) > MAX_LISTED else "")
+            where = f"in {self.folder}" if self.folder else "(this model has no lora_dir)"
+            raise InvalidInputError("lora_name", f"no LoRA {name!r} {where}; available: {listed or 'none'}")
+
+    # -- loading (engine thread) ---------------------------------------------------------
+    def ensure(self, names: Sequence[str]) -> None:
+        """Load every named LoRA that is not loaded (or whose file changed), then unload the least
+        recently used others past max_loras. A file that cannot be loaded raises InvalidInputError."""
+        for name in dict.fromkeys(n for n in names if n):
+            path = self.path(name)
+            if not path.is_file():
+                raise InvalidInputError("lora_name", f"the LoRA file {path} is gone")
+            mtime = path.stat().st_mtime
+            loaded = self._loaded.get(name)
+            if loaded is not None and loaded[1] != mtime:
+                self._unload(name)
+                loaded = None
+            if loaded is None:
+                self._load(name, mtime)
+            self._loaded.move_to_end(name)
+        needed = set(names)
+        for name in list(self._loaded):
+            if len(self._loaded) <= self.max_loras:
+                break
+            if name not in needed:
+                self._unload(name)
+
+    def _load(self, name: str, mtime: float) -> None:
+        adapter = f"lora{next(self._ids)}"  # peft names modules by it: a file stem may hold '.'
+        try:
+            self.pipe.load_lora_weights(str(self.path(name)), adapter_name=adapter)
+        except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file fails its own request only
+            self._forget(adapter)
+            raise InvalidInputError("lora_name", f"the LoRA file {name}.safetensors could not be loaded: "
+                                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        self.pipe.transformer.disable_lora()  # peft's own forward adds nothing; our hook does
+        self._loaded[name] = (adapter, mtime)
+        self._hook_new_layers()
+
+    def _unload(self, name: str) -> None:
+        adapter, _ = self._loaded.pop(name)
+        self._forget(adapter)
+
+    def _forget(self, adapter: str) -> None:
+        transformer = self.pipe.transformer
+        if adapter in (getattr(transformer, "peft_config", None) or {}):
+            self.pipe.delete_adapters([adapter])
+        if getattr(transformer, "peft_config", None):
+            transformer.disable_lora()
+
+    def _hook_new_layers(self) -> None:
+        from peft.tuners.lora import LoraLayer  # noqa: PLC0415 (only models with LoRAs import peft)
+
+        for module in self.pipe.transformer.modules():
+            if isinstance(module, LoraLayer) and id(module) not in self._hooked:
+                module.register_forward_hook(self._add_deltas)
+                self._hooked.add(id(module))
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+    # -- applying (engine thread) -----------------------------------------------------------
+    @contextmanager
+    def rows(self, plan: Sequence[RowLora]) -> Iterator[None]:
+        """Within: each transformer forward adds row i's LoRA (plan[i]) to row i. Forwards of a
+        multiple of len(plan) rows (CFG as one forward) repeat the plan per block of rows."""
+        if not any(plan):
+            yield
+            return
+        self.ensure([p[0] for p in plan if p])
+        self._plan = list(plan)
+        try:
+            yield
+        finally:
+            self._plan = None
+
+    def _add_deltas(self, module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            return output
+        x = args[0]
+        rows = x.shape[0]
+        if rows % len(plan):
+            raise RuntimeError(f"a LoRA layer saw {rows} rows for a plan of {len(plan)}")
+        plan = plan * (rows // len(plan))
+        groups: dict[tuple[str, float], list[int]] = {}
+        for row, lora in enumerate(plan):
+            if lora is not None:
+                groups.setdefault(lora, []).append(row)
+        for (name, scale), indices in groups.items():
+            adapter = self._loaded[name][0]
+            if adapter not in module.lora_A:
+                continue  # this LoRA leaves this layer alone
+            lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+            if module.use_rslora.get(adapter, False):
+                scaling = scale * module.lora_alpha[adapter] / module.r[adapter] ** 0.5
+            else:
+                scaling = scale * module.lora_alpha[adapter] / module.r[adapter]  # peft's set_scale
+            dropout = module.lora_dropout[adapter]
+            if len(indices) == rows:  # every row: exactly peft's forward
+                output = output + lora_b(lora_a(dropout(x.to(lora_a.weight.dtype)))) * scaling
+            else:
+                index = torch.tensor(indices, device=x.device)
+                delta = lora_b(lora_a(dropout(x.index_select(0, index).to(lora_a.weight.dtype)))) * scaling
+                output = output.index_add(0, index, delta.to(output.dtype))
+        return output

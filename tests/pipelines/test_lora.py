@@ -1,0 +1,115 @@
+"""LoRA per request (engine_lib/lora.py) in the engine's own runner, for every image pipeline.
+
+The reference is diffusers itself: a second copy of the pipeline with
+`load_lora_weights(file)` and `set_adapters([name], [scale])`.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines import registry
+from engine_lib.request import InvalidInputError
+from engine_lib.tiny_models import ensure_loras, ensure_model
+
+from tests.pipelines.parity_checks import (MAX_UINT8_CHANGED_FRACTION, Arrival, drive_steps, parse, run_wave,
+                                           solo_steps)
+
+PIPELINES = ("qwen_image", "flux", "sd3")
+BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}
+
+
+@pytest.fixture(scope="module", params=PIPELINES)
+def setup(request, tmp_path_factory):
+    """(adapter with its own lora_dir holding toy_a and toy_b, that folder, the model folder)."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
+
+    pipeline = request.param
+    model_dir = ensure_model(pipeline, "tiny")
+    lora_dir = tmp_path_factory.mktemp(f"loras-{pipeline}")
+    for name in ("toy_a", "toy_b"):
+        shutil.copy(ensure_loras(pipeline, model_dir) / f"{name}.safetensors", lora_dir)
+    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32",
+                                        lora_dir=str(lora_dir), max_loras=2))
+    return adapter, lora_dir, model_dir
+
+
+def assert_within_one_level(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    levels = np.abs(actual.astype(np.int16) - expected.astype(np.int16))
+    assert levels.max() <= 1 and (levels > 0).mean() <= MAX_UINT8_CHANGED_FRACTION, what
+
+
+def diffusers_with_lora(adapter, model_dir, lora_dir, name, scale, inputs) -> np.ndarray:
+    """What diffusers makes of the same request with the LoRA active at `scale`."""
+    pipeline_cls = getattr(diffusers, registry.get_adapter_class(adapter.name).pipeline_class)
+    pipe = pipeline_cls.from_pretrained(str(model_dir), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora_dir / f"{name}.safetensors"), adapter_name=name)
+    pipe.set_adapters([name], [scale])
+    return pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np").images
+
+
+def test_a_served_lora_equals_diffusers_set_adapters_bitwise(setup):
+    adapter, lora_dir, model_dir = setup
+    inputs = {**BASE, "lora_name": "toy_a", "lora_scale": 0.5}
+    ours = solo_steps(adapter, inputs)
+    expected = to_uint8(diffusers_with_lora(adapter, model_dir, lora_dir, "toy_a", 0.5, inputs))
+    assert np.array_equal(ours, expected)
+    assert not np.array_equal(ours, solo_steps(adapter, BASE)), "the LoRA changes the image"
+
+
+def test_different_loras_share_one_step_batch_and_match_their_solo_runs(setup):
+    adapter, _, _ = setup
+    cases = {"none": BASE, "a": {**BASE, "lora_name": "toy_a"}, "a_half": {**BASE, "lora_name": "toy_a", "lora_scale": 0.5},
+             "b": {**BASE, "lora_name": "toy_b", "seed": 6}}
+    mixed = drive_steps(adapter, [Arrival(i // 2, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=4)
+    assert max(mixed.batch_sizes) == 4, "all four shared a forward"
+    for rid, inputs in cases.items():
+        assert_within_one_level(mixed.images[rid], solo_steps(adapter, inputs), rid)
+
+
+def test_request_mode_keys_one_lora_per_wave(setup):
+    adapter, _, _ = setup
+    a, b = parse(adapter, {**BASE, "lora_name": "toy_a"}), parse(adapter, {**BASE, "lora_name": "toy_b"})
+    assert adapter.request_key(a) != adapter.request_key(b)
+    assert adapter.request_key(a) != adapter.request_key(parse(adapter, {**BASE, "lora_name": "toy_a", "lora_scale": 2}))
+    assert adapter.step_key(a) == adapter.step_key(b) == adapter.step_key(parse(adapter, BASE))
+    [wave_a, _] = run_wave(adapter, [{**BASE, "lora_name": "toy_a"}, {**BASE, "lora_name": "toy_a", "seed": 9}])
+    assert_within_one_level(wave_a, solo_steps(adapter, {**BASE, "lora_name": "toy_a"}))
+
+
+@pytest.mark.parametrize("name, says", [("nope", "available: toy_a, toy_b"), ("../toy_a", "no path"),
+                                        ("a/b", "no path"), ("..", "no path")])
+def test_bad_names_are_refused_naming_lora_name(setup, name, says):
+    adapter, _, _ = setup
+    with pytest.raises(InvalidInputError) as info:
+        parse(adapter, {**BASE, "lora_name": name})
+    assert info.value.input_name == "lora_name" and says in str(info.value)
+
+
+def test_a_file_dropped_in_is_usable_and_a_corrupt_one_fails_alone(setup):
+    adapter, lora_dir, _ = setup
+    shutil.copy(lora_dir / "toy_b.safetensors", lora_dir / "toy_c.safetensors")
+    (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
+    try:
+        images = drive_steps(adapter, [Arrival(0, "c", {**BASE, "lora_name": "toy_c"})]).images
+        assert np.array_equal(images["c"], solo_steps(adapter, {**BASE, "lora_name": "toy_b"}))
+        from engine_lib.request import DiffusionRequest
+        from engine_lib.runner import ModelRunner
+
+        good = DiffusionRequest("good", parse(adapter, BASE))
+        bad = DiffusionRequest("bad", parse(adapter, {**BASE, "lora_name": "broken"}))
+        result = ModelRunner(adapter).run_to_completion([good, bad])
+        assert set(result.output.errors) == {"bad"} and "good" in result.outputs
+        assert "lora_name" in str(result.output.errors["bad"]) and "could not be loaded" in str(result.output.errors["bad"])
+        assert len(adapter.loras.loaded) <= 2, "max_loras bounds what stays loaded"
+    finally:
+        (lora_dir / "toy_c.safetensors").unlink()
+        (lora_dir / "broken.safetensors").unlink()
