@@ -339,7 +339,7 @@ class FlowMatchParitySuite:
     def test_inputs_the_pipeline_does_not_declare_are_refused_by_name(self, adapter):
         declared = {s.name for s in adapter.input_specs() if not s.unused}
         candidates = {"negative_prompt": "x", "true_cfg_scale": 4.0, "guidance_scale": 2.0, "preview_interval": 1,
-                      "max_sequence_length": 16, "num_frames": 9, "lora_name": "style", "lora_scale": 0.5}
+                      "max_sequence_length": 16, "num_frames": 9, "lora_name": "", "lora_scale": 0.5}
         for name, value in candidates.items():
             if name in declared:
                 parse(adapter, {"prompt": "x", name: value})
