@@ -36,6 +36,7 @@ class EngineConfig:
     step_execution: bool = False
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
+    max_head_bypass: int = 16  # step mode: compatible requests that may pass an incompatible head (0: FIFO)
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
     # LoRA per request (engine_lib/lora.py)
@@ -86,6 +87,8 @@ class EngineConfig:
         if self.max_sequence_length < 0:
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be >= 0 "
                               "(0: the pipeline's default)")
+        if self.max_head_bypass < 0:
+            raise ConfigError(f"parameter 'max_head_bypass': {self.max_head_bypass} must be an integer >= 0")
         if self.lora_batching not in ("mixed", "homogeneous"):
             raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
         for name in ("max_num_seqs", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",

@@ -112,7 +112,7 @@ class DiffusionEngine:
         if self.mode is EngineMode.REQUEST_BATCH:
             return RequestScheduler(self.config.max_num_seqs,
                                     adapter.request_key)
-        return StepScheduler(self.config.max_num_seqs, adapter.step_key)
+        return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,

@@ -155,9 +155,12 @@ class Scheduler(ABC):
     def has_requests(self) -> bool:
         return self.num_waiting > 0 or self.num_running > 0
 
-    def _admit(self, out: SchedulerOutput) -> None:
-        """Move the head of the queue into the running set."""
-        request = self._waiting.popleft()
+    def _admit(self, out: SchedulerOutput, request: Optional[DiffusionRequest] = None) -> None:
+        """Move the head of the queue (or the given waiting request) into the running set."""
+        if request is None:
+            request = self._waiting.popleft()
+        else:
+            self._waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
         out.new_ids.append(request.request_id)

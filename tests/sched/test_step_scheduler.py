@@ -204,3 +204,30 @@ def test_abort_mid_run_and_waiting():
     out = sched.schedule()
     assert out.new_ids == ["b"] and sorted(out.finished_ids) == ["a", "c"]
     assert sched.abort(["a"]) == []
+
+
+def test_compatible_requests_pass_an_incompatible_head_at_most_max_head_bypass_times():
+    sched = StepScheduler(4, lambda p: step_batch_key(p, ("height",)), max_head_bypass=2)
+    runner = FakeRunner(sched)
+    sched.add_request(req("run", steps=10))
+    run_tick(sched, runner)
+    for rid, height in [("head", 128), ("a", 64), ("b", 64), ("c", 64)]:
+        sched.add_request(req(rid, steps=10, height=height))
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == ["a", "b"], "two compatible requests passed the 128 head, then the bypass budget ran out"
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == [] and sched.num_waiting == 2, "c waits behind the head now, though there is room"
+    sched.abort(["run", "a", "b"])
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == ["head"], "the drained batch takes the head first"
+
+
+def test_without_bypass_an_incompatible_head_blocks_everyone_behind_it():
+    sched = make(4)  # max_head_bypass=0: the seed's FIFO
+    runner = FakeRunner(sched)
+    sched.add_request(req("run", steps=10))
+    run_tick(sched, runner)
+    sched.add_request(req("head", height=128))
+    sched.add_request(req("a"))
+    out, _ = run_tick(sched, runner)
+    assert out.new_ids == [] and sched.num_waiting == 2
