@@ -4,7 +4,8 @@ Workload: requests cycling through no LoRA, toy_a and toy_b (the tiny LoRAs `mak
 writes) on the tiny Qwen-Image, closed loop at concurrency 8, in step mode on two
 servers: `lora_batching=mixed` (any LoRAs share one denoise forward, each row gets its
 own delta) and `lora_batching=homogeneous` (the LoRA is part of the step key, so each
-forward holds one LoRA). Rounds are interleaved between the two servers. Results go to
+forward holds one LoRA), the latter with and without head bypass (`max_head_bypass`
+16 and 0, the seed's FIFO). Rounds are interleaved between the three servers. Results go to
 benchmarks/results/lora.json; docs/benchmarks.md shows them (`make bench`
 or `python -m benchmarks.report` re-renders it).
 """
@@ -27,9 +28,11 @@ NAMES = ("", "toy_a", "toy_b")
 
 def lora_systems(max_num_seqs: int) -> list[systems.System]:
     engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs=str(max_num_seqs))
-    return [systems.System(f"lora_{mode}", f"STEP_BATCH x{max_num_seqs}, lora_batching={mode}",
-                           systems.MODEL_REPOSITORY, "qwen_image", parameters={**engine, "lora_batching": mode})
-            for mode in ("mixed", "homogeneous")]
+    variants = [("mixed", "mixed", "16"), ("homogeneous", "homogeneous", "16"), ("homogeneous_fifo", "homogeneous", "0")]
+    return [systems.System(f"lora_{name}", f"STEP_BATCH x{max_num_seqs}, lora_batching={mode}, max_head_bypass={bypass}",
+                           systems.MODEL_REPOSITORY, "qwen_image",
+                           parameters={**engine, "lora_batching": mode, "max_head_bypass": bypass})
+            for name, mode, bypass in variants]
 
 
 def run(concurrency: int = 8, size: int = 64, steps: int = 8, rounds: int = 12, repeats: int = 3,
@@ -60,8 +63,10 @@ def run(concurrency: int = 8, size: int = 64, steps: int = 8, rounds: int = 12, 
         entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
         entry["mean_batch_size_median"] = statistics.median(p["server"].get("mean_batch_size", 0)
                                                             for p in entry["points"])
-    mixed, homogeneous = (results["systems"][f"lora_{m}"]["requests_per_s_median"] for m in ("mixed", "homogeneous"))
-    results["mixed_over_homogeneous"] = mixed / homogeneous if homogeneous else None
+    rates = {name.removeprefix("lora_"): entry["requests_per_s_median"] for name, entry in results["systems"].items()}
+    results["mixed_over_homogeneous"] = rates["mixed"] / rates["homogeneous"] if rates["homogeneous"] else None
+    results["mixed_over_homogeneous_fifo"] = (rates["mixed"] / rates["homogeneous_fifo"]
+                                              if rates["homogeneous_fifo"] else None)
     return results
 
 
@@ -73,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
     path = RESULTS_DIR / "lora.json"
     save(results, path)
-    log(f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x; results {path}")
+    log(f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x, / homogeneous FIFO: "
+        f"{results['mixed_over_homogeneous_fifo']:.2f}x; results {path}")
     if not args.no_report:
         from benchmarks import report
 

@@ -298,8 +298,8 @@ def test_lora_workload_sends_the_lora_input_and_its_section_renders(tmp_path):
                                             "requests_per_point": 16, "repeats": 1},
                "systems": {"lora_mixed": {"label": "mixed", "points": [point]},
                            "lora_homogeneous": {"label": "homogeneous", "points": [{**point, "requests_per_s": 1.0}]}},
-               "mixed_over_homogeneous": 2.0}
+               "mixed_over_homogeneous": 2.0, "mixed_over_homogeneous_fifo": 3.0}
     (tmp_path / "lora.json").write_text(json.dumps(results))
     text = "\n".join(report.lora_section(tmp_path / "lora.json"))
-    assert "| mixed | 2.000" in text and "| homogeneous | 1.000" in text and "2.00x" in text
+    assert "| mixed | 2.000" in text and "| homogeneous | 1.000" in text and "2.00x" in text and "3.00x" in text
     assert report.lora_section(tmp_path / "absent.json") == []

@@ -1,0 +1,59 @@
+"""Admission order through a real tritonserver (step mode, two running slots): a short compatible
+request passes an incompatible head instead of waiting behind it. Order-based, held by the tick budget."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from .conftest import model_path, start_server
+from .streaming import RequestStream, close_all, run_held, wait_for_metric
+
+
+@pytest.fixture(scope="module")
+def step_server(tmp_path_factory, request):
+    server = start_server(tmp_path_factory.mktemp("scheduling"), model_path(request), step_execution="true",
+                          max_num_seqs="2")
+    yield server
+    server.cleanup()
+
+
+def final_order(streams: list[RequestStream]) -> list[str]:
+    """Request ids in the order their final responses (or errors) arrived."""
+    arrivals = {}
+    pending = list(streams)
+    while pending:
+        for stream in list(pending):
+            try:
+                if stream._take(0.01):
+                    arrivals[stream.request_id] = time.monotonic()
+                    pending.remove(stream)
+            except queue.Empty:
+                pass
+    return sorted(arrivals, key=arrivals.get)
+
+
+def test_a_compatible_request_passes_an_incompatible_head(step_server):
+    budget = step_server.budget.hold()
+    long = RequestStream(step_server.grpc_url).send("long", prompt="long", height=32, width=32,
+                                                      num_inference_steps=30)
+    streams = [long]
+    try:
+        run_held(step_server, waiting=1, ticks=1)  # "long" runs alone, then the engine holds
+        assert wait_for_metric(step_server.metrics_url, "diffusion_requests_running", 1.0, model="qwen_image") == 1
+        streams.append(RequestStream(step_server.grpc_url).send("head", prompt="head", height=64, width=64,
+                                                                 num_inference_steps=2))
+        assert wait_for_metric(step_server.metrics_url, "diffusion_requests_waiting", 1.0, model="qwen_image") == 1
+        streams.append(RequestStream(step_server.grpc_url).send("short", prompt="short", height=32, width=32,
+                                                                 num_inference_steps=2))
+        assert wait_for_metric(step_server.metrics_url, "diffusion_requests_waiting", 2.0, model="qwen_image") == 2
+        budget.release()
+        order = final_order(streams)
+    finally:
+        close_all(streams, budget)
+    # FIFO would run "short" only after "head", which waits for "long" to drain.
+    assert order == ["short", "long", "head"]
+    for stream in streams:
+        assert not stream.result.errors and stream.result.num_final == 1, stream.result.errors
