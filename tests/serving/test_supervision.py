@@ -88,9 +88,22 @@ class Launcher:
         return {p.name for p in Path("/dev/shm").glob(f"dtriton{self.process.pid}-*")}
 
     def kill(self) -> None:
+        """SIGKILL the launcher (its servers die with it) and remove the shared memory they leave."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.stub_pids_alive():
+            time.sleep(0.1)
+        for name in self.shm_regions():
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+    def stub_pids_alive(self) -> bool:
+        try:
+            self.stub()
+            return True
+        except AssertionError:
+            return False
 
 
 def http_status(url: str) -> int:
