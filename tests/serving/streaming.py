@@ -83,9 +83,15 @@ class RequestStream:
     def __init__(self, url: str):
         self.client = grpcclient.InferenceServerClient(url)
         self._queue: "queue.Queue[tuple]" = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self._queue.put((result, error)))
+        self.client.start_stream(callback=self._on_response)
         self.result = StreamResult()
         self.request_id = ""
+        self.final_at: Optional[float] = None  # monotonic time the final response (or error) arrived
+
+    def _on_response(self, result, error) -> None:
+        if self.final_at is None and (error is not None or is_final_response(result)):
+            self.final_at = time.monotonic()
+        self._queue.put((result, error))
 
     def send(self, request_id: str = "", model: str = MODEL, **inputs: Any) -> "RequestStream":
         self.request_id = request_id

@@ -3,9 +3,6 @@ request passes an incompatible head instead of waiting behind it. Order-based, h
 
 from __future__ import annotations
 
-import queue
-import time
-
 import pytest
 
 from .conftest import model_path, start_server
@@ -21,18 +18,11 @@ def step_server(tmp_path_factory, request):
 
 
 def final_order(streams: list[RequestStream]) -> list[str]:
-    """Request ids in the order their final responses (or errors) arrived."""
-    arrivals = {}
-    pending = list(streams)
-    while pending:
-        for stream in list(pending):
-            try:
-                if stream._take(0.01):
-                    arrivals[stream.request_id] = time.monotonic()
-                    pending.remove(stream)
-            except queue.Empty:
-                pass
-    return sorted(arrivals, key=arrivals.get)
+    """Request ids in the order their final responses (or errors) arrived, as timed by each stream's
+    callback (polling would see a stream with many progress responses queued late)."""
+    for stream in streams:
+        stream.collect(settle_s=0)
+    return [stream.request_id for stream in sorted(streams, key=lambda stream: stream.final_at)]
 
 
 def test_a_compatible_request_passes_an_incompatible_head(step_server):
