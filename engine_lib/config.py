@@ -101,6 +101,26 @@ class EngineConfig:
         config.validate()
         return config
 
+    def for_instance(self, kind: str, device_id: str) -> "EngineConfig":
+        """This config for one Triton model instance (its `instance_group` kind and device id).
+
+        KIND_GPU places each instance's engine on the GPU Triton assigned it (`gpus: [...]`,
+        `count` per GPU), KIND_CPU on the CPU; KIND_MODEL leaves the choice to `device`. A
+        `device` that contradicts the kind fails the load rather than being ignored.
+        """
+        kind = (kind or "MODEL").upper()
+        if kind == "GPU":
+            wanted = f"cuda:{int(device_id)}"
+        elif kind == "CPU":
+            wanted = "cpu"
+        else:
+            return self
+        if self.device not in ("auto", wanted) and not (kind == "GPU" and self.device == "cuda"):
+            raise ConfigError(f"parameter 'device': {self.device!r} contradicts instance_group kind KIND_{kind} "
+                              f"(this instance is on {wanted}); leave device=auto, or use KIND_MODEL to pick "
+                              "the device with this parameter")
+        return self.replace(device=wanted)
+
 
 class EngineMode(enum.Enum):
     REQUEST_BATCH = "request_batch"

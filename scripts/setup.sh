@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Idempotent install of everything the project needs, into .venv:
-# pinned Python packages (requirements.txt) and a working perf_analyzer.
+# Idempotent install of everything the project needs: nginx from Debian (the load-balancer
+# test), and into .venv the pinned Python packages (requirements.txt) and a working perf_analyzer.
 # Reruns are a no-op unless requirements.txt changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP="$VENV/.installed-$(sha256sum requirements.txt | cut -c1-16)"
+
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -q nginx >/dev/null 2>&1 || { $SUDO apt-get update -q && $SUDO apt-get install -y -q nginx; }
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"

@@ -121,3 +121,34 @@ def test_config_is_frozen_and_replace_validates():
     assert config.replace(max_num_seqs=4).max_num_seqs == 4
     with pytest.raises(ConfigError, match="'max_num_seqs'"):
         config.replace(max_num_seqs=0)
+
+
+# -- instance_group: each Triton model instance's engine on its own device ------------------------
+
+
+@pytest.mark.parametrize("kind, device_id, device, expected", [
+    ("GPU", "0", "auto", "cuda:0"),
+    ("GPU", "7", "auto", "cuda:7"),  # gpus: [7], or the 8th GPU of `count` per GPU
+    ("GPU", "3", "cuda", "cuda:3"),  # plain cuda agrees with any GPU
+    ("GPU", "2", "cuda:2", "cuda:2"),
+    ("CPU", "0", "auto", "cpu"),
+    ("CPU", "0", "cpu", "cpu"),
+    ("MODEL", "0", "auto", "auto"),  # KIND_MODEL: the device parameter decides
+    ("MODEL", "0", "cuda:5", "cuda:5"),
+    ("", "0", "cpu", "cpu"),  # no kind given: as KIND_MODEL
+])
+def test_instance_kind_places_the_engine(kind, device_id, device, expected):
+    config = EngineConfig.from_parameters({"device": device}).for_instance(kind, device_id)
+    assert config.device == expected
+
+
+@pytest.mark.parametrize("kind, device_id, device", [
+    ("GPU", "1", "cpu"),
+    ("GPU", "1", "cuda:0"),
+    ("CPU", "0", "cuda"),
+    ("CPU", "0", "cuda:1"),
+])
+def test_a_device_contradicting_the_instance_kind_fails_the_load(kind, device_id, device):
+    with pytest.raises(ConfigError, match=rf"parameter 'device': '{device}' contradicts instance_group kind "
+                                          rf"KIND_{kind}"):
+        EngineConfig.from_parameters({"device": device}).for_instance(kind, device_id)

@@ -5,7 +5,9 @@ numbers on a queue; this module's own thread applies them to
 `pb_utils.MetricFamily` metrics (each update is a round trip to tritonserver)
 and samples the engine's counters (`engine.stats()`) twice a second, so the
 waiting/running gauges and the runner-state count are visible to operators and
-tests. Every metric carries the label `model`.
+tests. Every metric carries the labels `model` and `instance` (Triton's instance name, e.g.
+`qwen_image_0_1`): each instance runs its own engine, and two instances must never share a
+series (Triton's core frees a shared one twice when the first instance unloads).
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ class ModelMetrics:
     _STOP = object()
 
     def __init__(self, pb_utils: Any, model_name: str, stats: Optional[Callable[[], Any]] = None,
-                 log: Callable[[str], None] = print, sample_interval_s: float = 0.5):
+                 log: Callable[[str], None] = print, sample_interval_s: float = 0.5, instance: str = ""):
         self._stats = stats
         self._log = log
         self._sample_interval_s = sample_interval_s
         self._queue: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        labels = {"model": model_name}
+        labels = {"model": model_name, "instance": instance or model_name}
         family = pb_utils.MetricFamily
         # Families must outlive their metrics (the Python backend checks), so both are kept.
         self._families = []

@@ -45,6 +45,7 @@ backend: "python"
 max_batch_size: 0  # the engine batches requests itself (continuous batching)
 model_transaction_policy {{ decoupled: true }}
 # KIND_MODEL: the model picks its device (device=auto); loads on CPU-only hosts and GPUs alike.
+# One engine per GPU on a multi-GPU host: [ {{ count: 1, kind: KIND_GPU }} ] (docs/deployment.md).
 instance_group [ {{ count: 1, kind: KIND_MODEL }} ]
 
 {block}

@@ -67,12 +67,14 @@ class TritonPythonModel:
         start = time.monotonic()
         _install_log_handler()
         self.model_name = args["model_name"]
+        self.instance_name = args.get("model_instance_name", self.model_name)
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
                 f"{self.model_name}: config.pbtxt must set model_transaction_policy {{ decoupled: true }}")
         try:
-            self.config = EngineConfig.from_parameters(model_config.get("parameters", {}))
+            self.config = EngineConfig.from_parameters(model_config.get("parameters", {})).for_instance(
+                args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0"))
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None
 
@@ -80,7 +82,7 @@ class TritonPythonModel:
         from engine_lib.engine import DiffusionEngine  # noqa: PLC0415
         from engine_lib.pipelines.registry import load_adapter, resolve_model_path  # noqa: PLC0415
 
-        self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log)
+        self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name)
         try:
             self.adapter = load_adapter(self.config)
             self.engine = DiffusionEngine.make_engine(self.config, adapter=self.adapter,
@@ -93,7 +95,8 @@ class TritonPythonModel:
         self.sender.start()
         self._ids = itertools.count(1)
         c = self.config
-        _log(f"{self.model_name}: loaded pipeline={c.pipeline} model_path={resolve_model_path(self.config)} "
+        _log(f"{self.model_name}: loaded pipeline={c.pipeline} instance={self.instance_name} "
+             f"model_path={resolve_model_path(self.config)} "
              f"device={self.adapter.device} dtype={self.adapter.dtype} mode={self.engine.mode.value} "
              f"step_execution={c.step_execution} max_num_seqs={c.max_num_seqs} max_queue={c.max_queue} "
              f"in {time.monotonic() - start:.1f} s")

@@ -42,12 +42,16 @@ def set_parameter(config_text: str, key: str, value: str) -> str:
     return config_text.rstrip("\n") + "\n" + entry + "\n"
 
 
-def write_repository(root: Path, **parameters: str) -> Path:
-    """A copy of the model repository holding qwen_image with `parameters` overridden."""
+def write_repository(root: Path, instance_group: str = "", **parameters: str) -> Path:
+    """A copy of the model repository holding qwen_image with `parameters` (and, if given, the
+    `instance_group` line) overridden."""
     target = root / "qwen_image"
     shutil.copytree(MODEL_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / "config.pbtxt"
     text = config.read_text()
+    if instance_group:
+        text, found = re.subn(r"^instance_group .*$", lambda _: instance_group, text, flags=re.M)
+        assert found == 1, "config.pbtxt has no one-line instance_group"
     for key, value in parameters.items():
         text = set_parameter(text, key, str(value))
     config.write_text(text)
@@ -108,12 +112,12 @@ class ProbedServer(TritonServer):
             self.probe.check(code)
 
 
-def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(),
+def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(), instance_group: str = "",
                  **parameters: str) -> ProbedServer:
     """Serve the qwen_image entry with `parameters` overridden; its tick budget file is `server.budget`
     (absent until a test holds the engine)."""
     budget = TickBudget(tmp_dir / "tick_budget")
-    repo = write_repository(tmp_dir / "repository", model_path=model_path,
+    repo = write_repository(tmp_dir / "repository", instance_group, model_path=model_path,
                             test_tick_budget_path=str(budget.path), **parameters)
     server = ProbedServer(
         repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), address="127.0.0.1",

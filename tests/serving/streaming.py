@@ -211,7 +211,10 @@ def scrape(metrics_url: str) -> dict[tuple, float]:
 
 
 def metric(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sum over every series of `name` that carries `labels` (as PromQL's sum() does), e.g. over
+    a model's instances."""
+    wanted = frozenset(labels.items())
+    return sum(value for (sample_name, pairs), value in samples.items() if sample_name == name and wanted <= pairs)
 
 
 def wait_for_metric(metrics_url: str, name: str, expected: float, timeout: float = 10.0,
