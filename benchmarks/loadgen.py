@@ -95,6 +95,8 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
         values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
         if spec.lora_name:
             values.append(("lora_name", "BYTES", np.array([spec.lora_name.encode()], dtype=np.object_)))
+        if spec.priority:
+            values.append(("priority", "INT32", np.array([spec.priority], dtype=np.int32)))
     inputs = []
     for name, dtype, array in values:
         if batch_dim:

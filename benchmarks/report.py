@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += lora_section() + gpu_section(results) + reproduce_section()
+    lines += lora_section() + priority_section() + gpu_section(results) + reproduce_section()
     return "\n".join(lines) + "\n"
 
 
@@ -546,6 +546,33 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def priority_section(path: Optional[Path] = None) -> list[str]:
+    """An urgent request alone and under a full background load (`make bench-priority`: priority.json)."""
+    path = path or RESULTS_DIR / "priority.json"
+    if not path.is_file():
+        return []
+    results = json.loads(path.read_text())
+    w = results["workload"]
+    labels = {"alone": "alone (idle server)",
+              "preempt": "under load, priority 1, `max_preemptions=1` (pauses a background request)",
+              "order": "under load, priority 1, `max_preemptions=0` (admitted first, waits for a slot)",
+              "fifo": "under load, priority 3 like the background (arrival order, the seed's)"}
+    lines = ["", "## Priorities: an urgent request under a full background load", "",
+             f"`make bench-priority`, started {results['started']}: the tiny Qwen-Image, {w['size']}x{w['size']}, "
+             f"{w['steps']} steps, step mode with `max_num_seqs={w['max_num_seqs']}`. A background of "
+             f"{w['background_clients']} closed-loop clients (priority 3) keeps every slot busy and requests "
+             f"waiting; one foreground client sends {w['urgent_requests']} requests one after another "
+             f"({w['gap_s']} s apart). Latency from send to the final response.", "",
+             "| foreground | p50 ms | p99 ms | p99 / alone p99 | background requests done |", "|---|---|---|---|---|"]
+    for name, entry in results["variants"].items():
+        lines.append(f"| {labels.get(name, name)} | {entry['p50_s'] * 1000:.0f} | {entry['p99_s'] * 1000:.0f} | "
+                     f"{entry['p99_over_alone_p99']:.2f}x | {entry['background_completed']} |")
+    lines += ["", "Goal (issue #13): p99 under load <= 1.5x alone. On this CPU a step over a full batch of "
+              f"{w['max_num_seqs']} costs more than a step over one request, so even an urgent request that never "
+              "waits runs slower under load; the rows show how much of the rest priority and preemption remove."]
+    return lines
+
+
 def other_pipelines_section(results: dict) -> list[str]:
     """Serial vs continuous on the other pipelines' tiny presets; nothing for results without them (older runs)."""
     other = results.get("other_pipelines")
@@ -614,6 +641,7 @@ def reproduce_section() -> list[str]:
             "```", "make bench-quick        # under 5 minutes: fewer points and requests, 4 steps",
             "make bench              # the full run (20-30 minutes on 2 CPUs)",
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
+            "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

@@ -32,6 +32,7 @@ class RequestSpec:
     num_images: int = 1
     preview_interval: int = 0
     lora_name: str = ""  # "": no LoRA (the input is not sent)
+    priority: int = 0  # 0: not sent (the model's default level)
 
     @property
     def shape_key(self) -> str:

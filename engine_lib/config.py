@@ -37,6 +37,10 @@ class EngineConfig:
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
     max_head_bypass: int = 16  # step mode: compatible requests that may pass an incompatible head (0: FIFO)
+    priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
+    default_priority_level: int = 2  # a request without `priority` (or with 0)
+    max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)
+    max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
     # LoRA per request (engine_lib/lora.py)
@@ -89,9 +93,15 @@ class EngineConfig:
                               "(0: the pipeline's default)")
         if self.max_head_bypass < 0:
             raise ConfigError(f"parameter 'max_head_bypass': {self.max_head_bypass} must be an integer >= 0")
+        if not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ConfigError(f"parameter 'default_priority_level': {self.default_priority_level} must be in "
+                              f"[1, priority_levels={self.priority_levels}]")
+        for name in ("max_preemptions", "max_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
         if self.lora_batching not in ("mixed", "homogeneous"):
             raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
-        for name in ("max_num_seqs", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",
+        for name in ("max_num_seqs", "priority_levels", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",
                      "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")

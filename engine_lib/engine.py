@@ -24,6 +24,7 @@ from engine_lib.request import (
     DiffusionRequest,
     EngineError,
     EngineUnavailableError,
+    InvalidInputError,
     RequestCancelledError,
     SamplingParams,
 )
@@ -55,6 +56,9 @@ class EngineStats:
     num_runner_states: int  # step states the runner holds
     num_streams: int  # open output streams / sinks
     thread_alive: bool
+    waiting_by_priority: Mapping[int, int] = None  # priority level -> requests waiting
+    num_preempted: int = 0  # pauses so far
+    num_expired: int = 0  # deadlines passed before the start, so far
 
 
 class OutputStream:
@@ -102,6 +106,7 @@ class DiffusionEngine:
         self._sinks: dict[str, Sink] = {}
         self._pending_aborts: list[str] = []
         self._closed = False
+        self.num_expired = 0  # requests whose deadline passed before they started (metrics)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
         self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
@@ -110,9 +115,10 @@ class DiffusionEngine:
     def _make_scheduler(self) -> Scheduler:
         adapter = self.adapter
         if self.mode is EngineMode.REQUEST_BATCH:
-            return RequestScheduler(self.config.max_num_seqs,
-                                    adapter.request_key)
-        return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass)
+            return RequestScheduler(self.config.max_num_seqs, adapter.request_key, adapter.request_cost,
+                                    self.config.max_batch_tokens)
+        return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass,
+                             adapter.request_cost, self.config.max_batch_tokens, self.config.max_preemptions)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,
@@ -147,10 +153,16 @@ class DiffusionEngine:
     # -- caller side (any thread) --------------------------------------------
     def parse(self, inputs: Mapping[str, Any]) -> SamplingParams:
         """Validate a request's inputs (by declared name) into SamplingParams; InvalidInputError names the input."""
-        return self.inputs.parse(inputs)
+        params = self.inputs.parse(inputs)
+        budget = self.config.max_batch_tokens
+        if budget and self.adapter.request_cost(params) > budget:
+            raise InvalidInputError("height", f"{params.height}x{params.width} with num_images={params.num_images} "
+                                    f"needs {self.adapter.request_cost(params)} latent tokens per step, more than "
+                                    f"max_batch_tokens={budget}")
+        return params
 
     def add_request(self, request_id: str, params: Union[SamplingParams, Mapping[str, Any]],
-                    sink: Optional[Sink] = None) -> Optional[OutputStream]:
+                    sink: Optional[Sink] = None, timeout_s: Optional[float] = None) -> Optional[OutputStream]:
         """Admit a request and return at once.
 
         `params` are the request's inputs: a mapping is validated here (`parse`);
@@ -158,6 +170,9 @@ class DiffusionEngine:
         answer a bad request before it opens a stream).
         Without `sink` an OutputStream is returned; with one, every output is
         passed to `sink(output)` from the engine thread (it must not block).
+        `timeout_s` (Triton's request timeout): a request not started by then ends
+        with RequestTimedOutError and costs no device time; one already running
+        runs to the end. Its `priority` input orders admission (0: the default level).
         Raises InvalidInputError, EngineUnavailableError (closed, or `max_queue`
         requests already waiting), ValueError (duplicate active id).
         """
@@ -175,7 +190,11 @@ class DiffusionEngine:
                     f"queue full: {self.scheduler.num_waiting} requests waiting (max_queue={self.config.max_queue})")
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already active")
-            self.scheduler.add_request(DiffusionRequest(request_id, params))
+            request = DiffusionRequest(request_id, params,
+                                       priority=params.get("priority") or self.config.default_priority_level)
+            if timeout_s:
+                request.deadline = request.arrival_time + timeout_s
+            self.scheduler.add_request(request)
             self._sinks[request_id] = sink
             self._cond.notify_all()
         return stream
@@ -215,7 +234,8 @@ class DiffusionEngine:
     def stats(self) -> EngineStats:
         with self._cond:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
-                               len(self._sinks), self._thread.is_alive())
+                               len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
+                               self.scheduler.num_preempted, self.num_expired)
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
@@ -227,11 +247,16 @@ class DiffusionEngine:
                     return
                 aborted = self.scheduler.abort(self._pending_aborts)
                 self._pending_aborts.clear()
+                expired = self.scheduler.expire(time.monotonic())
+                self.num_expired += len(expired)
                 has_work = self.scheduler.has_requests  # else the tick only reports what ended
             for request in aborted:
                 self.runner.free([request.request_id])
                 self._emit_final(request, error=RequestCancelledError(f"request {request.request_id} cancelled"))
                 logger.info("cancelled request %s", request.request_id)
+            for request in expired:
+                self._emit_final(request, error=request.error)
+                logger.info("request %s timed out before it started", request.request_id)
             if has_work and not self._tick_allowed():
                 continue
             try:
@@ -268,6 +293,7 @@ class DiffusionEngine:
             new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
             running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
         self.runner.free(sched_out.finished_ids)
+        self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
             return
         start = time.monotonic()

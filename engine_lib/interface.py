@@ -211,6 +211,9 @@ NUM_IMAGES = InputSpec("num_images", "INT32", "images per prompt", default=1, lo
 PREVIEW_INTERVAL = InputSpec("preview_interval", "INT32", "0: final response only; k: a preview every k steps",
                              default=0, low=0, high=INT_RANGES["INT32"][1], batch="row")
 
+PRIORITY = InputSpec("priority", "INT32", "1: most urgent; larger: less urgent; 0: the model's default_priority_level",
+                     default=0, low=0, high_from="priority_levels", batch="row")
+
 
 def output_format(*encodings: str) -> InputSpec:
     """The `output_format` input: `raw` tensors, or one of the declared outputs' encodings."""

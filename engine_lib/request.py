@@ -34,6 +34,13 @@ class EngineUnavailableError(EngineError):
     code = "UNAVAILABLE"
 
 
+class RequestTimedOutError(EngineError):
+    """The request's deadline (Triton's request timeout) passed before it started; it cost no device time.
+    UNAVAILABLE, as Triton's own queue reports an expired timeout."""
+
+    code = "UNAVAILABLE"
+
+
 class RequestCancelledError(EngineError):
     """The client cancelled the request (or it was aborted)."""
 
@@ -119,6 +126,9 @@ class DiffusionRequest:
     status: RequestStatus = RequestStatus.WAITING
     step_index: int = 0
     error: Optional[EngineError] = None
+    priority: int = 1  # 1 most urgent; the engine resolves the `priority` input (0: the model's default)
+    deadline: Optional[float] = None  # time.monotonic() by which it must have started (Triton's timeout)
+    num_preemptions: int = 0  # times it was paused between steps for a more urgent request
 
     @property
     def num_steps(self) -> int:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, Prediction, RequestState
+from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, Prediction, RequestState, move_tensors
 from engine_lib.request import DiffusionRequest, EngineError, PipelineError
 from engine_lib.sched.base import RunnerOutput
 
@@ -54,6 +54,7 @@ class ModelRunner:
         self._output_specs = {spec.name: spec for spec in adapter.outputs}
         self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread
         self._input_batch: Optional[InputBatch] = None
+        self._paused: set[str] = set()  # states moved to host memory while their request is paused
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
@@ -61,6 +62,10 @@ class ModelRunner:
         result = RunnerResult()
         for request in new:
             self._prepare(request, result)
+        for request in running:
+            if request.request_id in self._paused:  # resumed: back onto the device
+                self._paused.discard(request.request_id)
+                move_tensors(self.states[request.request_id], self.adapter.device)
         active = [self.states[r.request_id] for r in new + running if r.request_id in self.states]
         if active:
             self._denoise(active, result)
@@ -165,9 +170,20 @@ class ModelRunner:
             raise PipelineError(f"{self.adapter.name} produced undeclared outputs {undeclared}")
         return dict(outputs) if as_float else {name: self._output_specs[name].convert(a) for name, a in outputs.items()}
 
+    def pause(self, request_ids: list[str]) -> None:
+        """Preempted between two steps: keep the state, in host memory when it lives on a GPU."""
+        if self.adapter.device.type == "cpu":
+            return
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None:
+                move_tensors(state, torch.device("cpu"))
+                self._paused.add(request_id)
+
     def free(self, request_ids: list[str]) -> None:
         """Drop the step state of ended or aborted requests."""
         for request_id in request_ids:
+            self._paused.discard(request_id)
             if self.states.pop(request_id, None) is not None and self._input_batch is not None:
                 self._input_batch = None
 

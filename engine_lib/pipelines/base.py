@@ -29,6 +29,7 @@ the state object the runner owns, never on the adapter.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
@@ -96,6 +97,25 @@ class RequestState:
     def step_inputs(self) -> dict[str, torch.Tensor]:
         """This request's per-row tensors for the next forward (rows first), gathered by `InputBatch`."""
         raise NotImplementedError
+
+
+def move_tensors(obj: Any, device: torch.device) -> Any:
+    """Move every tensor a state holds (its fields, nested dataclasses, dicts, lists) to `device`, in place.
+    Other objects (generators, diffusers scheduler copies) stay as they are. Returns `obj` (or its copy,
+    for tensors and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, move_tensors(getattr(obj, f.name), device))
+    elif isinstance(obj, dict):
+        for key in obj:
+            obj[key] = move_tensors(obj[key], device)
+    elif isinstance(obj, list):
+        obj[:] = [move_tensors(item, device) for item in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(move_tensors(item, device) for item in obj)
+    return obj
 
 
 @dataclass
@@ -198,6 +218,10 @@ class PipelineAdapter(ABC):
 
     def step_key(self, params: SamplingParams) -> StepBatchKey:
         return step_batch_key(params, self.key_inputs(), self.key_fields(params))
+
+    def request_cost(self, params: SamplingParams) -> int:
+        """Latent tokens x rows this request adds to one forward (`max_batch_tokens`); 0: unknown."""
+        return 0
 
     def request_key(self, params: SamplingParams) -> RequestBatchKey:
         return request_batch_key(params, self.key_inputs(), self.key_fields(params))

@@ -56,7 +56,7 @@ GUIDANCE_SCALE = InputSpec("guidance_scale", "FP32", "guidance scale", low=0, pi
 # The inputs every flow-matching image pipeline takes; subclasses add max_sequence_length and guidance.
 IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
                 interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,
-                interface.output_format("png"), *LORA_INPUTS)
+                interface.output_format("png"), interface.PRIORITY, *LORA_INPUTS)
 
 
 @dataclass
@@ -163,6 +163,11 @@ class FlowMatchAdapter(PipelineAdapter):
         """Step mode: LoRAs apply per row, so they split batches only with lora_batching=homogeneous."""
         lora = (("lora", self.row_lora(params)),) if self.lora_batching == "homogeneous" else ()
         return step_batch_key(params, self.key_inputs(), self.key_fields(params) + lora)
+
+    def request_cost(self, params: SamplingParams) -> int:
+        """Image tokens (one per size_multiple x size_multiple pixels) x images x CFG passes."""
+        tokens = (params.height // self.size_multiple) * (params.width // self.size_multiple)
+        return tokens * params.num_images * (2 if self.do_cfg(params) else 1)
 
     def key_fields(self, params: SamplingParams) -> tuple:
         """CFG on/off and its scale shape the forward; without a text mask, so does the text length."""

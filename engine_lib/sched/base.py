@@ -7,9 +7,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
-from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, SamplingParams
+from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, RequestTimedOutError, SamplingParams
 
 KeyFn = Callable[[SamplingParams], Hashable]
+CostFn = Callable[[SamplingParams], int]  # latent tokens x rows a request adds to one forward
 
 
 @dataclass
@@ -17,7 +18,8 @@ class SchedulerOutput:
     """One tick's plan.
 
     new_ids: admitted this tick (the runner must `prepare_encode` them).
-    running_ids: admitted earlier and scheduled again this tick.
+    running_ids: admitted earlier and scheduled again this tick (a paused request
+        that resumes is one of them: the runner still holds its state).
     finished_ids: requests that ended since the last tick (finished, failed or
         aborted); the runner frees any state it still holds for them.
     """
@@ -25,6 +27,7 @@ class SchedulerOutput:
     new_ids: list[str] = field(default_factory=list)
     running_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)  # paused this tick; the runner keeps their state
 
     @property
     def scheduled_ids(self) -> list[str]:
@@ -50,25 +53,32 @@ class RunnerOutput:
 
 
 class Scheduler(ABC):
-    """FIFO admission into a running set that shares one compatibility key; one denoise step per tick.
+    """Admission by (priority, arrival) into a running set that shares one compatibility key; one
+    denoise step per tick.
 
-    Everything both modes share lives here: the waiting queue, the running set,
-    each active request's key, abort, progress updates and the ids that ended
-    since the last tick. Subclasses decide only who is admitted when
-    (`schedule`). Not thread-safe: the engine calls it under its lock. Only a
-    scheduler writes request status.
+    Everything both modes share lives here: the waiting queue (most urgent first,
+    then oldest), the running set, each active request's key and cost, the
+    compute budget (`max_batch_tokens`: the running set's latent tokens x rows;
+    0: no limit; a request alone is never refused by it), deadlines, abort,
+    progress updates and the ids that ended since the last tick. Subclasses
+    decide only who is admitted when (`schedule`). Not thread-safe: the engine
+    calls it under its lock. Only a scheduler writes request status.
     """
 
-    def __init__(self, max_num_seqs: int, key_fn: KeyFn):
+    def __init__(self, max_num_seqs: int, key_fn: KeyFn, cost_fn: Optional[CostFn] = None, max_batch_tokens: int = 0):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.key_fn = key_fn
+        self.cost_fn = cost_fn or (lambda params: 0)
+        self.max_batch_tokens = max_batch_tokens
         self._waiting: deque[DiffusionRequest] = deque()
         self._running: dict[str, DiffusionRequest] = {}  # insertion order is admission order
         self._requests: dict[str, DiffusionRequest] = {}  # every active (waiting or running) request
         self._keys: dict[str, Hashable] = {}
+        self._costs: dict[str, int] = {}
         self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
+        self.num_preempted = 0  # pauses so far (metrics)
 
     def add_request(self, request: DiffusionRequest) -> None:
         """Queue a request; a duplicate active request id (or a request not WAITING) raises ValueError."""
@@ -78,8 +88,42 @@ class Scheduler(ABC):
             raise ValueError(f"request {request.request_id!r} is {request.status.value}, not waiting")
         self._check_request(request)
         self._keys[request.request_id] = self.key_fn(request.params)
+        self._costs[request.request_id] = int(self.cost_fn(request.params))
         self._requests[request.request_id] = request
-        self._waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: DiffusionRequest) -> None:
+        """Into the waiting queue behind every request at least as urgent and older (a paused request
+        goes back to the place its arrival earned it)."""
+        order = (request.priority, request.arrival_time)
+        index = len(self._waiting)
+        while index > 0 and (self._waiting[index - 1].priority, self._waiting[index - 1].arrival_time) > order:
+            index -= 1
+        self._waiting.insert(index, request)
+
+    def expire(self, now: float) -> list[DiffusionRequest]:
+        """End every request that waits, never started, and whose deadline has passed; return them."""
+        expired = [r for r in self._waiting if r.deadline is not None and now >= r.deadline and r.step_index == 0]
+        for request in expired:
+            self._waiting.remove(request)
+            request.status = RequestStatus.FAILED
+            request.error = RequestTimedOutError(f"request {request.request_id} timed out: not started within "
+                                                 "its timeout")
+            self._end(request)
+        return expired
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for request in self._waiting:
+            counts[request.priority] = counts.get(request.priority, 0) + 1
+        return counts
+
+    def _fits_budget(self, request: DiffusionRequest) -> bool:
+        """Within max_batch_tokens together with the running set (always true for a request alone)."""
+        if not self.max_batch_tokens or not self._running:
+            return True
+        used = sum(self._costs[i] for i in self._running)
+        return used + self._costs[request.request_id] <= self.max_batch_tokens
 
     def _check_request(self, request: DiffusionRequest) -> None:
         """A request needs steps to run and a start index inside them."""
@@ -163,7 +207,16 @@ class Scheduler(ABC):
             self._waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
-        out.new_ids.append(request.request_id)
+        (out.running_ids if request.num_preemptions else out.new_ids).append(request.request_id)
+
+    def _preempt(self, out: SchedulerOutput, request: DiffusionRequest) -> None:
+        """Pause a running request between two steps: back to the waiting queue, its runner state kept."""
+        del self._running[request.request_id]
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preempted += 1
+        self._enqueue(request)
+        out.preempted_ids.append(request.request_id)
 
     def _take_ended_ids(self) -> list[str]:
         ended, self._ended_ids = self._ended_ids, []
@@ -173,4 +226,5 @@ class Scheduler(ABC):
         self._running.pop(request.request_id, None)
         del self._requests[request.request_id]
         del self._keys[request.request_id]
+        del self._costs[request.request_id]
         self._ended_ids.append(request.request_id)

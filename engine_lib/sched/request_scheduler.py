@@ -1,9 +1,10 @@
 """RequestScheduler: request mode, where a wave of compatible requests runs to completion together.
 
-A wave is admitted FIFO when nothing is running: the head of the queue plus the
-requests right behind it that share its key (which includes the step count),
-up to `max_num_seqs`. An incompatible request stops the wave (head-of-line
-blocking, the seed's conservative policy), so admission order is arrival order.
+A wave is admitted when nothing is running: the head of the queue (the most
+urgent, then the oldest) plus the requests right behind it that share its key
+(which includes the step count), up to `max_num_seqs` and `max_batch_tokens`.
+An incompatible request stops the wave (head-of-line blocking, the seed's
+conservative policy). Waves are never preempted.
 The wave then advances one denoise step per tick through the same runner path
 as step mode (one loop, shared fault isolation and previews); nothing joins it
 until every member has ended.
@@ -25,7 +26,7 @@ STABLE_WINDOW_S = 0.05
 
 
 class RequestScheduler(Scheduler):
-    """FIFO waves of compatible requests; one wave in flight at a time. Not thread-safe: the engine locks."""
+    """Waves of compatible requests; one wave in flight at a time. Not thread-safe: the engine locks."""
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._take_ended_ids())
@@ -33,7 +34,7 @@ class RequestScheduler(Scheduler):
             return out
         head_key = self._keys[self._waiting[0].request_id]
         while (self._waiting and len(out.new_ids) < self.max_num_seqs
-               and self._keys[self._waiting[0].request_id] == head_key):
+               and self._keys[self._waiting[0].request_id] == head_key and self._fits_budget(self._waiting[0])):
             self._admit(out)
         return out
 

@@ -1,50 +1,109 @@
 """StepScheduler: step mode, where requests join and leave the running batch between denoise steps.
 
-The running set holds requests of one key, up to `max_num_seqs`. Between ticks,
-waiting requests join in arrival order while there is room and their key matches
-the running set's (any key when it is empty). When the head of the queue does not
-match, up to `max_head_bypass` requests behind it that do match may pass it (the
-oldest first); then the head waits only for the running set to drain, and is
-admitted first once it has. `max_head_bypass=0` is the seed's FIFO, where an
-incompatible head blocks everyone behind it (head-of-line blocking). Requests with
-different step counts and at different steps share ticks; the runner reports each
-one's progress.
+The running set holds requests of one key, up to `max_num_seqs` and within the
+compute budget (`max_batch_tokens`). Between ticks, waiting requests join most
+urgent first, then oldest (`priority`: 1 is the most urgent), while they fit
+and their key matches the running set's (any key when it is empty).
+
+- **Preemption.** When the head of the queue cannot join and is more urgent
+  than running requests, those pause between two steps (least urgent first,
+  the latest admitted first among equals) until it can: a compatible head
+  needs a seat and room in the budget, an incompatible one needs the whole set
+  to pause, or nothing pauses. A paused request keeps its runner state and
+  waits at its (priority, arrival) place; it resumes where it stopped. Each
+  request pauses at most `max_preemptions` times (0: no preemption).
+- **Head bypass.** When the head still cannot join, up to `max_head_bypass`
+  requests of its priority behind it that can may pass it (the oldest first);
+  then the head waits only for the running set to drain, and is admitted first
+  once it has. `max_head_bypass=0` is the seed's FIFO, where an incompatible
+  head blocks everyone behind it (head-of-line blocking). A less urgent request
+  never passes a more urgent one.
+
+Requests with different step counts and at different steps share ticks; the
+runner reports each one's progress.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from engine_lib.sched.base import KeyFn, Scheduler, SchedulerOutput
+from engine_lib.request import DiffusionRequest
+from engine_lib.sched.base import CostFn, KeyFn, Scheduler, SchedulerOutput
 
 
 class StepScheduler(Scheduler):
     """Continuous batching over denoise steps. Not thread-safe: the engine locks."""
 
-    def __init__(self, max_num_seqs: int, key_fn: KeyFn, max_head_bypass: int = 0):
-        super().__init__(max_num_seqs, key_fn)
-        if max_head_bypass < 0:
-            raise ValueError(f"max_head_bypass must be >= 0, got {max_head_bypass}")
+    def __init__(self, max_num_seqs: int, key_fn: KeyFn, max_head_bypass: int = 0, cost_fn: Optional[CostFn] = None,
+                 max_batch_tokens: int = 0, max_preemptions: int = 0):
+        super().__init__(max_num_seqs, key_fn, cost_fn, max_batch_tokens)
+        if max_head_bypass < 0 or max_preemptions < 0:
+            raise ValueError(f"max_head_bypass and max_preemptions must be >= 0, got {max_head_bypass}, "
+                             f"{max_preemptions}")
         self.max_head_bypass = max_head_bypass
+        self.max_preemptions = max_preemptions
         self._bypassed_head: Optional[str] = None  # the head that requests passed, and how often
         self._bypasses = 0
+        self._ran_before: set[str] = set()  # the running set when this schedule() began
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._take_ended_ids())
-        running_key = self._keys[out.running_ids[0]] if out.running_ids else None
-        while self._waiting and len(self._running) < self.max_num_seqs:
+        out = SchedulerOutput(finished_ids=self._take_ended_ids())
+        out.running_ids = list(self._running)
+        self._ran_before = set(self._running)
+        while self._waiting:
             head = self._waiting[0]
-            if not self._running or self._keys[head.request_id] == running_key:
-                running_key = self._keys[head.request_id]
+            if self._can_join(head) or self._make_room(out, head):
                 self._admit(out)
                 continue
+            if len(self._running) >= self.max_num_seqs:
+                break
             if self._bypassed_head != head.request_id:
                 self._bypassed_head, self._bypasses = head.request_id, 0
             if self._bypasses >= self.max_head_bypass:
                 break
-            match = next((r for r in self._waiting if self._keys[r.request_id] == running_key), None)
+            match = next((r for r in self._waiting if r.priority == head.priority and self._can_join(r)), None)
             if match is None:
                 break
             self._admit(out, match)
             self._bypasses += 1
         return out
+
+    def _can_join(self, request: DiffusionRequest) -> bool:
+        if not self._running:
+            return True
+        running_key = self._keys[next(iter(self._running))]
+        return (len(self._running) < self.max_num_seqs and self._keys[request.request_id] == running_key
+                and self._fits_budget(request))
+
+    def _make_room(self, out: SchedulerOutput, head: DiffusionRequest) -> bool:
+        """Pause less urgent running requests until `head` can join; pause none if that cannot work.
+        Only requests that ran before this tick may pause (a new one has no state to keep yet)."""
+        victims = [r for r in self._running.values() if r.request_id in self._ran_before
+                   and r.priority > head.priority and r.num_preemptions < self.max_preemptions]
+        victims.reverse()
+        victims.sort(key=lambda r: -r.priority)  # least urgent first; among equals, the latest admitted
+        if not victims:
+            return False
+        running_key = self._keys[next(iter(self._running))]
+        if self._keys[head.request_id] != running_key:
+            chosen = victims if len(victims) == len(self._running) else []
+        else:
+            chosen = []
+            for victim in victims:
+                if self._room_after(chosen, head):
+                    break
+                chosen.append(victim)
+            if not self._room_after(chosen, head):
+                chosen = []
+        for victim in chosen:
+            self._preempt(out, victim)
+            out.running_ids.remove(victim.request_id)
+        return bool(chosen)
+
+    def _room_after(self, paused: list[DiffusionRequest], head: DiffusionRequest) -> bool:
+        """Whether `head` would fit (a seat and the budget) once `paused` have left the running set."""
+        left = [i for i in self._running if i not in {r.request_id for r in paused}]
+        if not left:
+            return True
+        used = sum(self._costs[i] for i in left) + self._costs[head.request_id]
+        return len(left) < self.max_num_seqs and (not self.max_batch_tokens or used <= self.max_batch_tokens)

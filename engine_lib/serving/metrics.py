@@ -19,8 +19,9 @@ import time
 from typing import Any, Callable, Optional
 
 # invalid: refused at admission for its inputs; unavailable: refused because the queue was full or the
-# engine was shutting down. Neither ran.
-OUTCOMES = ("success", "error", "cancelled", "invalid", "unavailable")
+# engine was shutting down; timed_out: its deadline (Triton's request timeout) passed before it started.
+# None of these three ran.
+OUTCOMES = ("success", "error", "cancelled", "invalid", "unavailable", "timed_out")
 SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -55,7 +56,8 @@ class ModelMetrics:
     _STOP = object()
 
     def __init__(self, pb_utils: Any, model_name: str, stats: Optional[Callable[[], Any]] = None,
-                 log: Callable[[str], None] = print, sample_interval_s: float = 0.5, instance: str = ""):
+                 log: Callable[[str], None] = print, sample_interval_s: float = 0.5, instance: str = "",
+                 priority_levels: int = 0):
         self._stats = stats
         self._log = log
         self._sample_interval_s = sample_interval_s
@@ -69,13 +71,19 @@ class ModelMetrics:
             self._families.append(family(name=name, description=description, kind=kind))
             return self._families[-1]
 
-        requests = make("diffusion_requests_total", "Requests by outcome: success, error, cancelled, invalid, unavailable",
-                        family.COUNTER)
+        requests = make("diffusion_requests_total", "Requests by outcome: " + ", ".join(OUTCOMES), family.COUNTER)
         self._outcomes = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         self._gauges = {field: make(name, text, family.GAUGE).Metric(labels=labels)
                         for field, (name, text) in GAUGES.items()}
         self._histograms = {key: make(name, text, family.HISTOGRAM).Metric(labels=labels, buckets=buckets)
                             for key, (name, text, buckets) in HISTOGRAMS.items()}
+        by_priority = make("diffusion_requests_waiting_by_priority", "Requests waiting, by priority level "
+                           "(1: most urgent)", family.GAUGE)
+        self._waiting_by_priority = {level: by_priority.Metric(labels={**labels, "priority": str(level)})
+                                     for level in range(1, priority_levels + 1)}
+        self._preemptions = make("diffusion_preemptions_total", "Times a running request was paused between "
+                                 "steps for a more urgent one", family.COUNTER).Metric(labels=labels)
+        self._preemptions_seen = 0
         # Set once: the launcher's supervisor starts each server with its restart count so far.
         self._restarts = make("diffusion_server_restarts", "Times the launcher restarted this tritonserver after "
                               "it or a Python stub died", family.GAUGE).Metric(labels=labels)
@@ -133,6 +141,13 @@ class ModelMetrics:
         stats = self._stats()
         for field, gauge in self._gauges.items():
             gauge.set(float(getattr(stats, field)))
+        waiting = getattr(stats, "waiting_by_priority", None) or {}
+        for level, gauge in self._waiting_by_priority.items():
+            gauge.set(float(waiting.get(level, 0)))
+        preempted = int(getattr(stats, "num_preempted", 0))
+        if preempted > self._preemptions_seen:
+            self._preemptions.increment(float(preempted - self._preemptions_seen))
+            self._preemptions_seen = preempted
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Apply what is queued, then release metrics before their families."""
@@ -144,4 +159,5 @@ class ModelMetrics:
         except Exception as exc:  # noqa: BLE001
             self._log(f"metrics update failed: {exc!r}")
         self._outcomes, self._gauges, self._histograms, self._restarts = {}, {}, {}, None
+        self._waiting_by_priority, self._preemptions = {}, None
         self._families = []

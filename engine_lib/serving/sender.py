@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from engine_lib.interface import OutputSpec
-from engine_lib.request import (DiffusionOutput, EngineError, EngineUnavailableError, PipelineError,
+from engine_lib.request import (DiffusionOutput, EngineError, EngineUnavailableError, PipelineError, RequestTimedOutError,
                                 RequestCancelledError)
 from engine_lib.serving.tensors import output_arrays
 
@@ -234,4 +234,6 @@ class ResponseSender:
 
 
 def _outcome_of(error: EngineError) -> str:
+    if isinstance(error, RequestTimedOutError):
+        return "timed_out"
     return "cancelled" if getattr(error, "code", "") == "CANCELLED" else "error"

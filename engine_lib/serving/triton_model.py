@@ -82,7 +82,8 @@ class TritonPythonModel:
         from engine_lib.engine import DiffusionEngine  # noqa: PLC0415
         from engine_lib.pipelines.registry import load_adapter, resolve_model_path  # noqa: PLC0415
 
-        self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name)
+        self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name,
+                                    priority_levels=self.config.priority_levels)
         try:
             self.adapter = load_adapter(self.config)
             self.engine = DiffusionEngine.make_engine(self.config, adapter=self.adapter,
@@ -122,7 +123,7 @@ class TritonPythonModel:
             self.sender.open(OpenStream(request_id, client_id, response_sender,
                                         params.output_format, time.monotonic()))
             try:
-                self.engine.add_request(request_id, params, sink=self.sender.enqueue)
+                self.engine.add_request(request_id, params, sink=self.sender.enqueue, timeout_s=_timeout_s(request))
             except Exception as exc:  # noqa: BLE001 - queue full, shutting down, adapter check, ...
                 self.sender.fail(request_id, exc)
         return None
@@ -150,6 +151,12 @@ class TritonPythonModel:
             metrics.close()
         _log(f"{self.model_name}: stopped")
         atexit.register(_exit_without_teardown)
+
+
+def _timeout_s(request) -> "float | None":
+    """Triton's request timeout (tritonclient's `timeout=`, microseconds; 0: none) in seconds."""
+    timeout_us = request.timeout() if hasattr(request, "timeout") else 0
+    return timeout_us / 1e6 if timeout_us else None
 
 
 def _exit_without_teardown() -> None:

@@ -93,10 +93,12 @@ class RequestStream:
             self.final_at = time.monotonic()
         self._queue.put((result, error))
 
-    def send(self, request_id: str = "", model: str = MODEL, **inputs: Any) -> "RequestStream":
+    def send(self, request_id: str = "", model: str = MODEL, timeout_us: Optional[int] = None,
+             **inputs: Any) -> "RequestStream":
+        """`timeout_us`: Triton's request timeout (tritonclient's `timeout=`)."""
         self.request_id = request_id
         self.client.async_stream_infer(model, make_inputs(**inputs), request_id=request_id,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, timeout=timeout_us)
         return self
 
     def _take(self, timeout: float) -> bool:
