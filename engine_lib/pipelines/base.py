@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.request import SamplingParams
@@ -122,9 +123,13 @@ def move_tensors(obj: Any, device: torch.device) -> Any:
 class InputBatch:
     """The rows of one batched denoise forward: gathered in one place, split back in one place.
 
-    `tensors` holds every state's `step_inputs()` concatenated by name. `cache`
-    survives while the batch's membership is unchanged, so an adapter can keep
-    batched prompt embeddings there instead of rebuilding them every tick.
+    `tensors` holds every state's `step_inputs()` concatenated by name. Token
+    sequences of different lengths (images of different sizes, for an adapter
+    whose step key leaves the size out) are right-padded with zeros to the
+    longest; `seq_lens` then holds each request's own length, and `split` cuts
+    the padding off again. `cache` survives while the batch's membership is
+    unchanged, so an adapter can keep batched prompt embeddings there instead of
+    rebuilding them every tick.
     """
 
     request_ids: list[str]
@@ -132,6 +137,7 @@ class InputBatch:
     tensors: dict[str, torch.Tensor]
     row_slices: list[slice]
     cache: dict = field(default_factory=dict)
+    seq_lens: Optional[list[int]] = None  # per request, when its tokens were padded to the longest
 
     @classmethod
     def gather(cls, states: list[RequestState], previous: Optional["InputBatch"] = None) -> "InputBatch":
@@ -141,19 +147,34 @@ class InputBatch:
             slices.append(slice(start, start + s.num_rows))
             start += s.num_rows
         parts = [s.step_inputs() for s in states]
-        tensors = {name: parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts])
-                   for name in parts[0]}
+        tensors, seq_lens = {}, None
+        for name in parts[0]:
+            values = [p[name] for p in parts]
+            lengths = [v.shape[1] if v.dim() > 1 else 0 for v in values]
+            if len(set(lengths)) > 1:
+                seq_lens, longest = lengths, max(lengths)
+                values = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, longest - v.shape[1])) for v in values]
+            tensors[name] = values[0] if len(values) == 1 else torch.cat(values)
         cache = previous.cache if previous is not None and previous.request_ids == ids else {}
-        return cls(ids, states, tensors, slices, cache)
+        return cls(ids, states, tensors, slices, cache, seq_lens)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    @property
+    def padded(self) -> bool:
+        return self.seq_lens is not None
+
     def split(self, rows: Prediction) -> list[Prediction]:
-        """Slice per-row predictions (a tensor, or a dict of them) back into one piece per request."""
+        """Slice per-row predictions (a tensor, or a dict of them) back into one piece per request,
+        without the padding of a ragged batch."""
+        def piece(value: torch.Tensor, i: int) -> torch.Tensor:
+            value = value[self.row_slices[i]]
+            return value[:, :self.seq_lens[i]] if self.seq_lens is not None and value.dim() > 1 else value
+
         if isinstance(rows, dict):
-            return [{name: value[s] for name, value in rows.items()} for s in self.row_slices]
-        return [rows[s] for s in self.row_slices]
+            return [{name: piece(value, i) for name, value in rows.items()} for i in range(len(self.row_slices))]
+        return [piece(rows, i) for i in range(len(self.row_slices))]
 
 
 class PipelineAdapter(ABC):

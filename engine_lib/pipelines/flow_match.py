@@ -102,6 +102,9 @@ class FlowMatchAdapter(PipelineAdapter):
     # Padded text batches need a transformer that takes a text mask (Qwen-Image);
     # without one, equal text lengths are guaranteed by the keys instead.
     pads_text: ClassVar[bool] = False
+    # Inputs the step key leaves out because the adapter batches their different values itself
+    # (Qwen-Image: height and width, with padded image tokens).
+    step_key_skips: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
@@ -162,7 +165,8 @@ class FlowMatchAdapter(PipelineAdapter):
     def step_key(self, params: SamplingParams) -> StepBatchKey:
         """Step mode: LoRAs apply per row, so they split batches only with lora_batching=homogeneous."""
         lora = (("lora", self.row_lora(params)),) if self.lora_batching == "homogeneous" else ()
-        return step_batch_key(params, self.key_inputs(), self.key_fields(params) + lora)
+        inputs = tuple(name for name in self.key_inputs() if name not in self.step_key_skips)
+        return step_batch_key(params, inputs, self.key_fields(params) + lora)
 
     def request_cost(self, params: SamplingParams) -> int:
         """Image tokens (one per size_multiple x size_multiple pixels) x images x CFG passes."""

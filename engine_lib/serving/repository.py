@@ -168,8 +168,10 @@ def inputs_table(adapter_cls) -> str:
             "| input | type | default | allowed | requests with different values share a forward |",
             "|---|---|---|---|---|"]
     for spec in adapter_cls.inputs:
-        rows.append(f"| `{spec.name}` | {spec.datatype} | {_default(spec)} | {_allowed(spec)} | "
-                    f"{BATCH_TEXT[spec.batch]} |")
+        batch = BATCH_TEXT[spec.batch]
+        if spec.name in getattr(adapter_cls, "step_key_skips", ()):
+            batch = "step mode: yes (padded); request mode: equal values only"
+        rows.append(f"| `{spec.name}` | {spec.datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
     return "\n".join(rows)
 
 

@@ -70,7 +70,7 @@ def test_true_cfg_and_its_scale_enter_the_keys_only_with_a_negative_prompt(adapt
     assert key(negative_prompt="x", true_cfg_scale=2.0) != key(negative_prompt="x", true_cfg_scale=4.0)
     assert key(negative_prompt="x", true_cfg_scale=2) == key(negative_prompt="y", true_cfg_scale=2.0)
     assert key(prompt="a much longer prompt than the others", max_sequence_length=64) == key()
-    assert key(height=128) != key()
+    assert key(num_images=2) != key()
 
 
 def test_adapter_limits_and_flags(adapter):
@@ -100,3 +100,32 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     assert registry.resolve_model_path(EngineConfig()) == "/its/own"  # the per-pipeline variable wins
     assert registry.resolve_model_path(EngineConfig(pipeline="flux")) == "/elsewhere"
     assert registry.resolve_model_path(EngineConfig(model_path="/given")) == "/given"
+
+
+# -- mixed sizes in one step batch (engine_lib/pipelines/qwen_image/mixed_sizes.py) ----------------
+
+MIXED = [("square-64", 64, 64), ("small-32", 32, 32), ("wide", 32, 64), ("tall", 64, 48)]
+
+
+def test_size_leaves_the_step_key_but_not_the_request_key(adapter):
+    small, large = parse(adapter, params(height=32, width=32)), parse(adapter, params(height=64, width=48))
+    assert adapter.step_key(small) == adapter.step_key(large)
+    assert adapter.request_key(small) != adapter.request_key(large)
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])
+def test_different_sizes_share_a_forward_and_each_matches_its_solo_run(adapter, cfg):
+    """Rows padded to the longest image sequence, each with its own RoPE and its padding masked: every
+    image within the batched tolerance of its solo run (which is bitwise diffusers'), staggered joins too."""
+    from engine_lib.interface import to_uint8
+    from parity_checks import Arrival, assert_close_images, drive_steps, solo_steps
+
+    extra = TestQwenImageParity.CFG if cfg else {}
+    inputs = {name: params(height=h, width=w, steps=4, seed=i, prompt=f"prompt {name}", **extra)
+              for i, (name, h, w) in enumerate(MIXED)}
+    together = drive_steps(adapter, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
+                           float_output=True)
+    assert max(together.batch_sizes) == len(MIXED)  # all four sizes in one forward
+    for name, p in inputs.items():
+        solo = solo_steps(adapter, p, float_output=True)
+        assert_close_images(together.images[name], solo, to_uint8)

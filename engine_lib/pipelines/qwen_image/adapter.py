@@ -6,7 +6,8 @@ what is Qwen-Image's own, each piece calling the pipeline's helpers:
 
 * text: `encode_prompt` (and the negative prompt for true CFG); prompts of
   different lengths share a forward, right-padded with a mask;
-* latents: `prepare_latents` (packed 2x2), the RoPE `img_shapes` per row;
+* latents: `prepare_latents` (packed 2x2), the RoPE `img_shapes` per row; rows of
+  different sizes share a step batch, padded, with their own RoPE and a mask (mixed_sizes.py);
 * timesteps: `calculate_shift` on the packed sequence length, sigmas `linspace(1, 1/n, n)`;
 * transformer: timestep `/ 1000`, true CFG with diffusers' norm rescale;
 * decode: `_unpack_latents`, the VAE's `latents_mean`/`latents_std` de-normalisation.
@@ -22,6 +23,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
+from engine_lib.pipelines.qwen_image.mixed_sizes import MixedSizeAttnProcessor, row_rope, text_rope
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -51,6 +53,11 @@ class QwenImageAdapter(FlowMatchAdapter):
     )
     state_class = QwenImageState
     pads_text = True
+    step_key_skips = ("height", "width")  # mixed sizes share a step batch (mixed_sizes.py)
+
+    def __init__(self, pipe, device, dtype, options=None):
+        super().__init__(pipe, device, dtype, options)
+        pipe.transformer.set_attn_processor(MixedSizeAttnProcessor())
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:
@@ -87,12 +94,21 @@ class QwenImageAdapter(FlowMatchAdapter):
         return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": self._shift(state.latents.shape[1])}
 
     def _row_inputs(self, states: list[QwenImageState]) -> dict:
-        return {
-            "img_shapes": [[s.img_shape] for s in states for _ in range(s.num_rows)],
-            "guidance": self._guidance_rows(states),
-        }
+        shapes = [s.img_shape for s in states for _ in range(s.num_rows)]
+        rows = {"img_shapes": [[shape] for shape in shapes], "guidance": self._guidance_rows(states)}
+        if len(set(shapes)) > 1:  # a ragged batch: each row's own RoPE and its padding masked
+            longest = max(f * h * w for f, h, w in shapes)
+            rows["rope_freqs"], rows["rope_start"], rows["image_mask"] = row_rope(
+                self.pipe.transformer.pos_embed, shapes, longest, self.device)
+            rows["img_shapes"] = [[shapes[0]]] * len(shapes)  # diffusers' shared RoPE is not used then
+        return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        attention_kwargs = {}
+        if "image_mask" in rows:
+            pos_embed = self.pipe.transformer.pos_embed
+            txt_freqs = text_rope(pos_embed, rows["rope_start"], text["embeds"].shape[1], self.device)
+            attention_kwargs = {"row_rotary_emb": (rows["rope_freqs"], txt_freqs), "image_mask": rows["image_mask"]}
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -100,7 +116,7 @@ class QwenImageAdapter(FlowMatchAdapter):
             encoder_hidden_states_mask=text["mask"],
             encoder_hidden_states=text["embeds"],
             img_shapes=rows["img_shapes"],
-            attention_kwargs={},
+            attention_kwargs=attention_kwargs,
             return_dict=False,
         )[0]
 
