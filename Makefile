@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-priority clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -33,6 +33,9 @@ bench-quick: models  ## the quick benchmark (under 5 min)
 
 bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (about 2 min)
 	@$(PY) -m benchmarks.lora
+
+bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (a few minutes)
+	@$(PY) -m benchmarks.mixed_sizes
 
 bench-priority: models  ## an urgent request alone and under a full background load, side by side (a few minutes)
 	@$(PY) -m benchmarks.priority

@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += lora_section() + priority_section() + gpu_section(results) + reproduce_section()
+    lines += lora_section() + size_batching_section() + priority_section() + gpu_section(results) + reproduce_section()
     return "\n".join(lines) + "\n"
 
 
@@ -425,7 +425,9 @@ def mixed_sizes_section(results: dict) -> list[str]:
         return []
     plan = results["plan"]
     lines = ["", f"## Mixed sizes {plan['mixed_sizes']} (closed loop, concurrency {max(plan['concurrencies'])})", "",
-             "Requests of different sizes never share a batch (their shapes are in the compatibility key).", "",
+             "With the default `mixed_size_batching=false`, requests of different sizes never share a batch (their "
+             "shapes are in the compatibility key); the section \"Mixed image sizes\" below adds step batching with "
+             "it on.", "",
              "| system | requests/s | mean | p99 | SLO attainment | mean batch | errors |", "|---|---|---|---|---|---|---|"]
     for label, p in rows:
         slo = p.get("slo_attainment")
@@ -546,6 +548,33 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def size_batching_section(path: Optional[Path] = None) -> list[str]:
+    """Mixed sizes: fused waves vs step batching with and without mixed_size_batching (`make bench-sizes`)."""
+    path = path or RESULTS_DIR / "mixed_sizes.json"
+    if not path.is_file():
+        return []
+    results = json.loads(path.read_text())
+    w = results["workload"]
+    lines = ["", "## Mixed image sizes: fused waves vs step batching", "",
+             f"`make bench-sizes`, started {results['started']}: the {w['preset']} Qwen-Image preset, sizes drawn "
+             f"from {', '.join(map(str, w['sizes']))}, {w['steps']} steps, closed loop at concurrency "
+             f"{w['concurrency']}, `max_num_seqs={w['max_num_seqs']}`, {w['requests_per_point']} requests per point, "
+             f"{w['repeats']} interleaved repeats (median, min-max).", "",
+             "| system | req/s | p99 latency s | mean requests per forward | / fused |", "|---|---|---|---|---|"]
+    for name, entry in results["systems"].items():
+        rates = spread([p["requests_per_s"] for p in entry["points"]])
+        p99 = spread([p.get("latency_p99_s") for p in entry["points"]])
+        batches = spread([p["server"].get("mean_batch_size") for p in entry["points"]])
+        ratio = results["step_over_fused"].get(name)
+        lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(p99, 2)} | {fmt_spread(batches)} | "
+                     f"{f(ratio, 2, 'x') if ratio else '-'} |")
+    lines += ["", "Goal (issue #13): step >= 1.3x fused. A padded row costs as much as the longest one, so "
+              "`mixed_size_batching` fills forwards with padding here (64 padded to 128 is 4x the tokens); it "
+              "removes waiting for a batch of another size, not work. Both step variants are listed so the "
+              "trade-off is visible."]
+    return lines
+
+
 def priority_section(path: Optional[Path] = None) -> list[str]:
     """An urgent request alone and under a full background load (`make bench-priority`: priority.json)."""
     path = path or RESULTS_DIR / "priority.json"
@@ -641,6 +670,7 @@ def reproduce_section() -> list[str]:
             "```", "make bench-quick        # under 5 minutes: fewer points and requests, 4 steps",
             "make bench              # the full run (20-30 minutes on 2 CPUs)",
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
+            "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",

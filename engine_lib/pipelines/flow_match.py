@@ -102,8 +102,8 @@ class FlowMatchAdapter(PipelineAdapter):
     # Padded text batches need a transformer that takes a text mask (Qwen-Image);
     # without one, equal text lengths are guaranteed by the keys instead.
     pads_text: ClassVar[bool] = False
-    # Inputs the step key leaves out because the adapter batches their different values itself
-    # (Qwen-Image: height and width, with padded image tokens).
+    # Inputs the step key leaves out, with the `mixed_size_batching` option, because the adapter batches
+    # their different values itself (Qwen-Image: height and width, with padded image tokens).
     step_key_skips: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
@@ -117,6 +117,7 @@ class FlowMatchAdapter(PipelineAdapter):
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
         self.lora_batching = self.options.get("lora_batching") or "mixed"
+        self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
 
     # -- loading and limits --------------------------------------------------
     @classmethod
@@ -165,7 +166,8 @@ class FlowMatchAdapter(PipelineAdapter):
     def step_key(self, params: SamplingParams) -> StepBatchKey:
         """Step mode: LoRAs apply per row, so they split batches only with lora_batching=homogeneous."""
         lora = (("lora", self.row_lora(params)),) if self.lora_batching == "homogeneous" else ()
-        inputs = tuple(name for name in self.key_inputs() if name not in self.step_key_skips)
+        skips = self.step_key_skips if self.mixed_size_batching else ()
+        inputs = tuple(name for name in self.key_inputs() if name not in skips)
         return step_batch_key(params, inputs, self.key_fields(params) + lora)
 
     def request_cost(self, params: SamplingParams) -> int:

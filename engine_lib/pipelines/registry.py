@@ -116,7 +116,8 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     if not lora_dir and model_path == str(default_model_dir(config.pipeline)):
         lora_dir = str(default_lora_dir(config.pipeline))
     options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
-               "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching}
+               "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching,
+               "mixed_size_batching": config.mixed_size_batching}
     adapter = adapter_cls.load(model_path, device, dtype, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter

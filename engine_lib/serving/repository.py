@@ -170,7 +170,7 @@ def inputs_table(adapter_cls) -> str:
     for spec in adapter_cls.inputs:
         batch = BATCH_TEXT[spec.batch]
         if spec.name in getattr(adapter_cls, "step_key_skips", ()):
-            batch = "step mode: yes (padded); request mode: equal values only"
+            batch = "equal values only (with `mixed_size_batching`: yes in step mode, padded)"
         rows.append(f"| `{spec.name}` | {spec.datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
     return "\n".join(rows)
 

@@ -13,7 +13,7 @@ from .streaming import RequestStream, close_all, run_held, wait_for_metric
 @pytest.fixture(scope="module")
 def step_server(tmp_path_factory, request):
     server = start_server(tmp_path_factory.mktemp("scheduling"), model_path(request), step_execution="true",
-                          max_num_seqs="2")
+                          max_num_seqs="2", mixed_size_batching="true")
     yield server
     server.cleanup()
 

@@ -53,7 +53,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     )
     state_class = QwenImageState
     pads_text = True
-    step_key_skips = ("height", "width")  # mixed sizes share a step batch (mixed_sizes.py)
+    step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
