@@ -13,15 +13,13 @@ or `python -m benchmarks.report` re-renders it).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import systems, workloads
-from benchmarks.run import QUICK, RESULTS_DIR, closed_point, log, machine_info, save, warm_up
+from benchmarks.run import QUICK, interleaved_points, machine_info, save_and_report
 
 NAMES = ("", "toy_a", "toy_b")
 
@@ -43,26 +41,11 @@ def run(concurrency: int = 8, size: int = 64, steps: int = 8, rounds: int = 12, 
     ensure_loras("qwen_image", model_path)
     results = {"kind": "lora", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
                "workload": {"concurrency": concurrency, "size": size, "steps": steps, "loras": ["none", *NAMES[1:]],
-                            "requests_per_point": rounds * concurrency, "repeats": repeats},
-               "systems": {}}
-    with contextlib.ExitStack() as stack:
-        running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir))
-                   for s in lora_systems(concurrency)}
-        plan = replace(QUICK, size=size, steps=steps, max_num_seqs=concurrency, preview_interval=0)
-        for name, rs in running.items():
-            warm_up(rs, plan)
-            results["systems"][name] = {"label": rs.system.label, "points": []}
-        for r in range(repeats):
-            specs = workloads.mixed_loras(rounds * concurrency, size, steps, NAMES, seed=300 + r)
-            for name, rs in running.items():
-                point = closed_point(rs, specs, concurrency, None, 3.0, f"lora-{name}-{r}")
-                results["systems"][name]["points"].append(point)
-                log(f"repeat {r} {name}: {point['requests_per_s']:.3f} req/s, mean batch "
-                    f"{point['server'].get('mean_batch_size', 0):.2f}, errors {point['errors']}")
-    for entry in results["systems"].values():
-        entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
-        entry["mean_batch_size_median"] = statistics.median(p["server"].get("mean_batch_size", 0)
-                                                            for p in entry["points"])
+                            "requests_per_point": rounds * concurrency, "repeats": repeats}}
+    plan = replace(QUICK, size=size, steps=steps, max_num_seqs=concurrency, preview_interval=0)
+    results["systems"] = interleaved_points(
+        lora_systems(concurrency), model_path, plan, concurrency, repeats,
+        lambda r: workloads.mixed_loras(rounds * concurrency, size, steps, NAMES, seed=300 + r), "lora", log_dir)
     rates = {name.removeprefix("lora_"): entry["requests_per_s_median"] for name, entry in results["systems"].items()}
     results["mixed_over_homogeneous"] = rates["mixed"] / rates["homogeneous"] if rates["homogeneous"] else None
     results["mixed_over_homogeneous_fifo"] = (rates["mixed"] / rates["homogeneous_fifo"]
@@ -76,14 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
     args = parser.parse_args(argv)
     results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
-    path = RESULTS_DIR / "lora.json"
-    save(results, path)
-    log(f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x, / homogeneous FIFO: "
-        f"{results['mixed_over_homogeneous_fifo']:.2f}x; results {path}")
-    if not args.no_report:
-        from benchmarks import report
-
-        report.write_report()
+    save_and_report(results, "lora", f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x, / homogeneous "
+                    f"FIFO: {results['mixed_over_homogeneous_fifo']:.2f}x", render=not args.no_report)
     return 0
 
 

@@ -11,15 +11,13 @@ servers. Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md s
 from __future__ import annotations
 
 import argparse
-import contextlib
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import systems, workloads
-from benchmarks.run import FULL, RESULTS_DIR, closed_point, log, machine_info, save, warm_up
+from benchmarks.run import FULL, interleaved_points, machine_info, save_and_report
 
 
 def size_systems(max_num_seqs: int) -> list[systems.System]:
@@ -38,25 +36,11 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
     results = {"kind": "mixed_sizes", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
                "workload": {"preset": FULL.preset, "concurrency": concurrency, "sizes": list(sizes), "steps": steps,
                             "requests_per_point": rounds * concurrency, "repeats": repeats,
-                            "max_num_seqs": max_num_seqs},
-               "systems": {}}
-    with contextlib.ExitStack() as stack:
-        running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir))
-                   for s in size_systems(max_num_seqs)}
-        plan = replace(FULL, steps=steps, max_num_seqs=max_num_seqs, preview_interval=0)
-        for name, rs in running.items():
-            warm_up(rs, plan)
-            results["systems"][name] = {"label": rs.system.label, "points": []}
-        for r in range(repeats):
-            specs = workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r)
-            for name, rs in running.items():
-                point = closed_point(rs, specs, concurrency, None, 3.0, f"sizes-{name}-{r}")
-                results["systems"][name]["points"].append(point)
-                log(f"repeat {r} {name}: {point['requests_per_s']:.3f} req/s, mean batch "
-                    f"{point['server'].get('mean_batch_size', 0):.2f}, errors {point['errors']}")
-    for entry in results["systems"].values():
-        entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
-        entry["latency_p99_s_median"] = statistics.median(p.get("latency_p99_s") or 0 for p in entry["points"])
+                            "max_num_seqs": max_num_seqs}}
+    plan = replace(FULL, steps=steps, max_num_seqs=max_num_seqs, preview_interval=0)
+    results["systems"] = interleaved_points(
+        size_systems(max_num_seqs), model_path, plan, concurrency, repeats,
+        lambda r: workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r), "sizes", log_dir)
     fused = results["systems"]["rb_fused_wait"]["requests_per_s_median"]
     results["step_over_fused"] = {name: entry["requests_per_s_median"] / fused
                                   for name, entry in results["systems"].items() if name != "rb_fused_wait"}
@@ -69,15 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
     args = parser.parse_args(argv)
     results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
-    path = RESULTS_DIR / "mixed_sizes.json"
-    save(results, path)
-    log("step / fused requests/s: " + ", ".join(f"{name} {ratio:.2f}x"
-                                                for name, ratio in results["step_over_fused"].items())
-        + f"; results {path}")
-    if not args.no_report:
-        from benchmarks import report
-
-        report.write_report()
+    save_and_report(results, "mixed_sizes", "step / fused requests/s: " + ", ".join(
+        f"{name} {ratio:.2f}x" for name, ratio in results["step_over_fused"].items()), render=not args.no_report)
     return 0
 
 

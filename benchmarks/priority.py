@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import loadgen, systems, workloads
-from benchmarks.run import RESULTS_DIR, log, machine_info, save
+from benchmarks.run import log, machine_info, save_and_report
 
 
 def priority_systems(max_num_seqs: int) -> list[systems.System]:
@@ -130,14 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
     args = parser.parse_args(argv)
     results = run(urgent=args.urgent, log_dir=Path("/tmp/bench-logs"))
-    path = RESULTS_DIR / "priority.json"
-    save(results, path)
-    log("urgent p99 / alone p99: " + ", ".join(f"{name} {entry['p99_over_alone_p99']:.2f}x"
-                                               for name, entry in results["variants"].items()) + f"; results {path}")
-    if not args.no_report:
-        from benchmarks import report
-
-        report.write_report()
+    save_and_report(results, "priority", "urgent p99 / alone p99: " + ", ".join(
+        f"{name} {entry['p99_over_alone_p99']:.2f}x" for name, entry in results["variants"].items()),
+        render=not args.no_report)
     return 0
 
 

@@ -345,6 +345,41 @@ def poisson_rate(solo: dict, specs: Sequence, load: float) -> float:
     return load / mean_service
 
 
+def interleaved_points(system_list: Sequence[systems.System], model_path: Path, plan: Plan, concurrency: int,
+                       repeats: int, specs_for: Callable[[int], list], tag: str,
+                       log_dir: Optional[Path] = None) -> dict:
+    """A side benchmark's systems side by side: start and warm each, then for every repeat run the same
+    closed-loop requests (`specs_for(repeat)`) on each back to back. {name: {"label", "points", medians}}."""
+    out: dict = {}
+    with contextlib.ExitStack() as stack:
+        running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir)) for s in system_list}
+        for name, rs in running.items():
+            warm_up(rs, plan)
+            out[name] = {"label": rs.system.label, "points": []}
+        for r in range(repeats):
+            specs = specs_for(r)
+            for name, rs in running.items():
+                point = closed_point(rs, specs, concurrency, None, plan.slo_factor, f"{tag}-{name}-{r}")
+                out[name]["points"].append(point)
+                log(f"repeat {r} {name}: {point['requests_per_s']:.3f} req/s, mean batch "
+                    f"{point['server'].get('mean_batch_size', 0):.2f}, errors {point['errors']}")
+    for entry in out.values():
+        entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
+        entry["mean_batch_size_median"] = statistics.median(p["server"].get("mean_batch_size", 0)
+                                                            for p in entry["points"])
+        entry["latency_p99_s_median"] = statistics.median(p.get("latency_p99_s") or 0 for p in entry["points"])
+    return out
+
+
+def save_and_report(results: dict, name: str, headline: str, render: bool = True) -> None:
+    """A side benchmark's ending: benchmarks/results/<name>.json, one log line, docs/benchmarks.md re-rendered."""
+    path = RESULTS_DIR / f"{name}.json"
+    save(results, path)
+    log(f"{headline}; results {path}")
+    if render:
+        report.write_report()
+
+
 def save(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

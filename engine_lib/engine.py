@@ -56,7 +56,7 @@ class EngineStats:
     num_runner_states: int  # step states the runner holds
     num_streams: int  # open output streams / sinks
     thread_alive: bool
-    waiting_by_priority: Mapping[int, int] = None  # priority level -> requests waiting
+    waiting_by_priority: Optional[Mapping[int, int]] = None  # priority level -> requests waiting
     num_preempted: int = 0  # pauses so far
     num_expired: int = 0  # deadlines passed before the start, so far
 
