@@ -88,7 +88,7 @@ def summary(latencies: list[float]) -> dict:
             "p99_s": loadgen.percentile(latencies, 99), "max_s": max(latencies)}
 
 
-def run(background: int = 8, urgent: int = 30, size: int = 64, steps: int = 8, max_num_seqs: int = 4,
+def run(background: int = 8, urgent: int = 60, size: int = 64, steps: int = 8, max_num_seqs: int = 4,
         gap_s: float = 0.2, log_dir: Optional[Path] = None) -> dict:
     from engine_lib.tiny_models import ensure_model
 
@@ -126,7 +126,7 @@ def run(background: int = 8, urgent: int = 30, size: int = 64, steps: int = 8, m
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--urgent", type=int, default=30)
+    parser.add_argument("--urgent", type=int, default=60)
     parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
     args = parser.parse_args(argv)
     results = run(urgent=args.urgent, log_dir=Path("/tmp/bench-logs"))
