@@ -175,6 +175,9 @@ def test_the_front_door_generate_equals_tritons_own(launcher):
     ({"prompt": 5}, "prompt"),
     ({"prompt": "a", "true_cfg_scale": "x"}, "true_cfg_scale"),
     ({"prompt": "a", "height": [64, 64]}, "height"),
+    ({"prompt": "a", "priority": 1.5}, "priority"),
+    ({"prompt": "a", "priority": "urgent"}, "priority"),
+    ({"prompt": "a", "priority": 9}, "priority"),
 ])
 @pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
 def test_lax_http_inputs_get_a_400_naming_the_input(launcher, body, name, endpoint):

@@ -33,6 +33,9 @@ BAD_INPUTS = [
     ("seed negative", dict(VALID, seed=-1), "seed"),
     ("preview interval negative", dict(VALID, preview_interval=-1), "preview_interval"),
     ("unknown output format", dict(VALID, output_format="jpeg"), "output_format"),
+    ("priority negative", dict(VALID, priority=-1), "priority"),
+    ("priority above the levels", dict(VALID, priority=4), "priority"),
+    ("priority huge", dict(VALID, priority=2**31 - 1), "priority"),
 ]
 
 # Rejected by Triton itself (config.pbtxt types and shapes) before the model sees them:
@@ -40,6 +43,7 @@ BAD_INPUTS = [
 TRITON_REJECTED = [
     ("height as FP32", dict(VALID, height=("FP32", np.array([32.0], dtype=np.float32))), "height"),
     ("height of shape [2]", dict(VALID, height=("INT32", np.array([32, 32], dtype=np.int32))), "height"),
+    ("priority as FP32", dict(VALID, priority=("FP32", np.array([1.0], dtype=np.float32))), "priority"),
     ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
 ]
 
@@ -75,6 +79,7 @@ def test_bad_inputs_are_rejected_while_a_valid_request_completes(server):
     ({"prompt": "ok", "output_format": "gif"}, "output_format"),
     ({"height": 32}, "prompt"),
     ({"prompt": "ok", "heigth": 64}, "heigth"),  # a misspelled key reaches the model as a request parameter
+    ({"prompt": "ok", "priority": 9}, "priority"),
     ({"prompt": "ok", "parameters": {"strength": 0.5}}, "strength"),
     ({"prompt": "ok", "parameters": {"nested": {"deep": [1, [2, {"x": 3}]]}}}, "nested"),
 ])
