@@ -92,12 +92,10 @@ class EngineConfig:
         if self.max_sequence_length < 0:
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be >= 0 "
                               "(0: the pipeline's default)")
-        if self.max_head_bypass < 0:
-            raise ConfigError(f"parameter 'max_head_bypass': {self.max_head_bypass} must be an integer >= 0")
         if not 1 <= self.default_priority_level <= self.priority_levels:
             raise ConfigError(f"parameter 'default_priority_level': {self.default_priority_level} must be in "
                               f"[1, priority_levels={self.priority_levels}]")
-        for name in ("max_preemptions", "max_batch_tokens"):
+        for name in ("max_head_bypass", "max_preemptions", "max_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
         if self.lora_batching not in ("mixed", "homogeneous"):

@@ -58,7 +58,6 @@ class EngineStats:
     thread_alive: bool
     waiting_by_priority: Optional[Mapping[int, int]] = None  # priority level -> requests waiting
     num_preempted: int = 0  # pauses so far
-    num_expired: int = 0  # deadlines passed before the start, so far
 
 
 class OutputStream:
@@ -106,7 +105,6 @@ class DiffusionEngine:
         self._sinks: dict[str, Sink] = {}
         self._pending_aborts: list[str] = []
         self._closed = False
-        self.num_expired = 0  # requests whose deadline passed before they started (metrics)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
         self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
@@ -155,10 +153,10 @@ class DiffusionEngine:
         """Validate a request's inputs (by declared name) into SamplingParams; InvalidInputError names the input."""
         params = self.inputs.parse(inputs)
         budget = self.config.max_batch_tokens
-        if budget and self.adapter.request_cost(params) > budget:
+        cost = self.adapter.request_cost(params) if budget else 0
+        if cost > budget:
             raise InvalidInputError("height", f"{params.height}x{params.width} with num_images={params.num_images} "
-                                    f"needs {self.adapter.request_cost(params)} latent tokens per step, more than "
-                                    f"max_batch_tokens={budget}")
+                                    f"needs {cost} latent tokens per step, more than max_batch_tokens={budget}")
         return params
 
     def add_request(self, request_id: str, params: Union[SamplingParams, Mapping[str, Any]],
@@ -235,7 +233,7 @@ class DiffusionEngine:
         with self._cond:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
-                               self.scheduler.num_preempted, self.num_expired)
+                               self.scheduler.num_preempted)
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
@@ -248,7 +246,6 @@ class DiffusionEngine:
                 aborted = self.scheduler.abort(self._pending_aborts)
                 self._pending_aborts.clear()
                 expired = self.scheduler.expire(time.monotonic())
-                self.num_expired += len(expired)
                 has_work = self.scheduler.has_requests  # else the tick only reports what ended
             for request in aborted:
                 self.runner.free([request.request_id])

@@ -161,10 +161,6 @@ class InputBatch:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
-    @property
-    def padded(self) -> bool:
-        return self.seq_lens is not None
-
     def split(self, rows: Prediction) -> list[Prediction]:
         """Slice per-row predictions (a tensor, or a dict of them) back into one piece per request,
         without the padding of a ragged batch."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional
+from typing import Callable, Hashable, Iterable, Optional
 
 from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, RequestTimedOutError, SamplingParams
 
@@ -118,11 +118,13 @@ class Scheduler(ABC):
             counts[request.priority] = counts.get(request.priority, 0) + 1
         return counts
 
-    def _fits_budget(self, request: DiffusionRequest) -> bool:
-        """Within max_batch_tokens together with the running set (always true for a request alone)."""
-        if not self.max_batch_tokens or not self._running:
+    def _fits_budget(self, request: DiffusionRequest, running_ids: Optional[Iterable[str]] = None) -> bool:
+        """Within max_batch_tokens together with the running set (or `running_ids`); always true for a
+        request alone."""
+        running_ids = list(self._running if running_ids is None else running_ids)
+        if not self.max_batch_tokens or not running_ids:
             return True
-        used = sum(self._costs[i] for i in self._running)
+        used = sum(self._costs[i] for i in running_ids)
         return used + self._costs[request.request_id] <= self.max_batch_tokens
 
     def _check_request(self, request: DiffusionRequest) -> None:

@@ -103,7 +103,4 @@ class StepScheduler(Scheduler):
     def _room_after(self, paused: list[DiffusionRequest], head: DiffusionRequest) -> bool:
         """Whether `head` would fit (a seat and the budget) once `paused` have left the running set."""
         left = [i for i in self._running if i not in {r.request_id for r in paused}]
-        if not left:
-            return True
-        used = sum(self._costs[i] for i in left) + self._costs[head.request_id]
-        return len(left) < self.max_num_seqs and (not self.max_batch_tokens or used <= self.max_batch_tokens)
+        return not left or (len(left) < self.max_num_seqs and self._fits_budget(head, left))
