@@ -90,9 +90,11 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
               ("width", "INT32", np.array([spec.width], dtype=np.int32)),
               ("num_inference_steps", "INT32", np.array([spec.steps], dtype=np.int32)),
               ("seed", "INT64", np.array([spec.seed], dtype=np.int64))]
-    if streaming:
-        values.append(("num_images", "INT32", np.array([spec.num_images], dtype=np.int32)))
-        values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
+    if streaming:  # inputs left at their defaults are not sent (not every pipeline declares them)
+        if spec.num_images != 1:
+            values.append(("num_images", "INT32", np.array([spec.num_images], dtype=np.int32)))
+        if spec.preview_interval:
+            values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
         if spec.lora_name:
             values.append(("lora_name", "BYTES", np.array([spec.lora_name.encode()], dtype=np.object_)))
         if spec.priority:

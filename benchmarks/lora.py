@@ -12,14 +12,13 @@ or `python -m benchmarks.report` re-renders it).
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import systems, workloads
-from benchmarks.run import QUICK, interleaved_points, machine_info, save_and_report
+from benchmarks.run import QUICK, interleaved_points, machine_info, side_main
 
 NAMES = ("", "toy_a", "toy_b")
 
@@ -54,14 +53,8 @@ def run(concurrency: int = 8, size: int = 64, steps: int = 8, rounds: int = 12, 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
-    save_and_report(results, "lora", f"mixed / homogeneous: {results['mixed_over_homogeneous']:.2f}x, / homogeneous "
-                    f"FIFO: {results['mixed_over_homogeneous_fifo']:.2f}x", render=not args.no_report)
-    return 0
+    return side_main(__doc__, "lora", run, lambda r: f"mixed / homogeneous: {r['mixed_over_homogeneous']:.2f}x, / "
+                     f"homogeneous FIFO: {r['mixed_over_homogeneous_fifo']:.2f}x", argv)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ servers. Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md s
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import systems, workloads
-from benchmarks.run import FULL, interleaved_points, machine_info, save_and_report
+from benchmarks.run import FULL, interleaved_points, machine_info, side_main
 
 
 def size_systems(max_num_seqs: int) -> list[systems.System]:
@@ -48,14 +47,8 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    results = run(repeats=args.repeats, log_dir=Path("/tmp/bench-logs"))
-    save_and_report(results, "mixed_sizes", "step / fused requests/s: " + ", ".join(
-        f"{name} {ratio:.2f}x" for name, ratio in results["step_over_fused"].items()), render=not args.no_report)
-    return 0
+    return side_main(__doc__, "mixed_sizes", run, lambda r: "step / fused requests/s: " + ", ".join(
+        f"{name} {ratio:.2f}x" for name, ratio in r["step_over_fused"].items()), argv)
 
 
 if __name__ == "__main__":

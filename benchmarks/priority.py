@@ -14,7 +14,6 @@ Results go to benchmarks/results/priority.json; docs/benchmarks.md shows them.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import loadgen, systems, workloads
-from benchmarks.run import log, machine_info, save_and_report
+from benchmarks.run import log, machine_info, side_main
 
 
 def priority_systems(max_num_seqs: int) -> list[systems.System]:
@@ -125,15 +124,9 @@ def run(background: int = 8, urgent: int = 60, size: int = 64, steps: int = 8, m
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--urgent", type=int, default=60)
-    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    results = run(urgent=args.urgent, log_dir=Path("/tmp/bench-logs"))
-    save_and_report(results, "priority", "urgent p99 / alone p99: " + ", ".join(
-        f"{name} {entry['p99_over_alone_p99']:.2f}x" for name, entry in results["variants"].items()),
-        render=not args.no_report)
-    return 0
+    return side_main(__doc__, "priority", run, lambda r: "urgent p99 / alone p99: " + ", ".join(
+        f"{name} {entry['p99_over_alone_p99']:.2f}x" for name, entry in r["variants"].items()), argv,
+        option=("urgent", 60))
 
 
 if __name__ == "__main__":

@@ -321,7 +321,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += lora_section() + size_batching_section() + priority_section() + gpu_section(results) + reproduce_section()
+    lines += (lora_section() + size_batching_section() + priority_section() + bagel_section() + gpu_section(results)
+              + reproduce_section())
     return "\n".join(lines) + "\n"
 
 
@@ -548,6 +549,31 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def bagel_section(path: Optional[Path] = None) -> list[str]:
+    """BAGEL step batching vs serial (`make bench-bagel`, its own run: benchmarks/results/bagel.json)."""
+    path = path or RESULTS_DIR / "bagel.json"
+    if not path.is_file():
+        return []
+    results = json.loads(path.read_text())
+    w = results["workload"]
+    lines = ["", "## BAGEL: step batching vs serial", "",
+             f"`make bench-bagel`, started {results['started']}: the tiny BAGEL preset (the golden checkpoint of "
+             f"tests/golden/bagel), {w['size']}x{w['size']}, {w['steps']} steps, text CFG at BAGEL's default scale 4 "
+             f"(two rows per request), closed loop at concurrency {w['concurrency']}, {w['requests_per_point']} "
+             f"requests per point, {w['repeats']} interleaved repeats (median, min-max).", "",
+             "| system | req/s | p99 latency s | mean requests per forward | errors |", "|---|---|---|---|---|"]
+    for entry in results["systems"].values():
+        rates = spread([p["requests_per_s"] for p in entry["points"]])
+        p99 = spread([p.get("latency_p99_s") for p in entry["points"]])
+        batches = spread([p["server"].get("mean_batch_size") for p in entry["points"]])
+        errors = sum(p.get("errors", 0) for p in entry["points"])
+        lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(p99)} | {fmt_spread(batches)} | "
+                     f"{errors} |")
+    lines += ["", f"Step batching / serial requests/s (medians): {f(results.get('step_over_serial'), 2, 'x')}. "
+              "Tiny random weights: this measures the engine and batching, not BAGEL's speed."]
+    return lines
+
+
 def size_batching_section(path: Optional[Path] = None) -> list[str]:
     """Mixed sizes: fused waves vs step batching with and without mixed_size_batching (`make bench-sizes`)."""
     path = path or RESULTS_DIR / "mixed_sizes.json"
@@ -672,6 +698,7 @@ def reproduce_section() -> list[str]:
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
+            "make bench-bagel        # BAGEL: step batching at concurrency 4 vs serial (under a minute)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

@@ -380,6 +380,19 @@ def save_and_report(results: dict, name: str, headline: str, render: bool = True
         report.write_report()
 
 
+def side_main(doc: str, name: str, run: Callable[..., dict], headline: Callable[[dict], str],
+              argv: Optional[Sequence[str]] = None, option: tuple[str, int] = ("repeats", 3)) -> int:
+    """The command line of a side benchmark (`make bench-lora`, ...): its one count option (`--repeats` or the
+    like), `--no-report`; runs it, saves benchmarks/results/<name>.json and re-renders docs/benchmarks.md."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(f"--{option[0]}", type=int, default=option[1])
+    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    results = run(**{option[0]: getattr(args, option[0])}, log_dir=Path("/tmp/bench-logs"))
+    save_and_report(results, name, headline(results), render=not args.no_report)
+    return 0
+
+
 def save(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -72,6 +72,7 @@ class InputSpec:
     pipe_arg: str = ""  # the diffusers `__call__` argument this input is ("" if none)
     low_note: str = ""  # why `low` is what it is; appended to the error of a value below it
     unused: str = ""  # set by a checkpoint that does not use a declared input: why (sending it is an error)
+    count: int = 1  # elements of the [count] tensor; above 1 the value is a tuple (e.g. an interval)
 
     def __post_init__(self) -> None:
         assert self.datatype in ("BYTES", "INT32", "INT64", "FP32"), f"{self.name}: datatype {self.datatype}"
@@ -83,6 +84,11 @@ class InputSpec:
 
     def check(self, value: Any) -> Any:
         """The value as its Python type, or InvalidInputError naming this input and what is allowed."""
+        if self.count > 1:
+            if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)) or \
+                    len(value) != self.count:
+                raise self._fail(f"must be {self.count} values, got {value!r:.60}")
+            return tuple(replace(self, count=1).check(item) for item in value)
         if self.datatype == "BYTES":
             return self._check_text(value)
         if self.datatype in INT_RANGES:

@@ -103,7 +103,7 @@ def is_complete(model_dir: Path, pipeline: str, preset: str, seed: int = 0) -> b
         marker = json.loads((Path(model_dir) / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return marker == _marker(pipeline, preset, seed) and (Path(model_dir) / "model_index.json").is_file()
+    return marker == _marker(pipeline, preset, seed)  # written last, after every weight file
 
 
 def save_pipeline(pipe, out_dir: Path, pipeline: str, preset: str, seed: int) -> None:
@@ -268,7 +268,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         print(path)
-        if args.preset == "tiny" and args.out is None:
+        takes_loras = any(spec.name == "lora_name" for spec in registry.get_adapter_class(name).inputs)
+        if args.preset == "tiny" and args.out is None and takes_loras:
             print(ensure_loras(name, path))
         if args.measure:
             from diffusers import DiffusionPipeline

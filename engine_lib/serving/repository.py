@@ -85,7 +85,7 @@ def io_block(adapter_cls) -> str:
     """The generated part of a config.pbtxt: every declared input and output, one per line with its doc."""
     source = f"engine_lib/pipelines/{adapter_cls.name}/adapter.py"
     optional = {True: "", False: ", optional: true"}
-    inputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: [ 1 ]{optional[s.required]}', s.doc)
+    inputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: [ {s.count} ]{optional[s.required]}', s.doc)
               for s in adapter_cls.inputs]
     outputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: {_dims(s.dims)}', s.doc)
                for s in (*adapter_cls.outputs, *encoded_outputs(adapter_cls.outputs), *PROGRESS_OUTPUTS)]
@@ -171,7 +171,8 @@ def inputs_table(adapter_cls) -> str:
         batch = BATCH_TEXT[spec.batch]
         if spec.name in getattr(adapter_cls, "step_key_skips", ()):
             batch = "equal values only (with `mixed_size_batching`: yes in step mode, padded)"
-        rows.append(f"| `{spec.name}` | {spec.datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
+        datatype = spec.datatype + (f" [{spec.count}]" if spec.count > 1 else "")
+        rows.append(f"| `{spec.name}` | {datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
     return "\n".join(rows)
 
 

@@ -1,7 +1,7 @@
 """Request tensors -> input values, and engine outputs -> response tensors, both by the adapter's declaration.
 
 Pure numpy (plus PIL for PNG): importable and testable without Triton. Reading
-checks what only the tensors say (each input's datatype and `[1]` shape); every
+checks what only the tensors say (each input's datatype and `[1]` (or `[count]`) shape); every
 other rule is the one validation at admission (`InputSchema.parse`). Every
 rejection is an InvalidInputError naming the input, so the Triton edge can
 answer INVALID_ARG before anything is queued.
@@ -31,7 +31,7 @@ def read_inputs(arrays: Mapping[str, Optional[np.ndarray]], specs: Mapping[str, 
         if array is None:
             continue
         spec = specs.get(name)
-        values[name] = np.asarray(array) if spec is None else _scalar(spec, array)
+        values[name] = np.asarray(array) if spec is None else _value(spec, array)
     return values
 
 
@@ -50,15 +50,15 @@ def parameters_as_inputs(parameters_json: str) -> dict[str, Any]:
     return dict(parameters) if isinstance(parameters, dict) else {}
 
 
-def _scalar(spec: InputSpec, array: Any) -> Any:
-    """The single element of a [1] input of the right datatype, as a Python value."""
+def _value(spec: InputSpec, array: Any) -> Any:
+    """The element of a [1] input of the right datatype as a Python value (a tuple for a [count] input)."""
     array = np.asarray(array)
     if array.dtype.type not in NUMPY_DTYPES[spec.datatype]:
         raise InvalidInputError(spec.name, f"datatype must be {spec.datatype}, got {array.dtype}")
-    if array.shape != (1,):
-        raise InvalidInputError(spec.name, f"shape must be [1], got {list(array.shape)}")
-    value = array[0]
-    return value.item() if isinstance(value, np.generic) and not isinstance(value, np.bytes_) else value
+    if array.shape != (spec.count,):
+        raise InvalidInputError(spec.name, f"shape must be [{spec.count}], got {list(array.shape)}")
+    values = [v.item() if isinstance(v, np.generic) and not isinstance(v, np.bytes_) else v for v in array]
+    return values[0] if spec.count == 1 else tuple(values)
 
 
 # -- outputs ------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def load_tiny_adapter(pipeline: str, adapter_cls: type) -> PipelineAdapter:
 
     model_dir = ensure_model(pipeline, "tiny")
     adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32"))
-    assert isinstance(adapter, adapter_cls) and adapter.cfg_batching  # cfg_batching on is the default
+    assert isinstance(adapter, adapter_cls) and getattr(adapter, "cfg_batching", True)  # on by default
     return adapter
 
 

@@ -30,7 +30,8 @@ INPUT_TYPES = {spec.name: (spec.datatype, NUMPY_DTYPES[spec.datatype][0])
 
 
 def make_inputs(**values: Any) -> list[grpcclient.InferInput]:
-    """Scalars become [1] tensors of the model's datatype; a (datatype, array) pair is sent as given."""
+    """Scalars become [1] tensors of the model's datatype, lists [len] ones; a (datatype, array) pair is sent
+    as given."""
     inputs = []
     for name, value in values.items():
         if isinstance(value, tuple):
@@ -39,7 +40,7 @@ def make_inputs(**values: Any) -> list[grpcclient.InferInput]:
             datatype, dtype = INPUT_TYPES[name]
             if isinstance(value, str):
                 value = value.encode("utf-8")
-            array = np.array([value], dtype=dtype)
+            array = np.array(value if isinstance(value, list) else [value], dtype=dtype)
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)

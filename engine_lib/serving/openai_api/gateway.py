@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Mapping, NamedTuple, Optional
 
 import grpc
 import numpy as np
@@ -41,9 +41,22 @@ def triton_datatype(triton_type: str) -> str:
     return "BYTES" if triton_type == "TYPE_STRING" else triton_type.removeprefix("TYPE_")
 
 
-def to_tensor(name: str, value: Any, triton_type: str) -> np.ndarray:
-    """A JSON value as the [1] array of the input's datatype; a value of the wrong kind (a float or a
-    string for an integer, an integer past the datatype's range, a list) raises InvalidInputError naming it."""
+class InputType(NamedTuple):
+    """One declared input of a model's config: its Triton type and its element count (dims [count])."""
+
+    triton_type: str  # TYPE_INT32, TYPE_STRING, ...
+    count: int = 1
+
+
+def to_tensor(name: str, value: Any, input_type: InputType) -> np.ndarray:
+    """A JSON value as the [count] array of the input's datatype; a value of the wrong kind (a float or a
+    string for an integer, an integer past the datatype's range, a list for a [1] input, a list of another
+    length for a [count] one) raises InvalidInputError naming it."""
+    if input_type.count > 1:
+        if not isinstance(value, list) or len(value) != input_type.count:
+            raise InvalidInputError(name, f"must be a list of {input_type.count} values, got {_short(value)}")
+        return np.concatenate([to_tensor(name, item, InputType(input_type.triton_type)) for item in value])
+    triton_type = input_type.triton_type
     datatype = triton_datatype(triton_type)
     dtype = NUMPY_DTYPES[datatype][0]
     if isinstance(value, (list, dict)):
@@ -76,7 +89,7 @@ class TritonGateway:
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
-        self._input_types: dict[str, dict[str, str]] = {}
+        self._input_types: dict[str, dict[str, InputType]] = {}
         # The launcher protects Triton's repository API (which lists the models) with a key.
         key = os.environ.get("TRITON_ADMIN_KEY", "") if admin_key is None else admin_key
         self._index_headers = {"triton-grpc-protocol-admin-key": key} if key else None
@@ -94,19 +107,20 @@ class TritonGateway:
         index = await self.client.get_model_repository_index(headers=self._index_headers, as_json=True)
         return sorted(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
 
-    async def input_types(self, model: str) -> dict[str, str]:
-        """The model's declared inputs (name -> Triton type), from its config; cached per model."""
+    async def input_types(self, model: str) -> dict[str, InputType]:
+        """The model's declared inputs (name -> type and count), from its config; cached per model."""
         if model not in self._input_types:
             config = await self.client.get_model_config(model, as_json=True)
-            self._input_types[model] = {i["name"]: i["data_type"] for i in config["config"].get("input", [])}
+            self._input_types[model] = {i["name"]: InputType(i["data_type"], int(i.get("dims", [1])[0]))
+                                        for i in config["config"].get("input", [])}
         return self._input_types[model]
 
-    def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, str]) -> list:
+    def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, InputType]) -> list:
         """JSON values as the request's input tensors; raises InvalidInputError naming a bad one."""
         tensors = []
         for name, value in inputs.items():
             array = to_tensor(name, value, input_types[name])
-            tensor = self._grpc.InferInput(name, [1], triton_datatype(input_types[name]))
+            tensor = self._grpc.InferInput(name, list(array.shape), triton_datatype(input_types[name].triton_type))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
         return tensors

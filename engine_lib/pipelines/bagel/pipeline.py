@@ -1,0 +1,194 @@
+"""`BagelPipeline`: BAGEL text-to-image in the shape of a diffusers pipeline (`from_pretrained`, `__call__`).
+
+The reference's `InterleaveInferencer.interleave_inference([prompt])` for text to
+image, cut into the pieces the engine's step contract needs, each used both by
+`__call__` (one request, the reference's loop) and by the adapter (many requests
+per forward):
+
+* `encode`: `<|im_start|>` + prompt tokens + `<|im_end|>` prefilled into the
+  request's generation context; the text-CFG context is empty (the reference
+  copies it before the prompt). The image-CFG context of text to image holds the
+  same prompt as the generation context, so its velocity is the conditional one;
+* `initial_noise`: `torch.randn(h * w, 64)` on a CPU generator seeded with the seed;
+* `schedule`: `linspace(1, 0, k + 1)` shifted by `timestep_shift`; k Euler updates;
+* `predict`: one forward over every request's conditional row and, where CFG is
+  active at its timestep, its unconditional row; then each request's own CFG and
+  renorm (the reference's packed "global" renorm would mix requests; ours does not);
+* `decode`: unpack 2x2 patches, the FLUX VAE, and the reference's uint8 rule
+  (`(x * 0.5 + 0.5).clamp(0, 1) * 255` truncated).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, load_model
+from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
+
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # bos, eos, start/end of image
+RENORM_TYPES = ("global", "channel", "text_channel")
+
+
+@dataclass
+class Guidance:
+    """One request's CFG settings (the reference's names)."""
+
+    cfg_text_scale: float = 4.0
+    cfg_img_scale: float = 1.0
+    cfg_interval: tuple[float, float] = (0.4, 1.0)
+    cfg_renorm_type: str = "global"
+    cfg_renorm_min: float = 0.0
+
+    def active(self, t: float) -> bool:
+        """Whether CFG runs at timestep t (the reference: scales drop to 1 outside the interval)."""
+        return self.cfg_text_scale > 1.0 and self.cfg_interval[0] < t <= self.cfg_interval[1]
+
+
+@dataclass
+class Context:
+    """A request's prompt contexts: the generation context and the (empty) text-CFG one."""
+
+    cond: KVCache
+    uncond: KVCache
+    grid: tuple[int, int]  # latent patches (h, w)
+
+
+class BagelPipeline:
+    """BAGEL's model, VAE and tokenizer from an official checkpoint folder."""
+
+    def __init__(self, model: BagelModel, vae, tokenizer, device: torch.device):
+        self.model, self.vae, self.tokenizer, self.device = model, vae, tokenizer, torch.device(device)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"the tokenizer lacks BAGEL's special tokens {SPECIAL_TOKENS}")
+        self.bos, self.eos, self.start_of_image, self.end_of_image = ids
+        self.latent_channels = int(vae.config.latent_channels)
+        self.patch = int(round((model.config.patch_latent_dim // self.latent_channels) ** 0.5))
+        self.downsample = self.patch * 2 ** (len(vae.config.block_out_channels) - 1)  # pixels per latent patch
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "BagelPipeline":
+        from transformers import AutoTokenizer
+
+        folder = Path(path)
+        tokenizer_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        device = torch.device(device)
+        return cls(load_model(folder, device, dtype), load_vae(folder, device, dtype), tokenizer, device)
+
+    def to(self, device) -> "BagelPipeline":
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        self.vae.to(self.device)
+        return self
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """diffusers' pipeline API; this pipeline draws no progress bar."""
+
+    @property
+    def max_size(self) -> int:
+        """The largest height/width: the latent position table's side, in pixels."""
+        return self.model.config.max_latent_size * self.downsample
+
+    # -- the pieces -------------------------------------------------------------------------
+    def token_ids(self, prompt: str) -> list[int]:
+        return [self.bos, *self.tokenizer.encode(prompt, add_special_tokens=False), self.eos]
+
+    @torch.no_grad()
+    def encode(self, prompt: str, height: int, width: int) -> Context:
+        cond = self.model.prefill(torch.tensor(self.token_ids(prompt), device=self.device))
+        empty = KVCache([k[:, :0] for k in cond.keys], [v[:, :0] for v in cond.values])
+        return Context(cond, empty, (height // self.downsample, width // self.downsample))
+
+    def initial_noise(self, seed: int, context: Context) -> torch.Tensor:
+        h, w = context.grid
+        generator = torch.Generator().manual_seed(int(seed))  # the reference draws on the CPU default generator
+        return torch.randn(h * w, self.model.config.patch_latent_dim, generator=generator).to(self.device)
+
+    @staticmethod
+    def schedule(num_inference_steps: int, timestep_shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(timesteps, dts) of k Euler updates: the reference's `num_timesteps = k + 1` without t = 0."""
+        t = torch.linspace(1, 0, num_inference_steps + 1)
+        t = timestep_shift * t / (1 + (timestep_shift - 1) * t)
+        return t[:-1], t[:-1] - t[1:]
+
+    def query_rows(self, contexts: Sequence[Context], with_uncond: Sequence[bool]) -> QueryRows:
+        """Every request's conditional row, then the unconditional rows of those running CFG."""
+        caches = [c.cond for c in contexts] + [c.uncond for c, u in zip(contexts, with_uncond) if u]
+        positions = [c.cond.length for c in contexts] + [0 for _, u in zip(contexts, with_uncond) if u]
+        grids = [c.grid for c in contexts] + [c.grid for c, u in zip(contexts, with_uncond) if u]
+        return QueryRows.build(caches, positions, grids, self.model.config.max_latent_size,
+                               (self.start_of_image, self.end_of_image), self.device)
+
+    @torch.no_grad()
+    def predict(self, rows: QueryRows, latents: torch.Tensor, timesteps: Sequence[torch.Tensor],
+                guidance: Sequence[Guidance], with_uncond: Sequence[bool], counts: Sequence[int]) -> list[torch.Tensor]:
+        """Each request's guided velocity [N_r, 64]: one forward over `rows` (`query_rows`), `latents`
+        [B, N_max, 64] right-padded, `counts` the N_r."""
+        uncond = [i for i, u in enumerate(with_uncond) if u]
+        t = torch.stack([timesteps[i] for i in list(range(len(counts))) + uncond]).to(self.device)
+        raw = self.model.velocity(rows, torch.cat([latents, latents[uncond]]) if uncond else latents, t)
+        out, next_uncond = [], len(counts)
+        for i, n in enumerate(counts):
+            v = raw[i, :n]
+            if with_uncond[i]:
+                v = guide(v, raw[next_uncond, :n], guidance[i])
+                next_uncond += 1
+            out.append(v)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: Sequence[torch.Tensor], grid: tuple[int, int]) -> np.ndarray:
+        """Packed latents [N, 64] of one grid -> float images [B, H, W, 3] already on the reference's uint8 levels."""
+        h, w, p, c = *grid, self.patch, self.latent_channels
+        z = torch.stack(list(latents)).reshape(-1, h, w, p, p, c)
+        z = torch.einsum("nhwpqc->nchpwq", z).reshape(-1, c, h * p, w * p)
+        images = vae_decode(self.vae, z)
+        images = torch.floor((images * 0.5 + 0.5).clamp(0, 1) * 255) / 255  # the reference's truncating cast
+        return images.permute(0, 2, 3, 1).cpu().numpy()
+
+    # -- the reference's loop, for one request ------------------------------------------------
+    def __call__(self, prompt: str, height: int = 1024, width: int = 1024, num_inference_steps: int = 50,
+                 generator: Optional[torch.Generator] = None, guidance_scale: float = 4.0, cfg_img_scale: float = 1.0,
+                 cfg_interval: Sequence[float] = (0.4, 1.0), cfg_renorm_type: str = "global",
+                 cfg_renorm_min: float = 0.0, timestep_shift: float = 3.0, output_type: str = "np"):
+        assert output_type == "np", "BagelPipeline returns numpy images"
+        seed = generator.initial_seed() if generator is not None else torch.seed()
+        guidance = Guidance(guidance_scale, cfg_img_scale, tuple(cfg_interval), cfg_renorm_type, cfg_renorm_min)
+        context = self.encode(prompt, height, width)
+        x = self.initial_noise(seed, context)
+        timesteps, dts = self.schedule(num_inference_steps, timestep_shift)
+        for t, dt in zip(timesteps, dts):
+            with_uncond = [guidance.active(float(t))]
+            rows = self.query_rows([context], with_uncond)
+            [v] = self.predict(rows, x[None], [t], [guidance], with_uncond, [len(x)])
+            x = x - v * dt
+        return SimpleNamespace(images=self.decode([x], context.grid))
+
+
+def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, g: Guidance) -> torch.Tensor:
+    """The reference's CFG and renorm for one request ([N, 64] each). Text to image has no image
+    context, so the image-CFG velocity is the conditional one."""
+    v_img = v_cond
+    v_text = v_uncond + g.cfg_text_scale * (v_cond - v_uncond)
+    if g.cfg_renorm_type == "text_channel":
+        scale = (v_cond.norm(dim=-1, keepdim=True) / (v_text.norm(dim=-1, keepdim=True) + 1e-8))
+        v_text = v_text * scale.clamp(min=g.cfg_renorm_min, max=1.0)
+        return v_img + g.cfg_img_scale * (v_text - v_img) if g.cfg_img_scale > 1.0 else v_text
+    v = v_img + g.cfg_img_scale * (v_text - v_img) if g.cfg_img_scale > 1.0 else v_text
+    if g.cfg_renorm_type == "global":
+        scale = v_cond.norm() / (v.norm() + 1e-8)
+    else:  # channel
+        scale = v_cond.norm(dim=-1, keepdim=True) / (v.norm(dim=-1, keepdim=True) + 1e-8)
+    return v * scale.clamp(min=g.cfg_renorm_min, max=1.0)
+
+
+def write_llm_config(folder: Path, llm_config: dict) -> None:
+    (Path(folder) / "llm_config.json").write_text(json.dumps(llm_config, indent=2, sort_keys=True) + "\n")
