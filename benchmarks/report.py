@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + priority_section() + bagel_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -549,18 +549,18 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
-def bagel_section(path: Optional[Path] = None) -> list[str]:
-    """BAGEL step batching vs serial (`make bench-bagel`, its own run: benchmarks/results/bagel.json)."""
-    path = path or RESULTS_DIR / "bagel.json"
+def own_models_section(path: Optional[Path] = None) -> list[str]:
+    """Our own model code, step batching vs serial (`make bench-own`: benchmarks/results/own_models.json)."""
+    path = path or RESULTS_DIR / "own_models.json"
     if not path.is_file():
         return []
     results = json.loads(path.read_text())
     w = results["workload"]
-    lines = ["", "## BAGEL: step batching vs serial", "",
-             f"`make bench-bagel`, started {results['started']}: the tiny BAGEL preset (the golden checkpoint of "
-             f"tests/golden/bagel), {w['size']}x{w['size']}, {w['steps']} steps, text CFG at BAGEL's default scale 4 "
-             f"(two rows per request), closed loop at concurrency {w['concurrency']}, {w['requests_per_point']} "
-             f"requests per point, {w['repeats']} interleaved repeats (median, min-max).", "",
+    lines = ["", "## Own model code (BAGEL, HunyuanImage-3.0): step batching vs serial", "",
+             f"`make bench-own`, started {results['started']}: each tiny preset (the golden checkpoint of "
+             f"tests/golden/<pipeline>), {w['size']}x{w['size']}, {w['steps']} steps, CFG at the model's default "
+             f"scale (two rows per request), closed loop at concurrency {w['concurrency']}, "
+             f"{w['requests_per_point']} requests per point, {w['repeats']} interleaved repeats (median, min-max).", "",
              "| system | req/s | p99 latency s | mean requests per forward | errors |", "|---|---|---|---|---|"]
     for entry in results["systems"].values():
         rates = spread([p["requests_per_s"] for p in entry["points"]])
@@ -569,8 +569,9 @@ def bagel_section(path: Optional[Path] = None) -> list[str]:
         errors = sum(p.get("errors", 0) for p in entry["points"])
         lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(p99)} | {fmt_spread(batches)} | "
                      f"{errors} |")
-    lines += ["", f"Step batching / serial requests/s (medians): {f(results.get('step_over_serial'), 2, 'x')}. "
-              "Tiny random weights: this measures the engine and batching, not BAGEL's speed."]
+    ratios = ", ".join(f"{name} {f(ratio, 2, 'x')}" for name, ratio in results["step_over_serial"].items())
+    lines += ["", f"Step batching / serial requests/s (medians): {ratios}. Tiny random weights: this measures the "
+              "engine and batching, not the models' speed."]
     return lines
 
 
@@ -698,7 +699,7 @@ def reproduce_section() -> list[str]:
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
-            "make bench-bagel        # BAGEL: step batching at concurrency 4 vs serial (under a minute)",
+            "make bench-own          # BAGEL and HunyuanImage-3.0: step batching at concurrency 4 vs serial (a minute)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

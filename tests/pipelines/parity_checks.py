@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
-from engine_lib.pipelines.base import PipelineAdapter
+from engine_lib.pipelines.base import InputBatch, PipelineAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
 from engine_lib.runner import ModelRunner
 
@@ -95,6 +96,30 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
     assert not result.errors, result.errors
     assert not runner.states, "the runner freed every ended request's state"
     return result
+
+
+def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, dict]:
+    """The adapter's step contract tick by tick, as the runner calls it (requests join at their tick), for
+    adapters whose state keeps `latents`: each request's latents after every step (stacked), and its final image.
+    `arrivals`: request id -> (tick, parsed params)."""
+    states, latents, images, tick = {}, {}, {}, 0
+    while len(images) < len(arrivals):
+        for rid, (at, p) in arrivals.items():
+            if at == tick:
+                state = adapter.state_class(rid, p)
+                adapter.prepare_encode(state)
+                states[rid] = state
+        active = [s for s in states.values() if not s.denoise_completed]
+        if active:
+            batch = InputBatch.gather(active)
+            for state, v in zip(active, batch.split(adapter.denoise_step(batch, states=active))):
+                adapter.step_scheduler(state, v)
+                latents.setdefault(state.request_id, []).append(state.latents.clone())
+        done = [s for s in active if s.denoise_completed]
+        for state, out in zip(done, adapter.post_decode(done) if done else []):
+            images[state.request_id] = out["image"]
+        tick += 1
+    return {rid: torch.stack(v).numpy() for rid, v in latents.items()}, images
 
 
 def run_wave(adapter: PipelineAdapter, all_params: list, float_output: bool = False) -> list:

@@ -26,10 +26,9 @@ from engine_lib.config import EngineConfig
 from engine_lib.pipelines import registry
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.pipeline import BagelPipeline
-from engine_lib.pipelines.base import InputBatch
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse
+from parity_checks import load_tiny_adapter, parse, step_latents
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel"
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "golden" / "bagel"  # ../shared, where it exists
@@ -59,29 +58,6 @@ def adapter() -> BagelAdapter:
 
 def params(adapter, case: str, **changes):
     return parse(adapter, {**COMMON, **CASES[case], **changes})
-
-
-def run(adapter, arrivals: dict[str, tuple[int, dict]]) -> tuple[dict, dict]:
-    """The adapter's step contract tick by tick, as the runner calls it (requests join at their tick):
-    each request's latents after every step, and its final image."""
-    states, latents, images, tick = {}, {}, {}, 0
-    while len(images) < len(arrivals):
-        for rid, (at, p) in arrivals.items():
-            if at == tick:
-                state = adapter.state_class(rid, p)
-                adapter.prepare_encode(state)
-                states[rid] = state
-        active = [s for s in states.values() if not s.denoise_completed]
-        if active:
-            batch = InputBatch.gather(active)
-            for state, v in zip(active, batch.split(adapter.denoise_step(batch, states=active))):
-                adapter.step_scheduler(state, v)
-                latents.setdefault(state.request_id, []).append(state.latents.clone())
-        done = [s for s in active if s.denoise_completed]
-        for state, out in zip(done, adapter.post_decode(done) if done else []):
-            images[state.request_id] = out["image"]
-        tick += 1
-    return {rid: torch.stack(v).numpy() for rid, v in latents.items()}, images
 
 
 def u8(image: np.ndarray) -> np.ndarray:
@@ -120,7 +96,7 @@ def adapter_scale(state, step: int) -> float:
 
 @pytest.mark.parametrize("case", CASES)
 def test_solo_latents_follow_the_golden_run_and_the_image_is_within_one_level(adapter, golden, case):
-    latents, images = run(adapter, {"solo": (0, params(adapter, case))})
+    latents, images = step_latents(adapter, {"solo": (0, params(adapter, case))})
     diff = np.abs(latents["solo"] - golden[f"case_{case}_latents_after_step"]).max()
     assert diff <= LATENT_BOUND, diff
     levels = np.abs(u8(images["solo"][0]).astype(int) - golden[f"case_{case}_image_u8"].astype(int))
@@ -144,9 +120,9 @@ def test_batched_requests_joining_at_different_steps_equal_their_solo_runs(adapt
     ticks 0, 1 and 2, so forwards hold 1, 2 and 3 requests with different cache lengths."""
     arrivals = {"a": (0, params(adapter, "a")), "b": (1, params(adapter, "b", num_inference_steps=3)),
                 "c": (2, params(adapter, "c", num_inference_steps=4))}
-    latents, images = run(adapter, arrivals)
+    latents, images = step_latents(adapter, arrivals)
     for rid, (_, p) in arrivals.items():
-        solo_latents, solo_images = run(adapter, {rid: (0, p)})
+        solo_latents, solo_images = step_latents(adapter, {rid: (0, p)})
         assert np.abs(latents[rid] - solo_latents[rid]).max() <= LATENT_BOUND, rid
         assert np.abs(u8(images[rid]).astype(int) - u8(solo_images[rid]).astype(int)).max() <= 1, rid
 
@@ -156,14 +132,14 @@ def test_a_renorm_over_the_whole_batch_would_be_caught(adapter):
     guided norms differ show it: batched equals solo for each."""
     arrivals = {"x": (0, params(adapter, "a")), "y": (0, params(adapter, "a", prompt="two red apples", seed=9,
                                                                  guidance_scale=7.0))}
-    latents, _ = run(adapter, arrivals)
+    latents, _ = step_latents(adapter, arrivals)
     for rid, (_, p) in arrivals.items():
-        assert np.abs(latents[rid] - run(adapter, {rid: (0, p)})[0][rid]).max() <= LATENT_BOUND
+        assert np.abs(latents[rid] - step_latents(adapter, {rid: (0, p)})[0][rid]).max() <= LATENT_BOUND
 
 
 def test_k_steps_make_exactly_k_updates(adapter):
     for k in (1, 2):
-        latents, images = run(adapter, {"r": (0, params(adapter, "a", num_inference_steps=k))})
+        latents, images = step_latents(adapter, {"r": (0, params(adapter, "a", num_inference_steps=k))})
         assert latents["r"].shape[0] == k and images["r"].shape == (1, 64, 64, 3)
 
 
@@ -216,7 +192,7 @@ def test_understanding_weights_are_skipped_with_one_log_line(checkpoint, caplog)
     with caplog.at_level(logging.INFO, logger="engine_lib.pipelines.bagel.model"):
         BagelPipeline.from_pretrained(str(checkpoint))
     lines = [r.getMessage() for r in caplog.records if "understanding-only" in r.getMessage()]
-    assert lines == ["skipped 3 understanding-only tensors (connector, lm_head, vit_model)"]
+    assert lines == ["skipped 3 understanding-only tensors (connector, language_model.lm_head, vit_model)"]
 
 
 def test_the_registry_loads_it_in_step_mode_only():

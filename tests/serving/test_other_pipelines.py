@@ -26,7 +26,6 @@ from .conftest import ProbedServer, free_port, set_parameter
 from .streaming import post_json, run_concurrently, run_request, sse_events
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
-GOLDEN_BAGEL = REPO_ROOT / "tests" / "golden" / "bagel" / "golden.npz"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,7 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
 
     adapter = registry.load_adapter(EngineConfig(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
                                                  dtype="float32"))
-    inputs = dict(prompt="a lighthouse at dusk", height=32, width=32, num_inference_steps=3, seed=11)
+    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=3, seed=11)  # every model's size
     params = adapter.input_schema(EngineConfig()).parse(inputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -127,7 +126,7 @@ def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server)
     "output_format").choices])
 def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     previews = registry.get_adapter_class(model).supports_previews
-    body = {"prompt": "a blue circle", "height": 32, "width": 48, "num_inference_steps": 3,
+    body = {"prompt": "a blue circle", "height": 48, "width": 64, "num_inference_steps": 3,
             "output_format": "png", "seed": 3, **({"preview_interval": 1} if previews else {})}
     status, reply = post_json(f"http://{server.http_url}/v2/models/{model}/generate_stream", body)
     assert status == 200, reply
@@ -135,26 +134,34 @@ def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     assert [e["step"] for e in events] == ([1, 2, 3] if previews else [3])
     assert [e["is_final"] for e in events] == ([False, False, True] if previews else [True])
     image = Image.open(io.BytesIO(base64.b64decode(events[-1]["image_png"])))
-    assert image.format == "PNG" and image.size == (48, 32)
+    assert image.format == "PNG" and image.size == (64, 48)
 
 
-def test_bagel_serves_the_reference_image(server):
-    """Golden case (a) of tests/golden/bagel (the reference implementation's run): within one level."""
-    golden = np.load(GOLDEN_BAGEL)
-    result = run_request(server.grpc_url, model="bagel", request_id="golden-a", prompt="a red cube on a blue floor",
-                         height=64, width=64, num_inference_steps=5, seed=1, guidance_scale=4.0,
-                         cfg_interval=[0.4, 1.0], cfg_renorm_type="global", timestep_shift=3.0)
+# Golden case (a) of each own-model pipeline (tests/golden/<model>: the reference implementation's run).
+GOLDEN_CASES = {
+    "bagel": dict(prompt="a red cube on a blue floor", height=64, width=64, num_inference_steps=5, seed=1,
+                  guidance_scale=4.0, cfg_interval=[0.4, 1.0], cfg_renorm_type="global", timestep_shift=3.0),
+    "hunyuan_image3": dict(prompt="a red cube on a blue floor", height=64, width=64, num_inference_steps=4, seed=1,
+                           guidance_scale=5.0, flow_shift=3.0),
+}
+
+
+@pytest.mark.parametrize("model", GOLDEN_CASES)
+def test_own_models_serve_the_reference_image(server, model):
+    golden = np.load(REPO_ROOT / "tests" / "golden" / model / "golden.npz")
+    result = run_request(server.grpc_url, model=model, request_id="golden-a", **GOLDEN_CASES[model])
     assert not result.errors, result.errors
     image = result.final.as_numpy("image")[0]
     assert np.abs(image.astype(int) - golden["case_a_image_u8"].astype(int)).max() <= 1
 
 
-def test_bagel_requests_of_different_sizes_and_prompts_share_step_batches(server):
-    cases = [dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, seed=i)
-             for i, (prompt, height, width, steps) in enumerate((("a red cube", 64, 64, 4),
-                                                                 ("a green sphere next to a yellow cone", 32, 64, 3),
-                                                                 ("a cat", 48, 48, 2)))]
-    results = run_concurrently(server.grpc_url, cases, prefix="bagel-", model="bagel")
+@pytest.mark.parametrize("model, sizes", [("bagel", ((64, 64), (32, 64), (48, 48))),
+                                          ("hunyuan_image3", ((64, 64), (48, 80), (64, 48)))])
+def test_own_models_share_step_batches_across_sizes_and_prompts(server, model, sizes):
+    prompts = ("a red cube", "a green sphere next to a yellow cone", "a cat")
+    cases = [dict(prompt=prompt, height=height, width=width, num_inference_steps=4 - i, seed=i)
+             for i, (prompt, (height, width)) in enumerate(zip(prompts, sizes))]
+    results = run_concurrently(server.grpc_url, cases, prefix=f"{model}-", model=model)
     for case, result in zip(cases, results):
         assert not result.errors and result.num_final == 1, result.errors
         assert result.final.as_numpy("image").shape == (1, case["height"], case["width"], 3)
@@ -170,3 +177,9 @@ def test_bagel_bad_inputs_get_invalid_arg_naming_them(server, inputs, says):
     result = run_request(server.grpc_url, model="bagel", request_id="bad", prompt="x", **inputs)
     assert not result.responses and len(result.errors) == 1
     assert says in result.error.message(), result.error.message()
+
+
+def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
+    result = run_request(server.grpc_url, model="hunyuan_image3", request_id="bad", prompt="x", height=64, width=32)
+    assert not result.responses and len(result.errors) == 1
+    assert "input 'height': 64x32 is not one of this model's sizes" in result.error.message()

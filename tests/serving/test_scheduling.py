@@ -39,6 +39,9 @@ def test_a_request_of_another_size_joins_the_running_batch(step_server):
                                                                  num_inference_steps=2))
         run_held(step_server, waiting=1, ticks=1)
         assert wait_for_metric(step_server.metrics_url, "diffusion_requests_running", 2.0, model="qwen_image") == 2
+        budget.allow(3)  # enough for "short-64" (one step left), far from enough for "long-32" (28 left)
+        streams[1].collect(settle_s=0)
+        assert streams[0].final_at is None, "long-32 finished within three ticks"
         budget.release()
         order = final_order(streams)
     finally:
@@ -59,13 +62,16 @@ def test_a_compatible_request_passes_an_incompatible_head(step_server):
         assert wait_for_metric(step_server.metrics_url, "diffusion_requests_running", 1.0, model="qwen_image") == 1
         # True CFG: another step key than the running request's (sizes no longer split Qwen-Image batches).
         streams.append(RequestStream(step_server.grpc_url).send("head", prompt="head", height=32, width=32,
-                                                                 num_inference_steps=2, negative_prompt="blurry",
+                                                                 num_inference_steps=10, negative_prompt="blurry",
                                                                  true_cfg_scale=4.0))
         assert wait_for_metric(step_server.metrics_url, "diffusion_requests_waiting", 1.0, model="qwen_image") == 1
         streams.append(RequestStream(step_server.grpc_url).send("short", prompt="short", height=32, width=32,
                                                                  num_inference_steps=2))
         assert wait_for_metric(step_server.metrics_url, "diffusion_requests_waiting", 2.0, model="qwen_image") == 2
-        budget.release()
+        budget.allow(4)  # "short" needs two ticks beside "long"; "long" needs 29 more
+        streams[2].collect(settle_s=0)
+        assert streams[0].final_at is None and streams[1].final_at is None
+        budget.release()  # "head" (10 steps) can start only once "long" has drained
         order = final_order(streams)
     finally:
         close_all(streams, budget)

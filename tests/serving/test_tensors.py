@@ -232,3 +232,38 @@ def test_error_messages_lead_with_code_and_request_id():
     error = InvalidInputError("height", "33 is bad")
     assert error_message(error, "r1") == ("INVALID_ARG", "INVALID_ARG: [request id: r1] input 'height': 33 is bad")
     assert error_message(RuntimeError("boom")) == ("INTERNAL", "INTERNAL: boom")
+
+
+INTERVAL = InputSpec("cfg_interval", "FP32", "an interval", default=(0.4, 1.0), low=0, high=1, count=2)
+
+
+@pytest.mark.parametrize("array, says", [
+    (np.array([0.4], dtype=np.float32), "shape must be [2], got [1]"),
+    (np.array([0.1, 0.2, 0.3], dtype=np.float32), "shape must be [2], got [3]"),
+    (np.array([[0.1, 0.2]], dtype=np.float32), "shape must be [2], got [1, 2]"),
+    (np.array([0.1, 0.2], dtype=np.float64), "datatype must be FP32"),
+    (np.array([0.1, 1.5], dtype=np.float32), "1.5 must be a finite number in [0, 1]"),
+])
+def test_a_count_input_takes_exactly_its_elements(array, says):
+    schema = InputSchema("fake", (interface.PROMPT, INTERVAL), CONFIG)
+    with pytest.raises(InvalidInputError, match="input 'cfg_interval'") as caught:
+        schema.parse(read_inputs({"prompt": tensor("prompt", "a"), "cfg_interval": array}, schema.specs))
+    assert says in str(caught.value)
+    good = read_inputs({"prompt": tensor("prompt", "a"), "cfg_interval": np.array([0.25, 0.75], np.float32)},
+                       schema.specs)
+    assert schema.parse(good).cfg_interval == (0.25, 0.75)
+    assert schema.parse({"prompt": "a"}).cfg_interval == (0.4, 1.0)
+
+
+@pytest.mark.parametrize("value, says", [(0.4, "must be a list of 2 values"), ([0.4], "must be a list of 2 values"),
+                                         ([0.4, "x"], "must be a finite number"), ([0.4, 1.0, 1.0], "list of 2")])
+def test_the_front_door_reads_a_count_input_as_a_json_list(value, says):
+    from engine_lib.serving.openai_api.gateway import InputType, to_tensor
+
+    with pytest.raises(InvalidInputError, match="input 'cfg_interval'") as caught:
+        to_tensor("cfg_interval", value, InputType("TYPE_FP32", 2))
+    assert says in str(caught.value)
+    np.testing.assert_array_equal(to_tensor("cfg_interval", [0.4, 1], InputType("TYPE_FP32", 2)),
+                                  np.array([0.4, 1.0], np.float32))
+    with pytest.raises(InvalidInputError, match="not list"):
+        to_tensor("height", [64, 64], InputType("TYPE_INT32"))

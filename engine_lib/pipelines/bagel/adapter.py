@@ -25,6 +25,7 @@ from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import RENORM_TYPES, BagelPipeline, Context, Guidance
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
+from engine_lib.pipelines.checkpoint import group_indices
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -139,9 +140,7 @@ class BagelAdapter(PipelineAdapter):
 
     @torch.inference_mode()
     def post_decode(self, states: list[BagelState]) -> list[Outputs]:
-        by_grid: dict[tuple[int, int], list[int]] = {}
-        for i, state in enumerate(states):
-            by_grid.setdefault(state.context.grid, []).append(i)
+        by_grid = group_indices([state.context.grid for state in states])
         out: list[Outputs] = [{} for _ in states]
         for grid, indices in by_grid.items():
             images = self.pipe.decode([states[i].latents for i in indices], grid)

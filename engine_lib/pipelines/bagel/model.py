@@ -31,11 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_lib.pipelines.checkpoint import check_keys
+from engine_lib.pipelines.prompt_cache import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
+
 logger = logging.getLogger(__name__)
 
 # Understanding-only weights of the official checkpoint: the ViT, its connector and position table,
 # and the text head (BAGEL's generation path never decodes text).
 UNDERSTANDING_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.", "language_model.lm_head.")
+
 
 
 @dataclass(frozen=True)
@@ -65,21 +69,6 @@ class BagelConfig:
                    num_heads=llm_config["num_attention_heads"], num_kv_heads=llm_config["num_key_value_heads"],
                    intermediate_size=llm_config["intermediate_size"], vocab_size=llm_config["vocab_size"],
                    rms_norm_eps=llm_config["rms_norm_eps"], rope_theta=llm_config["rope_theta"], **shapes)
-
-
-class RMSNorm(nn.Module):
-    """Qwen2's RMSNorm: normalised in float32, scaled in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class MLP(nn.Module):
@@ -143,32 +132,6 @@ def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Te
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000) -> torch.Tensor:
-    """DiT's sinusoidal embedding of t in [0, 1] (BAGEL does not scale t by 1000): [cos, sin]."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half).to(t.device)
-    args = t[:, None].float() * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
-@dataclass
-class KVCache:
-    """One context's keys and values per layer, [kv_heads, length, head_dim] each (RoPE applied)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @property
-    def length(self) -> int:
-        return int(self.keys[0].shape[1]) if self.keys else 0
-
-
 class BagelModel(nn.Module):
     """The MoT language model plus the generation heads, with the checkpoint's key names."""
 
@@ -205,21 +168,10 @@ class BagelModel(nn.Module):
     def load_official(self, state: dict[str, torch.Tensor]) -> None:
         """Copy every expected key; a missing, extra or misshapen one fails naming it."""
         expected = self.official_parameters()
-        skipped = sorted(k for k in state if k not in expected and k.startswith(UNDERSTANDING_PREFIXES))
-        extra = sorted(k for k in state if k not in expected and k not in skipped)
-        missing = sorted(k for k in expected if k not in state)
-        if missing or extra:
-            raise ValueError(f"ema.safetensors: missing key {missing[0]!r}" if missing
-                             else f"ema.safetensors: unexpected key {extra[0]!r}")
-        if skipped:
-            logger.info("skipped %d understanding-only tensors (%s)", len(skipped),
-                        ", ".join(sorted({k.split(".")[0] if not k.startswith("language_model.") else "lm_head"
-                                          for k in skipped})))
+        check_keys("ema.safetensors", state, {k: t.shape for k, t in expected.items()}, UNDERSTANDING_PREFIXES,
+                   logger)
         with torch.no_grad():
             for key, tensor in expected.items():
-                if tuple(state[key].shape) != tuple(tensor.shape):
-                    raise ValueError(f"ema.safetensors: key {key!r} has shape {list(state[key].shape)}, "
-                                     f"expected {list(tensor.shape)}")
                 tensor.copy_(state[key])
 
     # -- the prompt into its own cache --------------------------------------------------
@@ -238,9 +190,8 @@ class BagelModel(nn.Module):
             k, v, q = k.transpose(0, 1), v.transpose(0, 1), q.transpose(0, 1)  # heads first
             keys.append(k)
             values.append(v)
-            groups = c.num_heads // c.num_kv_heads
-            out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0),
-                                                 is_causal=True)
+            causal = torch.ones(len(token_ids), len(token_ids), dtype=torch.bool, device=hidden.device).tril()
+            out = attend(q[None], k[None], v[None], causal)[0]
             hidden = hidden + und.o_proj(out.transpose(0, 1).reshape(len(token_ids), -1))
             hidden = hidden + und.mlp(und.post_attention_layernorm(hidden))
         return KVCache(keys, values)
@@ -266,7 +217,6 @@ class BagelModel(nn.Module):
         und_at, gen_at = rows.und_index, rows.gen_index
         cos, sin = rope(rows.positions, c.head_dim, c.rope_theta)  # one position per row
         cos, sin = cos[:, None, None].to(dtype), sin[:, None, None].to(dtype)
-        groups = c.num_heads // c.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = _by_expert(hidden, und_at, gen_at, layer.und.input_layernorm, layer.gen.input_layernorm)
             q = hidden.new_zeros(R * Q, c.num_heads, c.head_dim)
@@ -277,9 +227,9 @@ class BagelModel(nn.Module):
             q = apply_rope(q.view(R, Q, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
             k = apply_rope(k.view(R, Q, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
             v = v.view(R, Q, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            keys = torch.cat([rows.cache_keys[i], k], dim=2).repeat_interleave(groups, 1)
-            values = torch.cat([rows.cache_values[i], v], dim=2).repeat_interleave(groups, 1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.key_mask)
+            keys = torch.cat([rows.caches.keys[i], k], dim=2)
+            values = torch.cat([rows.caches.values[i], v], dim=2)
+            out = attend(q, keys, values, rows.key_mask)
             out = out.transpose(1, 2).reshape(R * Q, -1)
             hidden = hidden + _by_expert(out, und_at, gen_at, layer.und.o_proj, layer.gen.o_proj)
             x = _by_expert(hidden, und_at, gen_at, layer.und.post_attention_layernorm,
@@ -313,8 +263,7 @@ class QueryRows:
     und_index: torch.Tensor  # flat indices of text tokens
     gen_index: torch.Tensor  # flat indices of latent tokens
     key_mask: torch.Tensor  # [R, 1, 1, C_max + Q] bool: keys a row may attend to
-    cache_keys: list[torch.Tensor]  # per layer [R, kv_heads, C_max, d]
-    cache_values: list[torch.Tensor]
+    caches: PaddedCaches
 
     @property
     def arange(self) -> torch.Tensor:
@@ -325,7 +274,7 @@ class QueryRows:
               text_ids: tuple[int, int], device: torch.device) -> "QueryRows":
         """Rows for contexts `caches`, RoPE `positions` and latent grids (h, w) of patches."""
         counts = [h * w for h, w in grids]
-        n_max, c_max = max(counts), max(cache.length for cache in caches)
+        n_max = max(counts)
         R, Q = len(caches), n_max + 2
         index = torch.arange(Q, device=device)
         ns = torch.tensor(counts, device=device)
@@ -336,21 +285,11 @@ class QueryRows:
         for r, (h, w) in enumerate(grids):  # patch (i, j) -> i * max_latent_size + j, row-major
             latent_pos[r, :h * w] = (torch.arange(h, device=device)[:, None] * max_latent_size
                                      + torch.arange(w, device=device)).flatten()
-        lengths = torch.tensor([cache.length for cache in caches], device=device)
-        key_mask = torch.cat([torch.arange(c_max, device=device)[None] < lengths[:, None], valid], dim=1)
-        cache_keys, cache_values = [], []
-        for layer in range(len(caches[0].keys)):
-            cache_keys.append(_pad_stack([cache.keys[layer] for cache in caches], c_max))
-            cache_values.append(_pad_stack([cache.values[layer] for cache in caches], c_max))
+        padded = PaddedCaches.of(caches)
+        key_mask = torch.cat([padded.valid, valid], dim=1)
         return cls(text_ids=torch.tensor([text_ids] * R, device=device), positions=torch.tensor(positions, device=device),
                    latent_pos=latent_pos, valid=valid, end=ns + 1, und_index=und.flatten().nonzero().squeeze(1),
-                   gen_index=gen.flatten().nonzero().squeeze(1), key_mask=key_mask[:, None, None],
-                   cache_keys=cache_keys, cache_values=cache_values)
-
-
-def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
-    """[heads, L_r, d] tensors -> [R, heads, length, d], zero-padded along L."""
-    return torch.stack([F.pad(t, (0, 0, 0, length - t.shape[1])) for t in tensors])
+                   gen_index=gen.flatten().nonzero().squeeze(1), key_mask=key_mask[:, None, None], caches=padded)
 
 
 def read_llm_config(model_path: Path) -> dict:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, load_model
+from engine_lib.pipelines.prompt_cache import shifted_schedule
 from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # bos, eos, start/end of image
@@ -104,8 +105,7 @@ class BagelPipeline:
     @torch.no_grad()
     def encode(self, prompt: str, height: int, width: int) -> Context:
         cond = self.model.prefill(torch.tensor(self.token_ids(prompt), device=self.device))
-        empty = KVCache([k[:, :0] for k in cond.keys], [v[:, :0] for v in cond.values])
-        return Context(cond, empty, (height // self.downsample, width // self.downsample))
+        return Context(cond, cond.empty(), (height // self.downsample, width // self.downsample))
 
     def initial_noise(self, seed: int, context: Context) -> torch.Tensor:
         h, w = context.grid
@@ -115,8 +115,7 @@ class BagelPipeline:
     @staticmethod
     def schedule(num_inference_steps: int, timestep_shift: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(timesteps, dts) of k Euler updates: the reference's `num_timesteps = k + 1` without t = 0."""
-        t = torch.linspace(1, 0, num_inference_steps + 1)
-        t = timestep_shift * t / (1 + (timestep_shift - 1) * t)
+        t = shifted_schedule(num_inference_steps, timestep_shift)
         return t[:-1], t[:-1] - t[1:]
 
     def query_rows(self, contexts: Sequence[Context], with_uncond: Sequence[bool]) -> QueryRows:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from engine_lib.pipelines.checkpoint import check_keys
+
 SCALE_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # the reference's load_ae (FLUX's autoencoder)
 
 
@@ -113,15 +115,7 @@ def load_vae(model_path: Path, device: torch.device, dtype: torch.dtype):
 
     state = load_file(str(Path(model_path) / "ae.safetensors"))
     shape = AEShape.of(state)
-    expected = flux_ae_shapes(shape)
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ValueError(f"ae.safetensors: missing key {missing[0]!r}" if missing
-                         else f"ae.safetensors: unexpected key {extra[0]!r}")
-    for key, dims in expected.items():
-        if tuple(state[key].shape) != dims:
-            raise ValueError(f"ae.safetensors: key {key!r} has shape {list(state[key].shape)}, expected {list(dims)}")
+    check_keys("ae.safetensors", state, flux_ae_shapes(shape))
     config = shape.diffusers_config()
     vae = AutoencoderKL(**config)
     vae.load_state_dict(convert_ldm_vae_checkpoint(state, config), strict=True)

@@ -1,0 +1,142 @@
+"""HunyuanImage-3.0 behind the engine's step contract: `HunyuanImage3Pipeline`'s pieces, many requests per forward.
+
+* `prepare_encode`: the request's sequence from the reference's template, its text part
+  prefilled into the request's own KV cache (and the `<cfg>` one when guidance > 1), the
+  noise from its seed, its shifted sigmas;
+* `denoise_step`: the `<timestep>` and image tokens of every scheduled request (and its
+  unconditional row) in one forward, each attending to its own cache; prompts of
+  different lengths, images of different sizes and requests at different steps share it;
+* `step_scheduler`: the request's Euler update `x + (sigma_next - sigma) * pred`;
+* `post_decode`: the VAE, one call per image size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from engine_lib import interface
+from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
+from engine_lib.pipelines.checkpoint import group_indices
+from engine_lib.pipelines.flow_match import IMAGE
+from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
+from engine_lib.request import InvalidInputError, SamplingParams
+
+HUNYUAN_INPUTS = (
+    interface.PROMPT,
+    replace(interface.HEIGHT, batch="row"),
+    replace(interface.WIDTH, batch="row"),
+    replace(interface.NUM_INFERENCE_STEPS, default=GENERATION_DEFAULTS["diff_infer_steps"], default_from="",
+            doc="denoising steps (default: the model folder's generation_config.json, else 4)"),
+    interface.SEED,
+    interface.output_format("png"),
+    interface.PRIORITY,
+    InputSpec("guidance_scale", "FP32", "CFG scale (diff_guidance_scale; default: generation_config.json's); "
+              "<= 1: the conditional pass alone", default=GENERATION_DEFAULTS["diff_guidance_scale"], low=0, high=100,
+              batch="row", pipe_arg="guidance_scale"),
+    InputSpec("flow_shift", "FP32", "schedule shift s: sigma -> s sigma / (1 + (s - 1) sigma) (default: "
+              "generation_config.json's)", default=GENERATION_DEFAULTS["flow_shift"], low=0.01, high=100, batch="row",
+              pipe_arg="flow_shift"),
+)
+
+
+@dataclass
+class HunyuanState(RequestState):
+    """One request between steps: its contexts, latents [C, h, w], sigmas and CFG scale."""
+
+    context: Optional[Context] = None
+    latents: Optional[torch.Tensor] = None
+    sigmas: Optional[torch.Tensor] = None
+    scale: float = 1.0
+
+    @property
+    def num_rows(self) -> int:
+        return 1
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        return {"latents": self.latents.flatten(1).T[None]}  # [1, h*w, C]: gathered right-padded
+
+
+class HunyuanImage3Adapter(PipelineAdapter):
+    """HunyuanImage-3.0 text to image (our own model code, engine_lib/pipelines/hunyuan_image3/) with step batching."""
+
+    name = "hunyuan_image3"
+    inputs = HUNYUAN_INPUTS
+    outputs = (IMAGE,)
+    state_class = HunyuanState
+    supports_request_batch = False  # the seed lists HunyuanImage3 among the step-execution pipelines
+    supports_step_execution = True
+
+    @classmethod
+    def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
+             options: Optional[dict] = None) -> "HunyuanImage3Adapter":
+        return cls(HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device), torch.device(device),
+                   dtype, options)
+
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        """Sizes in whole tokens up to the largest bucket; step count, guidance and shift default to the
+        model's generation config."""
+        generation, size = self.pipe.generation, self.pipe.token_size
+        largest = max(max(s) for s in self.pipe.sizes())
+        specs = replace_spec(self.inputs, "num_inference_steps", default=int(generation["diff_infer_steps"]))
+        specs = replace_spec(specs, "guidance_scale", default=float(generation["diff_guidance_scale"]))
+        specs = replace_spec(specs, "flow_shift", default=float(generation["flow_shift"]))
+        for name in ("height", "width"):
+            specs = replace_spec(specs, name, low=size, multiple_of=size, high=largest)
+        return specs
+
+    def check_inputs(self, params: SamplingParams) -> None:
+        """The reference snaps a size to its aspect-ratio bucket; we serve only sizes it generates as asked."""
+        size = (params.height, params.width)
+        if self.pipe.snapped_size(*size) != size:
+            near = sorted(self.pipe.sizes(), key=lambda s: abs(s[0] / s[1] - size[0] / size[1]))[:4]
+            raise InvalidInputError("height", f"{size[0]}x{size[1]} is not one of this model's sizes; nearest "
+                                              "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
+
+    def request_cost(self, params: SamplingParams) -> int:
+        tokens = (params.height // self.pipe.token_size) * (params.width // self.pipe.token_size) + 1
+        return tokens * (2 if params.guidance_scale > 1 else 1)
+
+    # -- the step contract -----------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare_encode(self, state: HunyuanState) -> None:
+        p = state.params
+        state.scale = float(p.guidance_scale)
+        state.context = self.pipe.encode(p.prompt, p.height, p.width, cfg=state.scale > 1.0)
+        state.latents = self.pipe.initial_noise(p.seed, state.context)
+        state.sigmas = self.pipe.sigmas(p.num_inference_steps, p.flow_shift)
+        state.num_steps, state.step_index = p.num_inference_steps, 0
+
+    @torch.inference_mode()
+    def denoise_step(self, input_batch: InputBatch, *, states: list[HunyuanState]) -> torch.Tensor:
+        """Every request's guided prediction as tokens [B, N_max, C], right-padded like the gathered latents."""
+        latents = [s.latents for s in states]
+        preds = self.pipe.predict([s.context for s in states], latents, [s.sigmas[s.step_index] for s in states],
+                                  [s.scale for s in states])
+        out = torch.zeros_like(input_batch["latents"])
+        for i, pred in enumerate(preds):
+            out[i, :pred[0].numel()] = pred.flatten(1).T
+        return out
+
+    @torch.inference_mode()
+    def step_scheduler(self, state: HunyuanState, noise_pred: torch.Tensor) -> None:
+        pred = noise_pred[0].T.reshape(state.latents.shape)
+        i = state.step_index
+        state.latents = state.latents + pred * (state.sigmas[i + 1] - state.sigmas[i])
+        state.step_index += 1
+
+    @torch.inference_mode()
+    def post_decode(self, states: list[HunyuanState]) -> list[Outputs]:
+        by_grid = group_indices([state.context.grid for state in states])
+        out: list[Outputs] = [{} for _ in states]
+        for indices in by_grid.values():
+            images = self.pipe.decode([states[i].latents for i in indices])
+            for k, i in enumerate(indices):
+                out[i] = {"image": images[k:k + 1]}
+        return out
+
+
+ADAPTER = HunyuanImage3Adapter

@@ -1,0 +1,100 @@
+"""What our own LLM-style image models (BAGEL, HunyuanImage-3.0) really share, and nothing more.
+
+Both are decoder-only transformers that denoise image tokens against a prompt
+prefilled once per request. So both need: a request's own KV cache of its prompt,
+many such caches of different lengths padded into one forward (with the mask
+that hides the padding), the small pieces of math their reference code shares
+(Qwen/Hunyuan RMSNorm, rotate-half RoPE, DiT's sinusoidal timestep embedding),
+and the shifted flow-matching schedule both step with Euler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class KVCache:
+    """One context's keys and values per layer, [kv_heads, length, head_dim] each (positions applied)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+    def empty(self) -> "KVCache":
+        """A zero-length cache of the same layers (a context with no prompt)."""
+        return KVCache([k[:, :0] for k in self.keys], [v[:, :0] for v in self.values])
+
+
+@dataclass
+class PaddedCaches:
+    """Caches of one forward right-padded to the longest: per layer [R, kv_heads, C_max, d], and which keys are real."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    valid: torch.Tensor  # [R, C_max] bool
+
+    @classmethod
+    def of(cls, caches: list[KVCache]) -> "PaddedCaches":
+        longest = max(cache.length for cache in caches)
+        device = caches[0].keys[0].device
+        lengths = torch.tensor([cache.length for cache in caches], device=device)
+        valid = torch.arange(longest, device=device)[None] < lengths[:, None]
+        layers = range(len(caches[0].keys))
+        return cls([_pad_stack([c.keys[i] for c in caches], longest) for i in layers],
+                   [_pad_stack([c.values[i] for c in caches], longest) for i in layers], valid)
+
+
+def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
+    return torch.stack([F.pad(t, (0, 0, 0, length - t.shape[1])) for t in tensors])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with grouped KV heads repeated to the query heads (as both references do), boolean mask."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                          attn_mask=mask)
+
+
+class RMSNorm(nn.Module):
+    """Qwen2's and Hunyuan's RMSNorm: normalised in float32, scaled in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000) -> torch.Tensor:
+    """DiT's sinusoidal embedding [cos, sin] of (fractional) timesteps t [N]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half).to(t.device)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def shifted_schedule(num_steps: int, shift: float) -> torch.Tensor:
+    """The num_steps + 1 noise levels of a shifted flow-matching schedule, from 1 down to 0 (float32):
+    `linspace(1, 0, n + 1)` through `s t / (1 + (s - 1) t)` (BAGEL's and HunyuanImage-3's, SD3's shift)."""
+    t = torch.linspace(1, 0, num_steps + 1)
+    return shift * t / (1 + (shift - 1) * t)
