@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-own clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-own bench-efficiency clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -42,6 +42,9 @@ bench-priority: models  ## an urgent request alone and under a full background l
 
 bench-own: models  ## our own model code (BAGEL, HunyuanImage-3.0): step batching at concurrency 4 vs serial (a minute)
 	@$(PY) -m benchmarks.own_models
+
+bench-efficiency: models  ## served and in-process engine vs the offline batched limit, per-phase split (about 5 min)
+	@$(PY) -m benchmarks.efficiency
 
 clean:
 	rm -rf models out build .pytest_cache

@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + efficiency_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -521,12 +521,32 @@ def perf_analyzer_section(results: dict) -> list[str]:
     return lines
 
 
+def side_results(path: Optional[Path], name: str) -> Optional[dict]:
+    """A side benchmark's saved results (benchmarks/results/<name>.json unless `path`), or None if never run."""
+    path = path or RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def system_rows(systems: dict, p99: bool = False) -> list[str]:
+    """A side benchmark's table: each system's req/s (and p99 latency), requests per forward, errors."""
+    header = "| system | req/s |" + (" p99 latency s |" if p99 else "") + " mean requests per forward | errors |"
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for entry in systems.values():
+        points = entry["points"]
+        cells = [entry["label"], fmt_spread(spread([p["requests_per_s"] for p in points]), 3)]
+        if p99:
+            cells.append(fmt_spread(spread([p.get("latency_p99_s") for p in points])))
+        cells += [fmt_spread(spread([p["server"].get("mean_batch_size") for p in points])),
+                  str(sum(p.get("errors", 0) for p in points))]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def lora_section(path: Optional[Path] = None) -> list[str]:
     """Mixed vs LoRA-homogeneous step batching (`make bench-lora`, its own run: benchmarks/results/lora.json)."""
-    path = path or RESULTS_DIR / "lora.json"
-    if not path.is_file():
+    results = side_results(path, "lora")
+    if results is None:
         return []
-    results = json.loads(path.read_text())
     w = results["workload"]
     lines = ["", "## LoRA per request: mixed vs homogeneous batches", "",
              f"`make bench-lora`, started {results['started']}: the tiny Qwen-Image, {w['size']}x{w['size']}, "
@@ -535,13 +555,7 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
              "(median, min-max). Every server runs step mode; `lora_batching=homogeneous` puts the LoRA in the step "
              "key (the seed's rule), `mixed` lets any LoRAs share a forward; `max_head_bypass=0` is the seed's FIFO "
              "admission, where a waiting request with another LoRA than the running batch's holds up everyone behind "
-             "it.", "",
-             "| system | req/s | mean requests per forward | errors |", "|---|---|---|---|"]
-    for entry in results["systems"].values():
-        rates = spread([p["requests_per_s"] for p in entry["points"]])
-        batches = spread([p["server"].get("mean_batch_size") for p in entry["points"]])
-        errors = sum(p.get("errors", 0) for p in entry["points"])
-        lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(batches)} | {errors} |")
+             "it.", ""] + system_rows(results["systems"])
     lines += ["", f"Mixed / homogeneous requests/s (medians): {f(results.get('mixed_over_homogeneous'), 2, 'x')} "
               f"with head bypass, {f(results.get('mixed_over_homogeneous_fifo'), 2, 'x')} against FIFO admission. "
               "On this CPU a bigger batch makes a step only a little cheaper per request, so fuller forwards buy "
@@ -551,36 +565,64 @@ def lora_section(path: Optional[Path] = None) -> list[str]:
 
 def own_models_section(path: Optional[Path] = None) -> list[str]:
     """Our own model code, step batching vs serial (`make bench-own`: benchmarks/results/own_models.json)."""
-    path = path or RESULTS_DIR / "own_models.json"
-    if not path.is_file():
+    results = side_results(path, "own_models")
+    if results is None:
         return []
-    results = json.loads(path.read_text())
     w = results["workload"]
     lines = ["", "## Own model code (BAGEL, HunyuanImage-3.0): step batching vs serial", "",
              f"`make bench-own`, started {results['started']}: each tiny preset (the golden checkpoint of "
              f"tests/golden/<pipeline>), {w['size']}x{w['size']}, {w['steps']} steps, CFG at the model's default "
              f"scale (two rows per request), closed loop at concurrency {w['concurrency']}, "
-             f"{w['requests_per_point']} requests per point, {w['repeats']} interleaved repeats (median, min-max).", "",
-             "| system | req/s | p99 latency s | mean requests per forward | errors |", "|---|---|---|---|---|"]
-    for entry in results["systems"].values():
-        rates = spread([p["requests_per_s"] for p in entry["points"]])
-        p99 = spread([p.get("latency_p99_s") for p in entry["points"]])
-        batches = spread([p["server"].get("mean_batch_size") for p in entry["points"]])
-        errors = sum(p.get("errors", 0) for p in entry["points"])
-        lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(p99)} | {fmt_spread(batches)} | "
-                     f"{errors} |")
+             f"{w['requests_per_point']} requests per point, {w['repeats']} interleaved repeats (median, min-max).",
+             ""] + system_rows(results["systems"], p99=True)
     ratios = ", ".join(f"{name} {f(ratio, 2, 'x')}" for name, ratio in results["step_over_serial"].items())
     lines += ["", f"Step batching / serial requests/s (medians): {ratios}. Tiny random weights: this measures the "
               "engine and batching, not the models' speed."]
     return lines
 
 
+def efficiency_section(path: Optional[Path] = None) -> list[str]:
+    """Served and in-process engine vs the offline batched limit, with the per-phase split (`make bench-efficiency`)."""
+    results = side_results(path, "efficiency")
+    if results is None:
+        return []
+    from engine_lib.phases import PHASES
+
+    w = results["workload"]
+    lines = ["", "## Engine efficiency: served and in-process vs the offline batched limit", "",
+             f"`make bench-efficiency`, started {results['started']}: Qwen-Image, {w['steps']} steps, the workload's "
+             f"prompts cycling; offline is diffusers `pipe(prompt=[{w['batch']} prompts])` in a fresh process; the "
+             f"in-process engine (step mode, `max_num_seqs={w['batch']}`) runs in another fresh process with "
+             f"{w['batch']} closed-loop client threads; served is tritonserver with the same engine and "
+             f"{w['batch']} closed-loop gRPC clients. {w['requests_per_point']} requests per point, {w['repeats']} "
+             "interleaved repeats (median, min-max). Goals (issue #14): served / offline >= 0.9, engine / offline "
+             ">= 0.95.", "",
+             "| preset | offline images/s | engine req/s | engine / offline | served req/s | served / offline |",
+             "|---|---|---|---|---|---|"]
+    for preset, e in results["presets"].items():
+        lines.append(f"| {preset} {e['size']}x{e['size']} | {fmt_spread(spread(e['offline']))} | "
+                     f"{fmt_spread(spread(e['engine']))} | {f(e['engine_over_offline'], 2, 'x')} | "
+                     f"{fmt_spread(spread(e['served']))} | {f(e['served_over_offline'], 2, 'x')} |")
+    lines += ["", "Milliseconds per request in each phase (medians over repeats; engine thread, plus the sender's "
+              "`encode` and `send` when served; engine_lib/phases.py):", "",
+              "| phase | " + " | ".join(f"{p} engine | {p} served" for p in results["presets"]) + " |",
+              "|---|" + "---|---|" * len(results["presets"])]
+    n = w["requests_per_point"]
+    for phase in PHASES:
+        cells = []
+        for e in results["presets"].values():
+            for key in ("engine_phases", "served_phases"):
+                values = [run.get(phase, 0.0) * 1000 / n for run in e[key]]
+                cells.append(f"{statistics.median(values):.2f}" if values else "-")
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def size_batching_section(path: Optional[Path] = None) -> list[str]:
     """Mixed sizes: fused waves vs step batching with and without mixed_size_batching (`make bench-sizes`)."""
-    path = path or RESULTS_DIR / "mixed_sizes.json"
-    if not path.is_file():
+    results = side_results(path, "mixed_sizes")
+    if results is None:
         return []
-    results = json.loads(path.read_text())
     w = results["workload"]
     lines = ["", "## Mixed image sizes: fused waves vs step batching", "",
              f"`make bench-sizes`, started {results['started']}: the {w['preset']} Qwen-Image preset, sizes drawn "
@@ -604,10 +646,9 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
 
 def priority_section(path: Optional[Path] = None) -> list[str]:
     """An urgent request alone and under a full background load (`make bench-priority`: priority.json)."""
-    path = path or RESULTS_DIR / "priority.json"
-    if not path.is_file():
+    results = side_results(path, "priority")
+    if results is None:
         return []
-    results = json.loads(path.read_text())
     w = results["workload"]
     labels = {"alone": "alone (idle server)",
               "preempt": "under load, priority 1, `max_preemptions=1` (pauses a background request)",
@@ -700,6 +741,7 @@ def reproduce_section() -> list[str]:
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "make bench-own          # BAGEL and HunyuanImage-3.0: step batching at concurrency 4 vs serial (a minute)",
+            "make bench-efficiency   # served and in-process engine vs the offline limit, per-phase split (5 minutes)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

@@ -43,6 +43,8 @@ class EngineConfig:
     max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
+    decode_group_ticks: int = 2  # step mode: ticks a denoised request may wait to share a VAE call (0: none)
+    prompt_cache_mb: int = 256  # prompt embeddings kept for repeated prompts (MiB, least recently used first); 0: off
     # LoRA per request (engine_lib/lora.py)
     lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
     max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
@@ -95,7 +97,7 @@ class EngineConfig:
         if not 1 <= self.default_priority_level <= self.priority_levels:
             raise ConfigError(f"parameter 'default_priority_level': {self.default_priority_level} must be in "
                               f"[1, priority_levels={self.priority_levels}]")
-        for name in ("max_head_bypass", "max_preemptions", "max_batch_tokens"):
+        for name in ("max_head_bypass", "max_preemptions", "max_batch_tokens", "prompt_cache_mb", "decode_group_ticks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
         if self.lora_batching not in ("mixed", "homogeneous"):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig, EngineMode, select_mode
+from engine_lib.phases import PhaseClock
 from engine_lib.request import (
     DiffusionOutput,
     DiffusionRequest,
@@ -58,6 +59,8 @@ class EngineStats:
     thread_alive: bool
     waiting_by_priority: Optional[Mapping[int, int]] = None  # priority level -> requests waiting
     num_preempted: int = 0  # pauses so far
+    phase_seconds: Optional[Mapping[str, float]] = None  # seconds per phase so far (engine_lib/phases.py)
+    counters: Optional[Mapping[str, float]] = None  # the adapter's monotone totals (prompt cache hits, ...)
 
 
 class OutputStream:
@@ -97,7 +100,9 @@ class DiffusionEngine:
         self.config = config
         self.mode = select_mode(config, adapter)
         self.inputs = adapter.input_schema(config)  # the one validation of every request
-        self.runner = ModelRunner(adapter, fail_prompt=config.test_fail_prompt)
+        self.clock = PhaseClock()  # the engine thread's phases (the runner's too); the sender adds its own
+        self.runner = ModelRunner(adapter, fail_prompt=config.test_fail_prompt, clock=self.clock,
+                                  decode_group_ticks=config.decode_group_ticks)
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
         # Shared with callers' threads, guarded by _cond: scheduler, _sinks, _pending_aborts, _closed.
@@ -233,7 +238,7 @@ class DiffusionEngine:
         with self._cond:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
-                               self.scheduler.num_preempted)
+                               self.scheduler.num_preempted, self.clock.totals(), self.adapter.counters())
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
@@ -286,9 +291,10 @@ class DiffusionEngine:
             self._maybe_wait_for_admission()
             if self._closed:
                 return
-            sched_out = self.scheduler.schedule()
-            new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
-            running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
+            with self.clock.phase("schedule"):
+                sched_out = self.scheduler.schedule()
+                new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
+                running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
         self.runner.free(sched_out.finished_ids)
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
@@ -302,9 +308,10 @@ class DiffusionEngine:
                 result.fail(request.request_id, exc)
             self.runner.free([r.request_id for r in new + running])
         seconds = time.monotonic() - start
-        with self._cond:
+        with self._cond, self.clock.phase("schedule"):
             ended = self.scheduler.update_from_output(sched_out, result.output)
-        self._emit(new + running, ended, result)
+        with self.clock.phase("emit"):
+            self._emit(new + running, ended, result)
         if self._tick_listener is not None:
             self._tick_listener(TickStats(self.mode, len(new) + len(running), seconds))
 

@@ -263,3 +263,7 @@ class PipelineAdapter(ABC):
     def preview(self, state: RequestState) -> Outputs:
         """Cheap named uint8 outputs of the current latents (reads the state only)."""
         raise NotImplementedError(f"{self.name} has no previews")
+
+    def counters(self) -> dict[str, float]:
+        """Monotone totals the adapter keeps (e.g. prompt cache hits), for the metrics."""
+        return {}

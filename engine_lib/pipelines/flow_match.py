@@ -33,6 +33,7 @@ from engine_lib import interface
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState, Schedule
+from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import ConfigError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
@@ -118,6 +119,7 @@ class FlowMatchAdapter(PipelineAdapter):
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
         self.lora_batching = self.options.get("lora_batching") or "mixed"
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
+        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
 
     # -- loading and limits --------------------------------------------------
     @classmethod
@@ -246,6 +248,16 @@ class FlowMatchAdapter(PipelineAdapter):
     def latent_channels(self) -> int:
         return int(self.pipe.vae.config.latent_channels)
 
+    def _text_key(self, params: SamplingParams) -> tuple:
+        """Everything `_encode` reads: the prompt, whether CFG runs and on which negative prompt, the text length,
+        images per prompt, the LoRA (its file may carry text-encoder layers)."""
+        cfg = self.do_cfg(params)
+        return (self.name, params.prompt, cfg, params.negative_prompt if cfg else None, self.text_length(params),
+                params.num_images, self.row_lora(params))
+
+    def counters(self) -> dict[str, float]:
+        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses}
+
     # -- step execution ------------------------------------------------------
     @torch.inference_mode()
     def prepare_encode(self, state: FlowMatchState) -> None:
@@ -255,7 +267,7 @@ class FlowMatchAdapter(PipelineAdapter):
         p = state.params
         if p.lora_name:
             self.loras.ensure([p.lora_name])  # a file that cannot be loaded fails this request alone
-        state.text = self._encode(state)
+        state.text = self.text_cache.get_or_encode(self._text_key(p), lambda: self._encode(state))
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.latents = self._initial_latents(state)
         # The copy is request-local: diffusers keeps `_step_index` on the scheduler object.

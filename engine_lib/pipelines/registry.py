@@ -117,7 +117,7 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
         lora_dir = str(default_lora_dir(config.pipeline))
     options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
                "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching,
-               "mixed_size_batching": config.mixed_size_batching}
+               "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20}
     adapter = adapter_cls.load(model_path, device, dtype, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter

@@ -45,11 +45,13 @@ class RunnerOutput:
     step_index: each scheduled request's progress after this tick.
     finished: requests whose final result the runner produced this tick.
     errors: requests that failed this tick (they end alone; batch-mates go on).
+    decoding: requests done denoising whose decode waits for others' (they stay running a tick or two).
     """
 
     step_index: dict[str, int] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     errors: dict[str, EngineError] = field(default_factory=dict)
+    decoding: set[str] = field(default_factory=set)
 
 
 class Scheduler(ABC):
@@ -164,7 +166,8 @@ class Scheduler(ABC):
                 request.error = error
             else:
                 request.step_index = runner_out.step_index.get(rid, request.step_index)
-                if rid not in runner_out.finished and request.step_index < request.num_steps:
+                if rid not in runner_out.finished and (request.step_index < request.num_steps
+                                                       or rid in runner_out.decoding):
                     continue
                 request.status = RequestStatus.FINISHED
             self._end(request)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from engine_lib.phases import PHASES
+
 # invalid: refused at admission for its inputs; unavailable: refused because the queue was full or the
 # engine was shutting down; timed_out: its deadline (Triton's request timeout) passed before it started.
 # None of these three ran.
@@ -83,7 +85,17 @@ class ModelMetrics:
                                      for level in range(1, priority_levels + 1)}
         self._preemptions = make("diffusion_preemptions_total", "Times a running request was paused between "
                                  "steps for a more urgent one", family.COUNTER).Metric(labels=labels)
-        self._preemptions_seen = 0
+        phases = make("diffusion_engine_phase_seconds_total", "Seconds the engine thread (and the sender, phases "
+                      "encode and send) spent per phase", family.COUNTER)
+        # Counters that follow monotone totals of the engine's stats: (stats field, key) -> metric.
+        self._totals = {("num_preempted", None): self._preemptions,
+                        **{("phase_seconds", phase): phases.Metric(labels={**labels, "phase": phase})
+                           for phase in PHASES},
+                        **{("counters", f"prompt_cache_{kind}"): make(
+                            f"diffusion_prompt_cache_{kind}_total", f"Prompt embeddings {text}",
+                            family.COUNTER).Metric(labels=labels)
+                           for kind, text in (("hits", "reused from the cache"), ("misses", "encoded"))}}
+        self._totals_seen = dict.fromkeys(self._totals, 0.0)
         # Set once: the launcher's supervisor starts each server with its restart count so far.
         self._restarts = make("diffusion_server_restarts", "Times the launcher restarted this tritonserver after "
                               "it or a Python stub died", family.GAUGE).Metric(labels=labels)
@@ -144,10 +156,12 @@ class ModelMetrics:
         waiting = getattr(stats, "waiting_by_priority", None) or {}
         for level, gauge in self._waiting_by_priority.items():
             gauge.set(float(waiting.get(level, 0)))
-        preempted = int(getattr(stats, "num_preempted", 0))
-        if preempted > self._preemptions_seen:
-            self._preemptions.increment(float(preempted - self._preemptions_seen))
-            self._preemptions_seen = preempted
+        for (field, key), counter in self._totals.items():
+            value = getattr(stats, field, None)
+            value = float((value or {}).get(key, 0.0) if key is not None else (value or 0))
+            if value > self._totals_seen[(field, key)]:
+                counter.increment(value - self._totals_seen[(field, key)])
+                self._totals_seen[(field, key)] = value
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Apply what is queued, then release metrics before their families."""
@@ -159,5 +173,5 @@ class ModelMetrics:
         except Exception as exc:  # noqa: BLE001
             self._log(f"metrics update failed: {exc!r}")
         self._outcomes, self._gauges, self._histograms, self._restarts = {}, {}, {}, None
-        self._waiting_by_priority, self._preemptions = {}, None
+        self._waiting_by_priority, self._preemptions, self._totals = {}, None, {}
         self._families = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from engine_lib.interface import OutputSpec
+from engine_lib.phases import PhaseClock
 from engine_lib.request import (DiffusionOutput, EngineError, EngineUnavailableError, PipelineError, RequestTimedOutError,
                                 RequestCancelledError)
 from engine_lib.serving.tensors import output_arrays
@@ -74,8 +75,9 @@ class ResponseSender:
 
     def __init__(self, pb_utils: Any, abort: Callable[[list[str]], None], metrics: Any,
                  log: Callable[[str], None], model_name: str, poll_interval_s: float = 0.05,
-                 outputs: Optional[Mapping[str, OutputSpec]] = None):
+                 outputs: Optional[Mapping[str, OutputSpec]] = None, clock: Optional[PhaseClock] = None):
         self._pb = pb_utils
+        self._clock = clock or PhaseClock()  # "encode" (tensors, PNG) and "send" seconds
         self._outputs = dict(outputs or {})  # the adapter's declared outputs, for output_format encodings
         self._abort = abort
         self._metrics = metrics
@@ -161,11 +163,13 @@ class ResponseSender:
             if output.error is not None:
                 self._send_error(stream.response_sender, output.error, stream.client_id)
             else:
-                arrays = output_arrays(output, stream.output_format, self._outputs)
-                response = self._pb.InferenceResponse(
-                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
+                with self._clock.phase("encode"):
+                    arrays = output_arrays(output, stream.output_format, self._outputs)
+                    response = self._pb.InferenceResponse(
+                        output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
                 flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.is_final else 0
-                stream.response_sender.send(response, flags=flags)
+                with self._clock.phase("send"):
+                    stream.response_sender.send(response, flags=flags)
         except Exception as exc:  # noqa: BLE001 - end the stream with what can still be sent
             self._log(f"{self._model_name}: send failed for request {stream.request_id}: {exc!r}")
             if not output.is_final:

@@ -91,7 +91,8 @@ class TritonPythonModel:
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None
         self.sender = ResponseSender(pb_utils, self.engine.abort, self.metrics, _log, self.model_name,
-                                     outputs={spec.name: spec for spec in self.adapter.outputs})
+                                     outputs={spec.name: spec for spec in self.adapter.outputs},
+                                     clock=self.engine.clock)
         self.metrics.start(self.engine.stats)
         self.sender.start()
         self._ids = itertools.count(1)

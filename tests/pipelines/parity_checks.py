@@ -63,13 +63,13 @@ class DriveResult:
 
 
 def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4,
-                float_output: bool = False) -> DriveResult:
+                float_output: bool = False, decode_group_ticks: int = 0) -> DriveResult:
     """Run arrivals through `ModelRunner.execute_step` tick by tick (step mode: requests join between steps).
 
     Previews follow each request's preview_interval; `float_output` keeps the pipeline's
     float images (before the uint8 rounding every served image gets).
     """
-    runner = ModelRunner(adapter, float_outputs=float_output)
+    runner = ModelRunner(adapter, float_outputs=float_output, decode_group_ticks=decode_group_ticks)
     pending = sorted(arrivals, key=lambda a: a.tick)
     running: list[DiffusionRequest] = []
     result = DriveResult()

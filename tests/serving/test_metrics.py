@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
 
 LABELS = {"model": "qwen_image"}
@@ -46,3 +50,22 @@ def test_gauges_show_running_and_waiting_requests_then_nothing(server, held):
         close_all(streams, held)
     for gauge in expected:
         assert wait_for_metric(server.metrics_url, gauge, 0.0, **LABELS) == 0.0, gauge
+
+
+def test_prompt_cache_hits_and_engine_phases_are_counted(server):
+    labels = {"model": "qwen_image"}
+    before = scrape(server.metrics_url)
+    prompt = f"a cached prompt {time.monotonic()}"  # new to this server
+    first = run_request(server.grpc_url, prompt=prompt, height=32, width=32, num_inference_steps=2, seed=1)
+    second = run_request(server.grpc_url, prompt=prompt, height=32, width=32, num_inference_steps=2, seed=1)
+    assert not first.errors and not second.errors
+    np.testing.assert_array_equal(first.final.as_numpy("image"), second.final.as_numpy("image"))
+    hits = metric(before, "diffusion_prompt_cache_hits_total", **labels) + 1
+    assert wait_for_metric(server.metrics_url, "diffusion_prompt_cache_hits_total", hits, **labels) == hits
+    after = scrape(server.metrics_url)
+    assert metric(after, "diffusion_prompt_cache_misses_total", **labels) >= \
+        metric(before, "diffusion_prompt_cache_misses_total", **labels) + 1
+    for phase in ("schedule", "prepare", "gather", "forward", "scheduler", "decode", "convert", "emit", "encode",
+                  "send"):
+        assert metric(after, "diffusion_engine_phase_seconds_total", phase=phase, **labels) > \
+            metric(before, "diffusion_engine_phase_seconds_total", phase=phase, **labels), phase

@@ -71,18 +71,20 @@ class FluxAdapter(FlowMatchAdapter):
             sides["uncond"] = params.negative_prompt
         text = {}
         for side, prompt in sides.items():
-            embeds, pooled, txt_ids = self.pipe.encode_prompt(
+            embeds, pooled, _ = self.pipe.encode_prompt(
                 prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=params.num_images,
                 max_sequence_length=self.text_length(params),
             )
             text[side] = {"embeds": embeds, "pooled": pooled}
-            state.txt_ids = txt_ids
         return text
 
     def _initial_latents(self, state: FluxState) -> torch.Tensor:
         p = state.params
         num_channels_latents = self.pipe.transformer.config.in_channels // 4
-        dtype = state.text["cond"]["embeds"].dtype
+        embeds = state.text["cond"]["embeds"]
+        dtype = embeds.dtype
+        # encode_prompt's text ids, made here so cached embeddings need none: zeros [L, 3] in the encoder's dtype
+        state.txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.pipe.text_encoder.dtype)
         latents, state.img_ids = self.pipe.prepare_latents(
             p.num_images, num_channels_latents, p.height, p.width, dtype, self.device, state.generator)
         return latents

@@ -1,0 +1,41 @@
+"""Requests that finish denoising in nearby ticks decode in one VAE call (`decode_group_ticks`), and their images
+are the ones they get decoded alone (within the batched tolerance)."""
+
+from __future__ import annotations
+
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines import registry
+from parity_checks import Arrival, assert_close_images, drive_steps, load_tiny_adapter
+
+STAGGERED = [Arrival(tick, f"r{tick}", {"prompt": f"a photo {tick}", "num_inference_steps": 3, "seed": tick,
+                                        "height": 32, "width": 32}) for tick in range(3)]
+
+
+def decode_calls(adapter, **kw):
+    calls = []
+    post_decode = adapter.post_decode
+    adapter.post_decode = lambda states: calls.append([s.request_id for s in states]) or post_decode(states)
+    try:
+        result = drive_steps(adapter, STAGGERED, float_output=True, **kw)
+    finally:
+        del adapter.post_decode
+    return calls, result
+
+
+def test_requests_finishing_a_tick_apart_decode_together_and_keep_their_images():
+    adapter = load_tiny_adapter("qwen_image", registry.get_adapter_class("qwen_image"))
+    alone, separate = decode_calls(adapter, decode_group_ticks=0)
+    grouped, together = decode_calls(adapter, decode_group_ticks=2)
+    assert alone == [["r0"], ["r1"], ["r2"]]
+    assert grouped == [["r0", "r1", "r2"]]  # r0 waits two ticks, r1 one, for r2
+    assert together.finished_at == {"r0": 4, "r1": 4, "r2": 4} and separate.finished_at == {"r0": 2, "r1": 3, "r2": 4}
+    assert max(together.batch_sizes) == 3 and together.batch_sizes[-1] == 3  # the waiting ones stay running
+    for rid, image in together.images.items():
+        assert_close_images(image, separate.images[rid], to_uint8)
+
+
+def test_a_request_waits_at_most_decode_group_ticks():
+    adapter = load_tiny_adapter("qwen_image", registry.get_adapter_class("qwen_image"))
+    grouped, result = decode_calls(adapter, decode_group_ticks=1)
+    assert grouped == [["r0", "r1"], ["r2"]]  # r0 waited one tick for r1; r2 was two ticks away from r0
+    assert result.finished_at == {"r0": 3, "r1": 3, "r2": 4}
