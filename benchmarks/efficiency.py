@@ -19,7 +19,6 @@ main thread). Results: benchmarks/results/efficiency.json; docs/benchmarks.md.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -61,8 +60,7 @@ def _worker(kind: str, preset: str, size: int, requests: int) -> dict:
     from engine_lib.engine import DiffusionEngine
 
     config = EngineConfig(pipeline="qwen_image", step_execution=True, max_num_seqs=BATCH, device="cpu",
-                          dtype="float32", warmup=True, max_queue=4 * requests,
-                          decode_group_ticks=int(os.environ.get("DECODE_GROUP_TICKS", EngineConfig.decode_group_ticks)))
+                          dtype="float32", warmup=True, max_queue=4 * requests)
     engine = DiffusionEngine.make_engine(config, adapter=adapter)
     try:
         def run(n: int) -> float:
@@ -130,7 +128,7 @@ def run(repeats: int = 3, requests: int = 48, log_dir: Optional[Path] = None) ->
         entry = results["presets"][preset] = {"size": size, "offline": [], "engine": [], "served": [],
                                               "engine_phases": [], "served_phases": []}
         with systems.serve(system, model_path, log_dir=log_dir) as rs:
-            metrics_url = rs.server.metrics_url if hasattr(rs.server, "metrics_url") else None
+            metrics_url = rs.server.metrics_url
             specs = workloads.uniform(requests, size, STEPS, 0, seed=600)
             loadgen.run_closed_loop(rs.target, specs[:BATCH], BATCH, tag="warm")
             for r in range(repeats):

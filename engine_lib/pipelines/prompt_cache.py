@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_lib.pipelines.checkpoint import group_indices
 
 
 @dataclass
@@ -98,3 +103,14 @@ def shifted_schedule(num_steps: int, shift: float) -> torch.Tensor:
     `linspace(1, 0, n + 1)` through `s t / (1 + (s - 1) t)` (BAGEL's and HunyuanImage-3's, SD3's shift)."""
     t = torch.linspace(1, 0, num_steps + 1)
     return shift * t / (1 + (shift - 1) * t)
+
+
+def decode_by_grid(states: Sequence, decode: Callable[[list[torch.Tensor], tuple[int, int]], np.ndarray]) -> list[dict]:
+    """`post_decode` for states holding `context.grid` and `latents`: one `decode(latents, grid)` call per image
+    size, `{"image": [1, H, W, 3]}` per state."""
+    out: list[dict] = [{} for _ in states]
+    for grid, indices in group_indices([state.context.grid for state in states]).items():
+        images = decode([states[i].latents for i in indices], grid)
+        for k, i in enumerate(indices):
+            out[i] = {"image": np.ascontiguousarray(images[k:k + 1])}
+    return out

@@ -18,15 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import numpy as np
 import torch
 
 from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import RENORM_TYPES, BagelPipeline, Context, Guidance
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
-from engine_lib.pipelines.checkpoint import group_indices
 from engine_lib.pipelines.flow_match import IMAGE
+from engine_lib.pipelines.prompt_cache import decode_by_grid
 from engine_lib.request import InvalidInputError, SamplingParams
 
 # The official inferencer's text-to-image settings are the defaults.
@@ -140,13 +139,7 @@ class BagelAdapter(PipelineAdapter):
 
     @torch.inference_mode()
     def post_decode(self, states: list[BagelState]) -> list[Outputs]:
-        by_grid = group_indices([state.context.grid for state in states])
-        out: list[Outputs] = [{} for _ in states]
-        for grid, indices in by_grid.items():
-            images = self.pipe.decode([states[i].latents for i in indices], grid)
-            for k, i in enumerate(indices):
-                out[i] = {"image": np.ascontiguousarray(images[k:k + 1])}
-        return out
+        return decode_by_grid(states, self.pipe.decode)
 
 
 ADAPTER = BagelAdapter

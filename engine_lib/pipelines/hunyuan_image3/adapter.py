@@ -20,8 +20,8 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
-from engine_lib.pipelines.checkpoint import group_indices
 from engine_lib.pipelines.flow_match import IMAGE
+from engine_lib.pipelines.prompt_cache import decode_by_grid
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -130,13 +130,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
 
     @torch.inference_mode()
     def post_decode(self, states: list[HunyuanState]) -> list[Outputs]:
-        by_grid = group_indices([state.context.grid for state in states])
-        out: list[Outputs] = [{} for _ in states]
-        for indices in by_grid.values():
-            images = self.pipe.decode([states[i].latents for i in indices])
-            for k, i in enumerate(indices):
-                out[i] = {"image": images[k:k + 1]}
-        return out
+        return decode_by_grid(states, lambda latents, grid: self.pipe.decode(latents))
 
 
 ADAPTER = HunyuanImage3Adapter
