@@ -55,6 +55,7 @@ class EngineConfig:
     max_width: int = 1024
     max_steps: int = 100
     max_num_images: int = 4
+    max_num_frames: int = 257  # video pipelines: the most frames one request may ask for
     max_prompt_chars: int = 4096
     max_queue: int = 64
     # defaults for inputs a request leaves out
@@ -103,7 +104,7 @@ class EngineConfig:
         if self.lora_batching not in ("mixed", "homogeneous"):
             raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",
-                     "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
+                     "max_num_frames", "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
 

@@ -194,7 +194,8 @@ class DiffusionEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already active")
             request = DiffusionRequest(request_id, params,
-                                       priority=params.get("priority") or self.config.default_priority_level)
+                                       priority=params.get("priority") or self.config.default_priority_level,
+                                       total_steps=self.adapter.total_steps(params))
             if timeout_s:
                 request.deadline = request.arrival_time + timeout_s
             self.scheduler.add_request(request)
@@ -328,10 +329,11 @@ class DiffusionEngine:
     def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerResult) -> None:
         ended_ids = {r.request_id for r in ended}
         for request in scheduled:
-            preview = result.previews.get(request.request_id)
-            if request.request_id not in ended_ids and preview is not None:
+            chunk = result.chunks.get(request.request_id)  # streamed even in the tick its request ends
+            preview = result.previews.get(request.request_id) if request.request_id not in ended_ids else None
+            if chunk is not None or preview is not None:
                 self._emit_output(DiffusionOutput(request.request_id, request.step_index, request.num_steps,
-                                                  False, outputs=preview))
+                                                  False, outputs=chunk if chunk is not None else preview))
         for request in ended:
             self._emit_final(request, outputs=result.outputs.get(request.request_id), error=request.error)
 

@@ -187,6 +187,13 @@ PROGRESS_OUTPUTS = (
 )
 
 
+# What every video pipeline sends: the frames (mp4-encodable), and the rate they play at.
+VIDEO = OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "videos [N, F, H, W, 3] (chunk responses: that chunk's frames)",
+                   encodings=("mp4",), pipe_output="frames")
+FRAME_RATE = OutputSpec("frame_rate", "FP32", (1,), "frames per second the video plays at (and its mp4 is encoded at)")
+FRAME_OFFSET = OutputSpec("frame_offset", "INT32", (1,), "chunk responses: the index of the chunk's first frame")
+
+
 def encoded_outputs(outputs: Sequence[OutputSpec]) -> tuple[OutputSpec, ...]:
     """The BYTES outputs that declared encodings add: `<name>_<format>` [N], base64 text of one file per item."""
     return tuple(OutputSpec(f"{spec.name}_{fmt}", "BYTES", (-1,), f"`{spec.name}` as base64 {fmt.upper()}, one per item")
@@ -216,6 +223,9 @@ NUM_IMAGES = InputSpec("num_images", "INT32", "images per prompt", default=1, lo
                        pipe_arg="num_images_per_prompt")
 PREVIEW_INTERVAL = InputSpec("preview_interval", "INT32", "0: final response only; k: a preview every k steps",
                              default=0, low=0, high=INT_RANGES["INT32"][1], batch="row")
+
+NUM_FRAMES = InputSpec("num_frames", "INT32", "video frames to generate", low=1, high_from="max_num_frames",
+                       pipe_arg="num_frames")
 
 PRIORITY = InputSpec("priority", "INT32", "1: most urgent; larger: less urgent; 0: the model's default_priority_level",
                      default=0, low=0, high_from="priority_levels", batch="row")

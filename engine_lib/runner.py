@@ -34,6 +34,7 @@ class RunnerResult:
     output: RunnerOutput = field(default_factory=RunnerOutput)
     outputs: dict[str, Outputs] = field(default_factory=dict)  # request id -> named arrays (finished requests)
     previews: dict[str, Outputs] = field(default_factory=dict)
+    chunks: dict[str, Outputs] = field(default_factory=dict)  # what a request decoded as it went (video chunks)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineError) else PipelineError(f"{type(exc).__name__}: {exc}")
@@ -81,6 +82,9 @@ class ModelRunner:
         done = [s for s in active if s.request_id not in result.output.errors]
         for state in done:
             result.output.step_index[state.request_id] = state.step_index
+        with self.clock.phase("decode"):
+            self._collect_chunks(done, result)
+        done = [s for s in done if s.request_id not in result.output.errors]
         with self.clock.phase("previews"):
             self._emit_previews([s for s in done if not s.denoise_completed], result)
         denoised = [s for s in done if s.denoise_completed]
@@ -169,6 +173,16 @@ class ModelRunner:
         for state in denoised:
             self._held[state.request_id] = self._held.get(state.request_id, 0) + 1
         return []
+
+    def _collect_chunks(self, states: list[RequestState], result: RunnerResult) -> None:
+        for state in states:
+            try:
+                with torch.inference_mode():
+                    chunk = self.adapter.chunk_outputs(state)
+                if chunk is not None:
+                    result.chunks[state.request_id] = self._declared(chunk, as_float=self.float_outputs)
+            except Exception as exc:  # noqa: BLE001
+                result.fail(state.request_id, exc)
 
     def _emit_previews(self, states: list[RequestState], result: RunnerResult) -> None:
         for state in states:

@@ -21,7 +21,10 @@ and implements the seed's step contract, which is the only way the runner runs i
 * `post_decode(states)` once for the requests that finished in the same tick:
   one dict of named float outputs per state (`output_type="np"` values; the
   runner converts them to the declared dtypes);
-* `preview(state)`: optional cheap named uint8 outputs of the current latents.
+* `preview(state)`: optional cheap named uint8 outputs of the current latents;
+* `chunk_outputs(state)`: after each scheduler step, a pipeline that decodes as
+  it goes (Helios, chunk by chunk) hands back what it just decoded, streamed at
+  once as an intermediate response (None: nothing new).
 
 Request-local state (latents, scheduler copies, generator, step index) lives in
 the state object the runner owns, never on the adapter.
@@ -236,6 +239,10 @@ class PipelineAdapter(ABC):
     def step_key(self, params: SamplingParams) -> StepBatchKey:
         return step_batch_key(params, self.key_inputs(), self.key_fields(params))
 
+    def total_steps(self, params: SamplingParams) -> int:
+        """Denoise steps (ticks) this request runs: `num_inference_steps`, times the chunks of a chunked video."""
+        return int(params.num_inference_steps)
+
     def request_cost(self, params: SamplingParams) -> int:
         """Latent tokens x rows this request adds to one forward (`max_batch_tokens`); 0: unknown."""
         return 0
@@ -263,6 +270,10 @@ class PipelineAdapter(ABC):
     def preview(self, state: RequestState) -> Outputs:
         """Cheap named uint8 outputs of the current latents (reads the state only)."""
         raise NotImplementedError(f"{self.name} has no previews")
+
+    def chunk_outputs(self, state: RequestState) -> Optional[Outputs]:
+        """Named float outputs decoded since the last call (a finished video chunk), or None."""
+        return None
 
     def counters(self) -> dict[str, float]:
         """Monotone totals the adapter keeps (e.g. prompt cache hits), for the metrics."""

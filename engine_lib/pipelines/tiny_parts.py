@@ -183,10 +183,11 @@ def tiny_clip(seed: int, tokenizer, hidden_size: int, with_projection: bool):
     return seeded(seed, lambda: cls(config))
 
 
-def tiny_t5(seed: int, tokenizer, d_model: int):
-    from transformers import T5Config, T5EncoderModel
+def tiny_t5(seed: int, tokenizer, d_model: int, umt5: bool = False):
+    """A T5 encoder (UMT5's, with per-layer relative attention, for the pipelines that name that class)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config = T5Config(
+    config = (UMT5Config if umt5 else T5Config)(
         vocab_size=len(tokenizer),
         d_model=d_model,
         d_kv=8,
@@ -199,5 +200,5 @@ def tiny_t5(seed: int, tokenizer, d_model: int):
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )
-    return seeded(seed, lambda: T5EncoderModel(config))
+    return seeded(seed, lambda: (UMT5EncoderModel if umt5 else T5EncoderModel)(config))
 

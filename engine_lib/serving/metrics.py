@@ -94,7 +94,10 @@ class ModelMetrics:
                         **{("counters", f"prompt_cache_{kind}"): make(
                             f"diffusion_prompt_cache_{kind}_total", f"Prompt embeddings {text}",
                             family.COUNTER).Metric(labels=labels)
-                           for kind, text in (("hits", "reused from the cache"), ("misses", "encoded"))}}
+                           for kind, text in (("hits", "reused from the cache"), ("misses", "encoded"))},
+                        ("counters", "frames_generated"): make(
+                            "diffusion_frames_generated_total", "Video frames generated (finished requests of video "
+                            "pipelines)", family.COUNTER).Metric(labels=labels)}
         self._totals_seen = dict.fromkeys(self._totals, 0.0)
         # Set once: the launcher's supervisor starts each server with its restart count so far.
         self._restarts = make("diffusion_server_restarts", "Times the launcher restarted this tritonserver after "

@@ -64,7 +64,7 @@ def _value(spec: InputSpec, array: Any) -> Any:
 # -- outputs ------------------------------------------------------------------------
 
 
-def encode_png_base64(images: np.ndarray) -> np.ndarray:
+def encode_png_base64(images: np.ndarray, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """uint8 [N, H, W, 3] -> BYTES [N] of base64 PNG text.
 
     Base64 because Triton's HTTP generate endpoint writes BYTES outputs into JSON
@@ -81,8 +81,21 @@ def encode_png_base64(images: np.ndarray) -> np.ndarray:
     return np.array(encoded, dtype=np.object_)
 
 
-# output_format -> the encoder of a declared output that lists it in `encodings` (sent as `<name>_<format>`).
-ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"png": encode_png_base64}
+def encode_mp4_base64(videos: np.ndarray, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """uint8 [N, F, H, W, 3] -> BYTES [N] of base64 mp4, at the response's `frame_rate` (24 if none), with
+    the response's `audio` [N, C, S] (at `audio_sample_rate`) muxed in when it has one."""
+    from engine_lib.serving.mp4 import encode_mp4  # noqa: PLC0415
+
+    rate = float(outputs["frame_rate"][0]) if "frame_rate" in outputs else 24.0
+    audio, sample_rate = outputs.get("audio"), int(outputs["audio_sample_rate"][0]) if "audio_sample_rate" in outputs else 0
+    encoded = [encode_mp4(video, rate, None if audio is None else audio[i], sample_rate) for i, video in enumerate(videos)]
+    return np.array([base64.b64encode(data) for data in encoded], dtype=np.object_)
+
+
+# output_format -> the encoder of a declared output that lists it in `encodings` (sent as `<name>_<format>`);
+# it gets the array and the response's other arrays (frame rate, audio).
+ENCODERS: dict[str, Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]] = {
+    "png": encode_png_base64, "mp4": encode_mp4_base64}
 
 def output_arrays(output: DiffusionOutput, output_format: str = "raw",
                   outputs: Optional[Mapping[str, OutputSpec]] = None) -> dict[str, np.ndarray]:
@@ -100,7 +113,7 @@ def output_arrays(output: DiffusionOutput, output_format: str = "raw",
     for name, array in output.outputs.items():
         spec = (outputs or {}).get(name)
         if spec is not None and output_format in spec.encodings:
-            arrays[f"{name}_{output_format}"] = ENCODERS[output_format](array)
+            arrays[f"{name}_{output_format}"] = ENCODERS[output_format](array, output.outputs)
         else:
             arrays[name] = np.ascontiguousarray(array)
     return arrays

@@ -55,11 +55,13 @@ class Arrival:
 
 @dataclass
 class DriveResult:
-    images: dict[str, np.ndarray] = field(default_factory=dict)  # uint8, or float32 with float_output
+    images: dict[str, np.ndarray] = field(default_factory=dict)  # the first declared output (image, video):
+    # uint8, or float32 with float_output
     previews: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # (step, preview)
     batch_sizes: list[int] = field(default_factory=list)  # requests in each tick's forward
     finished_at: dict[str, int] = field(default_factory=dict)  # request id -> tick
     errors: dict[str, Exception] = field(default_factory=dict)
+    chunks: dict[str, list[dict]] = field(default_factory=dict)  # request id -> its streamed chunks, in order
 
 
 def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4,
@@ -70,6 +72,7 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
     float images (before the uint8 rounding every served image gets).
     """
     runner = ModelRunner(adapter, float_outputs=float_output, decode_group_ticks=decode_group_ticks)
+    primary = adapter.outputs[0].name  # image, video
     pending = sorted(arrivals, key=lambda a: a.tick)
     running: list[DiffusionRequest] = []
     result = DriveResult()
@@ -78,16 +81,19 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
         new = []
         while pending and pending[0].tick <= tick and len(running) + len(new) < capacity:
             arrival = pending.pop(0)
-            new.append(DiffusionRequest(arrival.request_id, parse(adapter, arrival.params)))
+            params = parse(adapter, arrival.params)
+            new.append(DiffusionRequest(arrival.request_id, params, total_steps=adapter.total_steps(params)))
         if new or running:
             result.batch_sizes.append(len(new) + len(running))
             out = runner.execute_step(new, running)
             running = running + new
             for request_id, preview in out.previews.items():
                 result.previews.setdefault(request_id, []).append((out.output.step_index[request_id],
-                                                                   preview["image"]))
+                                                                   preview.get(primary)))
+            for request_id, chunk in out.chunks.items():
+                result.chunks.setdefault(request_id, []).append(chunk)
             for request_id, outputs in out.outputs.items():
-                result.images[request_id] = outputs["image"]
+                result.images[request_id] = outputs[primary]
                 result.finished_at[request_id] = tick
             result.errors.update(out.output.errors)
             ended = set(out.output.finished) | set(out.output.errors)
@@ -166,12 +172,13 @@ def parse(adapter: PipelineAdapter, inputs) -> SamplingParams:
 
 
 def pipe_reference(adapter: PipelineAdapter):
-    """`pipe(...)` for a request's inputs: its declared image output as float32 [N, H, W, 3], memoised.
+    """`pipe(...)` for a request's inputs: its first declared output (image [N, H, W, 3], video
+    [N, F, H, W, 3]) as float32, memoised.
 
     The call is built from the declaration alone (`adapter.pipe_kwargs`), and the
     output read from the pipeline output's declared `pipe_output` attribute.
     """
-    [image] = [o for o in adapter.outputs if o.name == "image"]
+    image = adapter.outputs[0]
 
     @functools.lru_cache(maxsize=None)
     def run(p: SamplingParams) -> np.ndarray:

@@ -103,7 +103,7 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
         torch.set_num_threads(threads)
     result = run_request(server.grpc_url, model=model, request_id="parity", **inputs)
     assert not result.errors, result.errors
-    for output in adapter.outputs:
+    for output in (o for o in adapter.outputs if o.pipe_output):
         np.testing.assert_array_equal(result.final.as_numpy(output.name),
                                       output.convert(getattr(expected, output.pipe_output)), err_msg=output.name)
 
@@ -183,3 +183,72 @@ def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
     result = run_request(server.grpc_url, model="hunyuan_image3", request_id="bad", prompt="x", height=64, width=32)
     assert not result.responses and len(result.errors) == 1
     assert "input 'height': 64x32 is not one of this model's sizes" in result.error.message()
+
+
+# -- video: Helios, streamed chunk by chunk ------------------------------------------------
+
+def test_helios_streams_each_chunk_as_it_is_decoded_then_the_whole_video(server, model_dirs):
+    """65 frames = two chunks of 2 steps: progress at steps 1 and 3, a chunk at steps 2 and 4, then the final
+    video, which is the chunks end to end and the pipeline's own; frames are counted in the metrics."""
+    from .streaming import metric, scrape, wait_for_metric
+
+    labels = dict(model="helios")
+    frames_before = metric(scrape(server.metrics_url), "diffusion_frames_generated_total", **labels)
+    inputs = dict(prompt="a boat on a lake", height=32, width=48, num_frames=65, num_inference_steps=2, seed=7)
+    result = run_request(server.grpc_url, model="helios", request_id="chunks", preview_interval=1, **inputs)
+    assert not result.errors and result.num_final == 1, result.errors
+    assert result.steps() == [1, 2, 3, 4, 4]
+    chunks = [r for r in result.responses[:-1] if r.as_numpy("video") is not None]
+    assert [int(c.as_numpy("frame_offset")[0]) for c in chunks] == [0, 33]
+    assert [int(c.as_numpy("step")[0]) for c in chunks] == [2, 4]
+    video = result.final.as_numpy("video")
+    assert video.dtype == np.uint8 and video.shape == (1, 65, 32, 48, 3)
+    np.testing.assert_array_equal(np.concatenate([c.as_numpy("video") for c in chunks], axis=1), video)
+    assert float(result.final.as_numpy("frame_rate")[0]) == 24.0
+
+    from engine_lib.config import EngineConfig
+
+    adapter = registry.load_adapter(EngineConfig(pipeline="helios", model_path=str(model_dirs["helios"]),
+                                                 device="cpu", dtype="float32"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = adapter.pipe(**adapter.pipe_kwargs(adapter.input_schema(EngineConfig()).parse(inputs)),
+                                output_type="np").frames
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(video, (np.clip(expected, 0, 1) * 255).round().astype(np.uint8))
+    assert wait_for_metric(server.metrics_url, "diffusion_frames_generated_total", frames_before + 65,
+                           **labels) == frames_before + 65
+
+
+def test_helios_mp4_over_grpc_and_http_decodes_to_the_asked_frames(server):
+    from engine_lib.serving.mp4 import probe_mp4
+
+    result = run_request(server.grpc_url, model="helios", request_id="mp4", prompt="a kite", num_frames=33,
+                         num_inference_steps=2, output_format="mp4")
+    assert not result.errors, result.errors
+    [mp4] = result.final.as_numpy("video_mp4")
+    assert probe_mp4(base64.b64decode(mp4)) == {"frames": 33, "height": 64, "width": 64, "audio_streams": 0}
+    body = {"prompt": "a kite", "num_frames": 65, "num_inference_steps": 1, "height": 32, "width": 32,
+            "output_format": "mp4"}
+    status, reply = post_json(f"http://{server.http_url}/v2/models/helios/generate_stream", body)
+    assert status == 200, reply
+    events = sse_events(reply)
+    assert [e.get("frame_offset") for e in events] == [0, 33, None]  # a [1] tensor is a JSON scalar
+    clips = [probe_mp4(base64.b64decode(e["video_mp4"])) for e in events]
+    assert [c["frames"] for c in clips] == [33, 32, 65] and clips[-1]["height"] == 32
+
+
+@pytest.mark.parametrize("inputs, says", [
+    (dict(num_frames=40), "input 'num_frames': 40 is not a length helios generates (whole chunks of 33 frames); "
+                          "nearest: 33 or 65"),
+    (dict(num_frames=10_000), "input 'num_frames': 10000 is outside the allowed range [1, 257]"),
+    (dict(height=2048), "input 'height'"),
+    (dict(output_format="png"), "input 'output_format': 'png' is not one of raw, mp4"),
+])
+def test_helios_refuses_bad_and_oversize_requests_naming_the_input(server, inputs, says):
+    result = run_request(server.grpc_url, model="helios", request_id="bad", prompt="x", **inputs)
+    assert not result.responses and len(result.errors) == 1
+    assert result.error.message().startswith("INVALID_ARG: [request id: bad] ")
+    assert says in result.error.message(), result.error.message()

@@ -36,7 +36,7 @@ NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text
 
 def png_base64(image: np.ndarray) -> str:
     """One image as base64 PNG text, encoded as the model's own `png` output is."""
-    return encode_png_base64(image[None])[0].decode("ascii")
+    return encode_png_base64(image[None], {})[0].decode("ascii")
 
 
 def partial_steps(num_steps: int, partial_images: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""Helios text to video (diffusers `HeliosPipeline`), streamed chunk by chunk."""
