@@ -2,6 +2,9 @@
 
 Streams one request, draws a progress bar from the step responses, saves
 previews when asked and every final image, and prints one result line.
+Videos: `--model helios --frames 65 --out clip.mp4` (an mp4, with sound where the
+model makes it), `--out clip.npy` (the raw uint8 frames [N, F, H, W, 3]) or
+`--out clip.wav` (the sound); the bar names each chunk as it arrives.
 Ctrl-C cancels the request on the server and exits with 130.
 """
 
@@ -11,11 +14,14 @@ import argparse
 import contextlib
 import sys
 import time
+import wave
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+import numpy as np
+
 from client.api import DEFAULT_TIMEOUT_S, stream
-from client.events import ClientError, Final, Progress
+from client.events import ClientError, Final, Progress, ResponseFormatError, Video
 from client.progress import ProgressBar
 
 EXIT_ERROR = 1
@@ -50,11 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cfg", type=float, dest="true_cfg_scale", help="true_cfg_scale")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--num-images", type=_positive)
+    gen.add_argument("--frames", type=_positive, dest="num_frames", help="num_frames (video models)")
+    gen.add_argument("--fps", type=float, dest="frame_rate", help="frame_rate (LTX-2)")
     gen.add_argument("--preview-every", type=_non_negative, default=1,
                      help="a progress response with a preview every K steps (default 1; 0: final image only)")
     gen.add_argument("--preview-dir", type=Path, help="save the previews here")
     gen.add_argument("--out", type=Path, default=Path("out.png"),
-                     help="output PNG; several images become out-0.png, out-1.png, ...")
+                     help="output PNG; several images become out-0.png, out-1.png, ... Videos: .mp4, .npy "
+                          "(raw frames) or .wav (sound)")
     gen.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC")
     gen.add_argument("--url", help="host:port (default localhost:8001 gRPC, localhost:8000 HTTP)")
     gen.add_argument("--model", default="qwen_image")
@@ -69,6 +78,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.height is not None or args.width is not None:
             parser.error("--size cannot be combined with --height/--width")
         args.height = args.width = args.size
+    if args.http and args.out.suffix.lower() in (".npy", ".wav"):
+        parser.error("--out .npy/.wav needs gRPC: HTTP generate_stream sends tensors as flat lists, without "
+                     "their shape (use .mp4 over HTTP)")
     return args
 
 
@@ -86,9 +98,47 @@ def _save_previews(directory: Path, event: Progress) -> None:
         image.save(path)
 
 
+VIDEO_SUFFIXES = {".mp4": "mp4", ".npy": "raw", ".wav": "raw"}  # --out suffix -> output_format
+
+
+def save_video(out: Path, video: Video) -> list[Path]:
+    """Write the final response's video as `out` says: mp4 files, the raw frames, or the sound as 16-bit WAV."""
+    suffix = out.suffix.lower()
+    if suffix == ".npy":
+        if video.frames is None:
+            raise ResponseFormatError("the final response carries no raw video")
+        np.save(out, video.frames)
+        return [out]
+    if suffix == ".wav":
+        if video.audio is None or not video.audio_sample_rate:
+            raise ResponseFormatError("this model sends no audio")
+        paths = output_paths(out, len(video.audio))
+        for path, sound in zip(paths, video.audio):
+            with wave.open(str(path), "wb") as wav:
+                wav.setnchannels(sound.shape[0])
+                wav.setsampwidth(2)
+                wav.setframerate(video.audio_sample_rate)
+                wav.writeframes((np.clip(sound.T, -1, 1) * 32767).round().astype("<i2").tobytes())
+        return paths
+    if not video.mp4:
+        raise ResponseFormatError("the final response carries no mp4")
+    paths = output_paths(out, len(video.mp4))
+    for path, data in zip(paths, video.mp4):
+        path.write_bytes(data)
+    return paths
+
+
+def _chunk_note(chunk: Video) -> str:
+    start = chunk.frame_offset or 0
+    if chunk.frames is None:
+        return f"chunk from frame {start}"
+    return f"chunk: frames {start}-{start + chunk.frames.shape[1] - 1}"
+
+
 def run_generate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     bar = ProgressBar()
+    output_format = VIDEO_SUFFIXES.get(args.out.suffix.lower())
     events = stream(
         args.prompt,
         url=args.url,
@@ -103,14 +153,17 @@ def run_generate(args: argparse.Namespace) -> int:
         true_cfg_scale=args.true_cfg_scale,
         guidance_scale=args.guidance_scale,
         num_images=args.num_images,
+        num_frames=args.num_frames,
+        frame_rate=args.frame_rate,
         preview_interval=args.preview_every or 0,
+        output_format=output_format,
     )
     final = None
     # closing() cancels the request if we leave early (Ctrl-C while saving a preview).
     with contextlib.closing(events), contextlib.closing(bar):
         for event in events:
             if isinstance(event, Progress):
-                bar.update(event.step, event.num_steps)
+                bar.update(event.step, event.num_steps, _chunk_note(event.chunk) if event.chunk else "")
                 if event.previews and args.preview_dir is not None:
                     _save_previews(args.preview_dir, event)
             elif isinstance(event, Final):
@@ -118,6 +171,11 @@ def run_generate(args: argparse.Namespace) -> int:
                 if bar.shown and final.num_steps:
                     bar.update(final.num_steps, final.num_steps)
     assert final is not None, "stream() ends with a Final or raises"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if final.video is not None:
+        paths = save_video(args.out, final.video)
+        print(f"saved {', '.join(str(p) for p in paths)} in {time.monotonic() - started:.2f} s", flush=True)
+        return 0
     paths = output_paths(args.out, len(final.images))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for path, image in zip(paths, final.images):

@@ -27,6 +27,8 @@ INPUT_DTYPES = {
     "true_cfg_scale": "FP32",
     "seed": "INT64",
     "num_images": "INT32",
+    "num_frames": "INT32",
+    "frame_rate": "FP32",
     "preview_interval": "INT32",
     "output_format": "BYTES",
 }
@@ -43,6 +45,8 @@ def build_inputs(
     true_cfg_scale: Optional[float] = None,
     guidance_scale: Optional[float] = None,
     num_images: Optional[int] = None,
+    num_frames: Optional[int] = None,
+    frame_rate: Optional[float] = None,
     preview_interval: int = 0,
     output_format: Optional[str] = None,
 ) -> Dict[str, Any]:
@@ -57,6 +61,8 @@ def build_inputs(
         "true_cfg_scale": true_cfg_scale,
         "seed": seed,
         "num_images": num_images,
+        "num_frames": num_frames,
+        "frame_rate": frame_rate,
         "preview_interval": preview_interval or None,  # 0 is the server's default
         "output_format": output_format,
     }
@@ -77,7 +83,7 @@ def stream(
 
     `url` defaults to localhost:8001 (gRPC) or localhost:8000 (HTTP). Over HTTP
     images are asked for as PNG (a raw tensor would travel as a JSON number
-    list) unless `output_format` says otherwise. Closing the iterator early
+    list) unless `output_format` says otherwise (videos: pass "mp4" or "raw"). Closing the iterator early
     (or Ctrl-C while it waits) cancels the request: gRPC cancels the stream,
     HTTP closes the connection. Other parameters: see `build_inputs`.
     Raises ServerError (Triton's message), ServerUnreachableError,

@@ -13,7 +13,7 @@ from typing import Any, List, Mapping, Optional, Union
 import numpy as np
 from PIL import Image
 
-from client.events import Final, Progress, ResponseFormatError
+from client.events import Final, Progress, ResponseFormatError, Video
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -53,6 +53,29 @@ def decode_images(outputs: Mapping[str, Any]) -> Optional[List[Image.Image]]:
     return None
 
 
+def decode_video(outputs: Mapping[str, Any]) -> Optional[Video]:
+    """The video a response carries (raw `video` and/or base64 `video_mp4`, frame rate, offset, audio);
+    None if none."""
+    raw, mp4 = outputs.get("video"), outputs.get("video_mp4")
+    if raw is None and mp4 is None:
+        return None
+    frames = None
+    if raw is not None:
+        frames = np.asarray(raw, dtype=np.uint8)
+        if frames.ndim != 5 or frames.shape[-1] != 3:
+            raise ResponseFormatError(f"output 'video' has shape {frames.shape}, expected [N, F, H, W, 3]")
+    files = None
+    if mp4 is not None:
+        items = [mp4] if isinstance(mp4, (bytes, str)) else list(np.asarray(mp4, dtype=object).reshape(-1))
+        files = [base64.b64decode(item) for item in items]
+    audio = outputs.get("audio")
+    rate, offset, sample_rate = (_scalar(outputs.get(name)) for name in ("frame_rate", "frame_offset",
+                                                                          "audio_sample_rate"))
+    return Video(frames=frames, mp4=files, frame_rate=rate, audio=None if audio is None else np.asarray(audio, np.float32),
+                 frame_offset=None if offset is None else int(offset),
+                 audio_sample_rate=None if sample_rate is None else int(sample_rate))
+
+
 def decode_response(outputs: Mapping[str, Any], is_last: bool) -> Union[Progress, Final, None]:
     """The event for one response. `is_last`: the transport saw Triton's final flag.
 
@@ -61,12 +84,13 @@ def decode_response(outputs: Mapping[str, Any], is_last: bool) -> Union[Progress
     caller uses the images it already has.
     """
     images = decode_images(outputs)
+    video = decode_video(outputs)
     step = _scalar(outputs.get("step"))
     num_steps = _scalar(outputs.get("num_steps"))
-    if bool(_scalar(outputs.get("is_final"))) or (is_last and images is not None):
-        if images is None:
-            raise ResponseFormatError("the final response carries no image")
-        return Final(images=images, num_steps=num_steps)
-    if step is None and images is None:
+    if bool(_scalar(outputs.get("is_final"))) or (is_last and (images is not None or video is not None)):
+        if images is None and video is None:
+            raise ResponseFormatError("the final response carries no image or video")
+        return Final(images=images or [], num_steps=num_steps, video=video)
+    if step is None and images is None and video is None:
         return None
-    return Progress(step=int(step or 0), num_steps=int(num_steps or 0), previews=images)
+    return Progress(step=int(step or 0), num_steps=int(num_steps or 0), previews=images, chunk=video)

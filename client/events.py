@@ -9,24 +9,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 from PIL import Image
 
 
 @dataclass
+class Video:
+    """A video a response carries: raw uint8 frames [N, F, H, W, 3] and/or mp4 files, with its sound (LTX-2)."""
+
+    frames: Optional[np.ndarray] = None
+    mp4: Optional[List[bytes]] = None
+    frame_rate: Optional[float] = None
+    frame_offset: Optional[int] = None  # chunk responses: the index of the chunk's first frame
+    audio: Optional[np.ndarray] = None  # float [N, C, S]
+    audio_sample_rate: Optional[int] = None
+
+
+@dataclass
 class Progress:
-    """One intermediate response: denoise step `step` of `num_steps` finished."""
+    """One intermediate response: denoise step `step` of `num_steps` finished (maybe with a preview, or a
+    video chunk as it was decoded)."""
 
     step: int
     num_steps: int
     previews: Optional[List[Image.Image]] = None
+    chunk: Optional[Video] = None
 
 
 @dataclass
 class Final:
-    """The last response of a request: the finished images."""
+    """The last response of a request: the finished images, or the video."""
 
     images: List[Image.Image]
     num_steps: Optional[int] = None
+    video: Optional[Video] = None
 
 
 class ClientError(Exception):

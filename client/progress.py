@@ -22,11 +22,11 @@ class ProgressBar:
         self._drawn = False
         self.shown = False  # any update yet (the server sends steps only with previews)
 
-    def update(self, step: int, num_steps: int) -> None:
+    def update(self, step: int, num_steps: int, note: str = "") -> None:
         filled = self.width * step // num_steps if num_steps > 0 else 0
         bar = "#" * filled + "." * (self.width - filled)
         self.shown = True
-        line = f"[{bar}] step {step}/{num_steps} {time.monotonic() - self.started:.1f}s"
+        line = f"[{bar}] step {step}/{num_steps} {time.monotonic() - self.started:.1f}s" + (f" {note}" if note else "")
         if self.tty:
             self.stream.write("\r" + line)
             self._drawn = True

@@ -62,7 +62,7 @@ parameters: {{ key: "max_num_seqs", value: {{ string_value: "{max_num_seqs}" }} 
 parameters: {{ key: "max_height", value: {{ string_value: "1024" }} }}
 parameters: {{ key: "max_width", value: {{ string_value: "1024" }} }}
 parameters: {{ key: "max_steps", value: {{ string_value: "100" }} }}
-parameters: {{ key: "max_num_images", value: {{ string_value: "4" }} }}
+{count_limit}
 parameters: {{ key: "max_queue", value: {{ string_value: "64" }} }}
 parameters: {{ key: "warmup", value: {{ string_value: "true" }} }}
 '''
@@ -99,9 +99,12 @@ def new_config(adapter_cls) -> str:
     title = (adapter_cls.__doc__ or adapter_cls.name).strip().splitlines()[0].rstrip(".")
     step = adapter_cls.supports_step_execution
     batch = adapter_cls.max_step_batch if step else (4 if adapter_cls.supports_request_batch else 1)
+    names = {spec.name for spec in adapter_cls.inputs}
+    count_limit = ('parameters: { key: "max_num_frames", value: { string_value: "257" } }' if "num_frames" in names
+                   else 'parameters: { key: "max_num_images", value: { string_value: "4" } }')
     return CONFIG_TEMPLATE.format(title=title, name=adapter_cls.name, upper=adapter_cls.name.upper(),
                                   block=io_block(adapter_cls), step_execution=str(step).lower(),
-                                  max_num_seqs=min(4, batch))
+                                  max_num_seqs=min(4, batch), count_limit=count_limit)
 
 
 def replace_block(text: str, begin: str, end: str, block: str) -> str:

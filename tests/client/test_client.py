@@ -58,6 +58,7 @@ def test_size_sets_height_and_width_and_unset_options_stay_none():
         ["--preview-every", "-1"],
         ["--steps", "0"],
         ["--size", "-8"],
+        ["--http", "--out", "clip.npy"],  # raw tensors arrive flat over HTTP
     ],
 )
 def test_bad_arguments_exit_with_usage_error(argv, capsys):
@@ -324,3 +325,29 @@ def test_ctrl_c_cancels_the_request_on_the_server(triton, protocol_args, tmp_pat
     while triton.log_text().count("qwen_image: cancelled request") == cancelled_before:
         assert time.monotonic() < deadline, "the server never logged the cancel:\n" + triton.log_tail(20)
         time.sleep(0.1)
+
+
+# -- video responses (decoding and saving; served videos: tests/serving/test_other_pipelines.py) ---------
+def test_video_chunks_and_the_final_video_decode_with_their_sound(tmp_path):
+    import wave
+
+    from client.__main__ import save_video
+
+    frames = np.zeros((1, 5, 4, 6, 3), np.uint8)
+    chunk = decode_response({"step": [2], "num_steps": [4], "is_final": [False], "video": frames[:, :3],
+                             "frame_offset": [0], "frame_rate": [24.0]}, is_last=False)
+    assert isinstance(chunk, Progress) and chunk.chunk.frame_offset == 0 and chunk.chunk.frames.shape[1] == 3
+    audio = np.linspace(-1, 1, 2 * 800, dtype=np.float32).reshape(1, 2, 800)
+    final = decode_response({"step": [4], "num_steps": [4], "is_final": [True], "video": frames,
+                             "video_mp4": [base64.b64encode(b"mp4 bytes")], "audio": audio,
+                             "audio_sample_rate": [16000]}, is_last=True)
+    assert isinstance(final, Final) and final.images == [] and final.video.mp4 == [b"mp4 bytes"]
+    assert save_video(tmp_path / "v.npy", final.video) == [tmp_path / "v.npy"]
+    assert np.load(tmp_path / "v.npy").shape == (1, 5, 4, 6, 3)
+    save_video(tmp_path / "v.mp4", final.video)
+    assert (tmp_path / "v.mp4").read_bytes() == b"mp4 bytes"
+    save_video(tmp_path / "v.wav", final.video)
+    with wave.open(str(tmp_path / "v.wav")) as wav:
+        assert (wav.getnchannels(), wav.getframerate(), wav.getnframes()) == (2, 16000, 800)
+    with pytest.raises(ResponseFormatError, match="no audio"):
+        save_video(tmp_path / "x.wav", decode_response({"is_final": [True], "video": frames}, is_last=True).video)

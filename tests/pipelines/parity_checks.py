@@ -133,7 +133,7 @@ def run_wave(adapter: PipelineAdapter, all_params: list, float_output: bool = Fa
     requests = [DiffusionRequest(f"r{i}", parse(adapter, p)) for i, p in enumerate(all_params)]
     result = ModelRunner(adapter, float_outputs=float_output).run_to_completion(requests)
     assert not result.output.errors, result.output.errors
-    return [result.outputs[r.request_id]["image"] for r in requests]
+    return [result.outputs[r.request_id][adapter.outputs[0].name] for r in requests]
 
 
 def image_diff(actual: np.ndarray, expected: np.ndarray) -> float:

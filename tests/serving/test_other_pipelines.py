@@ -252,3 +252,89 @@ def test_helios_refuses_bad_and_oversize_requests_naming_the_input(server, input
     assert not result.responses and len(result.errors) == 1
     assert result.error.message().startswith("INVALID_ARG: [request id: bad] ")
     assert says in result.error.message(), result.error.message()
+
+
+@pytest.mark.parametrize("model, suffix, protocol", [("helios", ".mp4", "grpc"), ("helios", ".mp4", "http"),
+                                                     ("helios", ".npy", "grpc"), ("ltx2", ".mp4", "grpc"),
+                                                     ("ltx2", ".wav", "grpc")])
+def test_the_client_saves_a_video_and_names_each_chunk(server, tmp_path, model, suffix, protocol):
+    """`python -m client generate --model helios --frames 65 --out clip.mp4` (and .npy raw frames; LTX-2 with
+    --fps, an mp4 with sound and the sound alone as .wav), over gRPC and HTTP."""
+    import subprocess
+    import sys
+    import wave
+
+    from engine_lib.serving.mp4 import probe_mp4
+
+    out = tmp_path / f"clip{suffix}"
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    frames = 65 if model == "helios" else 9
+    proc = subprocess.run([sys.executable, "-m", "client", "generate", "--model", model, "--prompt", "a kite",
+                           "--frames", str(frames), "--steps", "1", "--size", "32", "--seed", "2", "--out", str(out),
+                           "--url", url, *(["--http"] if protocol == "http" else []),
+                           *(["--fps", "12"] if model == "ltx2" else [])],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"saved {out} in ")
+    notes = [line.split("s ", 1)[-1] for line in proc.stderr.splitlines() if "chunk" in line]
+    if suffix == ".npy":
+        assert np.load(out).shape == (1, 65, 32, 32, 3)
+        assert notes == ["chunk: frames 0-32", "chunk: frames 33-64"]
+    elif suffix == ".wav":
+        with wave.open(str(out)) as wav:
+            assert (wav.getnchannels(), wav.getframerate()) == (2, 16000) and wav.getnframes() > 0
+    else:
+        clip = probe_mp4(out.read_bytes())
+        assert clip["frames"] == frames and clip["audio_streams"] == (1 if model == "ltx2" else 0)
+        assert notes == (["chunk from frame 0", "chunk from frame 33"] if model == "helios" else [])
+
+
+# -- video with sound: LTX-2 --------------------------------------------------------------------
+
+def test_ltx2_step_batches_requests_with_different_guidance(server):
+    """Three concurrent requests (CFG+STG+modality, none, STG only; different step counts) share step batches."""
+    unguided = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                    modality_scale=1.0, audio_modality_scale=1.0)
+    cases = [dict(prompt="a dog", height=32, width=32, num_inference_steps=3, seed=1, preview_interval=1),
+             dict(prompt="a cat", height=32, width=32, num_inference_steps=2, seed=2, **unguided),
+             dict(prompt="rain", height=32, width=32, num_inference_steps=4, seed=3, **{**unguided, "stg_scale": 0.5})]
+    results = run_concurrently(server.grpc_url, cases, prefix="ltx2-", model="ltx2")
+    for case, result in zip(cases, results):
+        assert not result.errors and result.num_final == 1, result.errors
+        assert result.final.as_numpy("video").shape == (1, 9, 32, 32, 3)
+        audio = result.final.as_numpy("audio")
+        assert audio.dtype == np.float32 and audio.shape[:2] == (1, 2)
+        assert int(result.final.as_numpy("audio_sample_rate")[0]) == 16000
+    assert results[0].steps() == [1, 2, 3]  # progress at steps 1 and 2, then the final
+
+
+def test_ltx2_mp4_carries_the_video_and_its_sound_over_grpc_and_http(server):
+    from engine_lib.serving.mp4 import probe_mp4
+
+    result = run_request(server.grpc_url, model="ltx2", request_id="mp4", prompt="a waterfall", num_frames=17,
+                         height=32, width=64, num_inference_steps=2, frame_rate=12.0, output_format="mp4")
+    assert not result.errors, result.errors
+    [mp4] = result.final.as_numpy("video_mp4")
+    assert probe_mp4(base64.b64decode(mp4)) == {"frames": 17, "height": 32, "width": 64, "audio_streams": 1}
+    body = {"prompt": "a waterfall", "num_frames": 9, "height": 32, "width": 32, "num_inference_steps": 1,
+            "output_format": "mp4"}
+    status, reply = post_json(f"http://{server.http_url}/v2/models/ltx2/generate_stream", body)
+    assert status == 200, reply
+    [event] = sse_events(reply)
+    assert probe_mp4(base64.b64decode(event["video_mp4"]))["audio_streams"] == 1
+    assert event["frame_rate"] == 24.0 and event["audio_sample_rate"] == 16000
+
+
+@pytest.mark.parametrize("inputs, says", [
+    (dict(num_frames=12), "input 'num_frames': 12 must be 8k + 1 (the VAE compresses 8 frames into one latent "
+                          "frame); nearest: 9 or 17"),
+    (dict(num_frames=1001), "input 'num_frames': 1001 is outside the allowed range [1, 257]"),
+    (dict(width=4096), "input 'width'"),
+    (dict(frame_rate=0.0), "input 'frame_rate'"),
+    (dict(stg_scale=-1.0), "input 'stg_scale'"),
+])
+def test_ltx2_refuses_bad_and_oversize_requests_naming_the_input(server, inputs, says):
+    result = run_request(server.grpc_url, model="ltx2", request_id="bad", prompt="x", **inputs)
+    assert not result.responses and len(result.errors) == 1
+    assert result.error.message().startswith("INVALID_ARG: [request id: bad] ")
+    assert says in result.error.message(), result.error.message()

@@ -1,0 +1,1 @@
+"""LTX-2 text to video with audio (diffusers `LTX2Pipeline`), request and step batching."""
