@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-own bench-efficiency clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-own bench-efficiency bench-video clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -45,6 +45,9 @@ bench-own: models  ## our own model code (BAGEL, HunyuanImage-3.0): step batchin
 
 bench-efficiency: models  ## served and in-process engine vs the offline batched limit, per-phase split (about 5 min)
 	@$(PY) -m benchmarks.efficiency
+
+bench-video: models  ## LTX-2 serial vs fused vs step (frames/s), Helios first chunk vs final (a few minutes)
+	@$(PY) -m benchmarks.video
 
 clean:
 	rm -rf models out build .pytest_cache

@@ -61,6 +61,8 @@ class RequestRecord:
         if self.late_responses:
             return f"{self.late_responses} responses after FINAL"
         want = (self.spec.num_images, self.spec.height, self.spec.width, 3)
+        if self.spec.num_frames:
+            want = (1, self.spec.num_frames, self.spec.height, self.spec.width, 3)
         if self.image_shape != want:
             return f"image shape {self.image_shape}, expected {want}"
         return None
@@ -99,6 +101,8 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
             values.append(("lora_name", "BYTES", np.array([spec.lora_name.encode()], dtype=np.object_)))
         if spec.priority:
             values.append(("priority", "INT32", np.array([spec.priority], dtype=np.int32)))
+        if spec.num_frames:
+            values.append(("num_frames", "INT32", np.array([spec.num_frames], dtype=np.int32)))
     inputs = []
     for name, dtype, array in values:
         if batch_dim:
@@ -182,9 +186,10 @@ class StreamingSession:
             record.first_response = t
         names = {out.name for out in response.outputs}
         is_final = bool(result.as_numpy("is_final").reshape(-1)[0]) if "is_final" in names else False
-        if "image" in names:
+        output = "image" if "image" in names else "video" if "video" in names else None
+        if output is not None:  # an image, a video, or a video's chunk
             if is_final:
-                record.image_shape = tuple(int(d) for d in result.as_numpy("image").shape)
+                record.image_shape = tuple(int(d) for d in result.as_numpy(output).shape)
             elif record.first_preview is None:
                 record.first_preview = t
         if is_final:

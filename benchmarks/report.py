@@ -321,7 +321,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + efficiency_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -578,6 +578,36 @@ def own_models_section(path: Optional[Path] = None) -> list[str]:
     ratios = ", ".join(f"{name} {f(ratio, 2, 'x')}" for name, ratio in results["step_over_serial"].items())
     lines += ["", f"Step batching / serial requests/s (medians): {ratios}. Tiny random weights: this measures the "
               "engine and batching, not the models' speed."]
+    return lines
+
+
+def video_section(path: Optional[Path] = None) -> list[str]:
+    """LTX-2 serial vs fused vs step (frames/s) and Helios first chunk vs final (`make bench-video`)."""
+    results = side_results(path, "video")
+    if results is None:
+        return []
+    w = results["workload"]
+    lines = ["", "## Video: LTX-2 batching modes, Helios chunk streaming", "",
+             f"`make bench-video`, started {results['started']}: tiny presets, {w['size']}x{w['size']}. LTX-2: "
+             f"{w['ltx2_frames']} frames, step counts drawn from {w['ltx2_steps']}, the pipeline's default guidance "
+             f"(CFG, STG and modality passes), closed loop at concurrency {w['concurrency']}, "
+             f"{w['requests_per_point']} requests per point, {w['repeats']} interleaved repeats (median, min-max).",
+             "", "| system | frames/s | req/s | p99 latency s | mean requests per forward | errors |",
+             "|---|---|---|---|---|---|"]
+    for entry in results["ltx2"].values():
+        points = entry["points"]
+        lines.append(f"| {entry['label']} | {fmt_spread(spread([p['requests_per_s'] * w['ltx2_frames'] for p in points]))}"
+                     f" | {fmt_spread(spread([p['requests_per_s'] for p in points]), 3)} | "
+                     f"{fmt_spread(spread([p.get('latency_p99_s') for p in points]))} | "
+                     f"{fmt_spread(spread([p['server'].get('mean_batch_size') for p in points]))} | "
+                     f"{sum(p.get('errors', 0) for p in points)} |")
+    ratios = ", ".join(f"{name} {f(ratio, 2, 'x')}" for name, ratio in results["ltx2_over_serial"].items())
+    helios = results["helios"]
+    lines += ["", f"Frames/s over serial (medians): {ratios}.", "",
+              f"Helios, {w['helios_frames']} frames (three chunks), {w['helios_steps']} steps per chunk, one request at "
+              f"a time: time to the first chunk {fmt_spread(spread(helios['first_chunk_p50_s']))} s, to the final "
+              f"video {fmt_spread(spread(helios['final_p50_s']))} s (p50 per repeat; median, min-max). Tiny random "
+              "weights: this measures the engine and batching, not the models' speed."]
     return lines
 
 

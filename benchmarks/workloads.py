@@ -33,11 +33,12 @@ class RequestSpec:
     preview_interval: int = 0
     lora_name: str = ""  # "": no LoRA (the input is not sent)
     priority: int = 0  # 0: not sent (the model's default level)
+    num_frames: int = 0  # video models: frames asked for (0: not sent, an image model)
 
     @property
     def shape_key(self) -> str:
         """Requests with the same key have the same solo latency (the SLO is per key)."""
-        return f"{self.height}x{self.width}/{self.steps}"
+        return f"{self.height}x{self.width}/{self.steps}" + (f"/{self.num_frames}f" if self.num_frames else "")
 
     def to_dict(self) -> dict:
         return asdict(self)

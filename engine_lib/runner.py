@@ -57,7 +57,8 @@ class ModelRunner:
         self.float_outputs = float_outputs
         self.fail_prompt = fail_prompt
         self.clock = clock or PhaseClock()  # seconds per phase of the tick (engine_lib/phases.py)
-        self.decode_group_ticks = decode_group_ticks  # see _decode_now
+        # see _decode_now; only for adapters whose post_decode batches its states (one VAE call for several)
+        self.decode_group_ticks = decode_group_ticks if adapter.batched_decode else 0
         self._held: dict[str, int] = {}  # denoised, decode held for a group: request id -> ticks held
         self._output_specs = {spec.name: spec for spec in adapter.outputs}
         self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread

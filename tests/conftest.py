@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,15 @@ class TickBudget:
         return self
 
     def release(self) -> None:
-        self.path.unlink(missing_ok=True)
+        """Remove the file, and again if the engine wrote it back: a tick that read the budget just before
+        the unlink writes the decremented value after it (a held engine only reads)."""
+        for _ in range(200):
+            self.path.unlink(missing_ok=True)
+            time.sleep(0.05)
+            if not self.path.exists():
+                time.sleep(0.05)
+                if not self.path.exists():
+                    return
 
     def left(self):
         """Ticks still allowed (None: no limit)."""

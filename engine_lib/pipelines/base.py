@@ -8,7 +8,8 @@ or our own model code) and declares its interface:
   from them (engine_lib/interface.py);
 * capability flags: `supports_request_batch` (rows on one schedule share a
   forward), `supports_step_execution`, `max_step_batch` (rows at different steps
-  in one forward; 1: none), `supports_previews`;
+  in one forward; 1: none), `supports_previews`, `batched_decode` (whether
+  `post_decode` decodes several states in one call, so waiting to decode together pays);
 * `state_class`: its typed per-request state (a `RequestState` subclass).
 
 and implements the seed's step contract, which is the only way the runner runs it
@@ -187,6 +188,7 @@ class PipelineAdapter(ABC):
     supports_step_execution: ClassVar[bool] = True
     max_step_batch: ClassVar[int] = 2**31 - 1
     supports_previews: ClassVar[bool] = False
+    batched_decode: ClassVar[bool] = True  # post_decode decodes its states in one call (decode groups pay)
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
@@ -278,3 +280,19 @@ class PipelineAdapter(ABC):
     def counters(self) -> dict[str, float]:
         """Monotone totals the adapter keeps (e.g. prompt cache hits), for the metrics."""
         return {}
+
+
+class DiffusersAdapter(PipelineAdapter):
+    """An adapter of one diffusers pipeline class (`pipeline_class`), loaded with its own `from_pretrained`."""
+
+    pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
+
+    @classmethod
+    def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
+             options: Optional[dict] = None) -> "DiffusersAdapter":
+        import diffusers
+
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(model_path), dtype=dtype)  # not torch_dtype
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, torch.device(device), dtype, options)

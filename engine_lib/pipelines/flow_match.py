@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from engine_lib import interface
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
-from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState, Schedule
+from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import ConfigError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
@@ -79,7 +79,7 @@ class FlowMatchState(RequestState):
         return {"latents": self.latents, "timesteps": timestep.reshape(1).expand(self.num_rows)}
 
 
-class FlowMatchAdapter(PipelineAdapter):
+class FlowMatchAdapter(DiffusersAdapter):
     """The shared skeleton; see the module docstring for the split.
 
     Options: `cfg_batching` (default True): CFG cond and uncond as one forward of
@@ -93,7 +93,6 @@ class FlowMatchAdapter(PipelineAdapter):
     supports_request_batch = True
     supports_step_execution = True
     supports_previews = True
-    pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
     # "true_cfg": a negative_prompt and true_cfg_scale > 1 run a second pass (Qwen-Image, Flux);
     # "cfg": guidance_scale > 1 does, on the negative prompt or "" (SD3).
     cfg_kind: ClassVar[str] = "true_cfg"
@@ -121,18 +120,7 @@ class FlowMatchAdapter(PipelineAdapter):
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
         self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
 
-    # -- loading and limits --------------------------------------------------
-    @classmethod
-    def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "FlowMatchAdapter":
-        import diffusers
-
-        pipeline_cls = getattr(diffusers, cls.pipeline_class)
-        pipe = pipeline_cls.from_pretrained(str(model_path), dtype=dtype)  # diffusers 0.42: torch_dtype is deprecated
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, torch.device(device), dtype, options)
-
+    # -- limits --------------------------------------------------------------
     @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this (the VAE's downsampling, then 2x2 packing)."""

@@ -13,7 +13,7 @@ import torch
 from engine_lib import tiny_models
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
-CALL_KWARGS = {"flux": {"max_sequence_length": 32}}
+CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33}}  # 33 frames: as one Helios chunk
 
 
 def pipeline_class(name: str) -> str:

@@ -338,3 +338,47 @@ def test_ltx2_refuses_bad_and_oversize_requests_naming_the_input(server, inputs,
     assert not result.responses and len(result.errors) == 1
     assert result.error.message().startswith("INVALID_ARG: [request id: bad] ")
     assert says in result.error.message(), result.error.message()
+
+
+def test_the_openai_images_front_door_offers_only_the_image_models(server):
+    import asyncio
+
+    from engine_lib.serving.openai_api.gateway import TritonGateway
+
+    async def ready():
+        gateway = TritonGateway(server.grpc_url, admin_key="")
+        try:
+            return await gateway.ready_models()
+        finally:
+            await gateway.close()
+
+    videos = {name for name in MODELS if registry.get_adapter_class(name).outputs[0].name == "video"}
+    assert videos == {"helios", "ltx2"}
+    assert asyncio.run(ready()) == sorted(set(MODELS) - videos)
+
+
+def test_a_helios_request_cancelled_after_its_first_chunk_frees_everything(server):
+    """229 frames = seven chunks of 20 steps: cancelled once the first chunk arrives (six chunks still to run),
+    the request ends CANCELLED, the model holds nothing for it, and the next request is served."""
+    import re
+    import time
+
+    from .streaming import RequestStream, close_all, wait_for_metric
+
+    stream = RequestStream(server.grpc_url).send("long-video", model="helios", prompt="a long river", height=32,
+                                                 width=32, num_frames=229, num_inference_steps=20)
+    try:
+        first = stream.wait_first(timeout=60)
+        assert not first.errors and int(first.responses[0].as_numpy("frame_offset")[0]) == 0
+        stream.cancel()
+        deadline = time.monotonic() + 5
+        while not re.search(r"helios: cancelled request long-video", server.log_text()):
+            assert time.monotonic() < deadline, server.log_tail(20)
+            time.sleep(0.02)
+    finally:
+        close_all([stream])
+    for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
+        assert wait_for_metric(server.metrics_url, gauge, 0.0, model="helios") == 0.0, gauge
+    after = run_request(server.grpc_url, model="helios", request_id="after", prompt="x", height=32, width=32,
+                        num_inference_steps=1)
+    assert not after.errors and after.final.as_numpy("video").shape == (1, 33, 32, 32, 3)

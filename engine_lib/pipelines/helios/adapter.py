@@ -33,7 +33,7 @@ import torch
 
 from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
-from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
+from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -85,7 +85,7 @@ class HeliosState(RequestState):
         return {"latents": self.latents}
 
 
-class HeliosAdapter(PipelineAdapter):
+class HeliosAdapter(DiffusersAdapter):
     """`HeliosPipeline` (text to video) with step execution, one request at a time, streamed chunk by chunk."""
 
     name = "helios"
@@ -96,22 +96,13 @@ class HeliosAdapter(PipelineAdapter):
     supports_request_batch = False
     supports_step_execution = True
     max_step_batch = 1  # the seed's limit: one active request
+    batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
     supports_previews = True  # progress responses (no frames: a chunk is the preview)
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
         self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
         self.frames_generated = 0
-
-    @classmethod
-    def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "HeliosAdapter":
-        from diffusers import HeliosPipeline
-
-        pipe = HeliosPipeline.from_pretrained(str(model_path), dtype=dtype)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, torch.device(device), dtype, options)
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property

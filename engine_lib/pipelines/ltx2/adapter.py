@@ -34,7 +34,7 @@ import torch
 
 from engine_lib import interface
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
-from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
+from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -121,7 +121,7 @@ class LTX2State(RequestState):
         return {"latents": self.latents["video"]}
 
 
-class LTX2Adapter(PipelineAdapter):
+class LTX2Adapter(DiffusersAdapter):
     """`LTX2Pipeline` (text to video with audio) with request batching and step execution.
 
     Every guidance pass is one forward over all the requests that need it (see the module docstring).
@@ -134,6 +134,7 @@ class LTX2Adapter(PipelineAdapter):
     state_class = LTX2State
     supports_request_batch = True
     supports_step_execution = True
+    batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
     supports_previews = True  # progress responses (no frames)
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
@@ -141,16 +142,6 @@ class LTX2Adapter(PipelineAdapter):
         self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
         self.stg_blocks = [min(STG_BLOCK, pipe.transformer.config.num_layers - 1)]
         self.frames_generated = 0
-
-    @classmethod
-    def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "LTX2Adapter":
-        from diffusers import LTX2Pipeline
-
-        pipe = LTX2Pipeline.from_pretrained(str(model_path), dtype=dtype)
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, torch.device(device), dtype, options)
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property

@@ -89,7 +89,7 @@ class TritonGateway:
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
-        self._input_types: dict[str, dict[str, InputType]] = {}
+        self._configs: dict[str, tuple[dict[str, InputType], set[str]]] = {}
         # The launcher protects Triton's repository API (which lists the models) with a key.
         key = os.environ.get("TRITON_ADMIN_KEY", "") if admin_key is None else admin_key
         self._index_headers = {"triton-grpc-protocol-admin-key": key} if key else None
@@ -104,16 +104,22 @@ class TritonGateway:
             return False
 
     async def ready_models(self) -> list[str]:
+        """The ready models that make images (an `image` output): video models are not the Images API's."""
         index = await self.client.get_model_repository_index(headers=self._index_headers, as_json=True)
-        return sorted(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
+        ready = sorted(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
+        return [name for name in ready if "image" in (await self._config(name))[1]]
 
     async def input_types(self, model: str) -> dict[str, InputType]:
         """The model's declared inputs (name -> type and count), from its config; cached per model."""
-        if model not in self._input_types:
-            config = await self.client.get_model_config(model, as_json=True)
-            self._input_types[model] = {i["name"]: InputType(i["data_type"], int(i.get("dims", [1])[0]))
-                                        for i in config["config"].get("input", [])}
-        return self._input_types[model]
+        return (await self._config(model))[0]
+
+    async def _config(self, model: str) -> tuple[dict[str, InputType], set[str]]:
+        """(inputs by name, output names) of the model's config, cached per model."""
+        if model not in self._configs:
+            config = (await self.client.get_model_config(model, as_json=True))["config"]
+            inputs = {i["name"]: InputType(i["data_type"], int(i.get("dims", [1])[0])) for i in config.get("input", [])}
+            self._configs[model] = (inputs, {o["name"] for o in config.get("output", [])})
+        return self._configs[model]
 
     def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, InputType]) -> list:
         """JSON values as the request's input tensors; raises InvalidInputError naming a bad one."""
