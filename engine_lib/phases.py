@@ -3,8 +3,8 @@
 The engine thread splits each tick into admission (`schedule`), `prepare` (prompt
 encode, noise, schedule), `gather`, `forward`, `scheduler` (each request's step),
 `previews`, `decode`, `convert` (float outputs to the declared dtypes) and `emit`
-(handing outputs to the streams); the sender thread adds `encode` (output tensors,
-PNG) and `send`. Totals only grow, so a scrape before and after a run gives the
+(handing outputs to the streams); the sender adds `encode` (output tensors, PNG,
+mp4: on its encoding pool) and `send`. Totals only grow, so a scrape before and after a run gives the
 run's split (`diffusion_engine_phase_seconds_total{phase}`).
 """
 

@@ -7,6 +7,11 @@ always find it. Every request ends with exactly one FINAL-flagged response: its
 final output, its error, CANCELLED after a client cancel, or UNAVAILABLE when
 the sender stops with the stream still open.
 
+Encoding a response (`output_format` png or mp4) runs on a small pool beside this
+thread: an mp4 of a long video takes seconds, and no other stream's responses (or
+cancel polling) should wait for it. A stream's responses still go out in the
+order the engine made them: one waits while an earlier one of its stream encodes.
+
 Triton's gRPC stream carries an error's message but neither its code nor its
 request id, and HTTP generate_stream answers 400 for every code (measured on
 2.51), so both lead the message: "INVALID_ARG: [request id: r1] input 'height': ...".
@@ -17,7 +22,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from engine_lib.interface import OutputSpec
@@ -28,6 +35,7 @@ from engine_lib.serving.tensors import output_arrays
 
 ERROR_CODES = ("INVALID_ARG", "CANCELLED", "UNAVAILABLE", "INTERNAL")
 MAX_ECHOED_ID = 128  # a 100 KB request id is not echoed back (or logged) in full
+DRAIN_ENCODES_S = 10.0  # at shutdown, how long queued finals may still take to encode
 
 
 @dataclass
@@ -40,6 +48,8 @@ class OpenStream:
     output_format: str
     start: float  # time.monotonic() at execute()
     first_response_at: Optional[float] = None
+    pending: deque = field(default_factory=deque)  # (output, encoding Future or None), sent in this order
+    final_queued: bool = False  # its final output is pending: later outputs are dropped
 
 
 def error_message(error: BaseException, client_id: str = "") -> tuple[str, str]:
@@ -75,7 +85,8 @@ class ResponseSender:
 
     def __init__(self, pb_utils: Any, abort: Callable[[list[str]], None], metrics: Any,
                  log: Callable[[str], None], model_name: str, poll_interval_s: float = 0.05,
-                 outputs: Optional[Mapping[str, OutputSpec]] = None, clock: Optional[PhaseClock] = None):
+                 outputs: Optional[Mapping[str, OutputSpec]] = None, clock: Optional[PhaseClock] = None,
+                 encode_workers: int = 2):
         self._pb = pb_utils
         self._clock = clock or PhaseClock()  # "encode" (tensors, PNG) and "send" seconds
         self._outputs = dict(outputs or {})  # the adapter's declared outputs, for output_format encodings
@@ -87,6 +98,7 @@ class ResponseSender:
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._streams: dict[str, OpenStream] = {}  # owned by the sender thread only
         self._thread = threading.Thread(target=self._run, name=f"{model_name}-sender", daemon=True)
+        self._encoder = ThreadPoolExecutor(encode_workers, thread_name_prefix=f"{model_name}-encode")
 
     # -- producers (any thread; never block) --------------------------------------
     def start(self) -> None:
@@ -114,6 +126,7 @@ class ResponseSender:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             self._log(f"{self._model_name}: sender thread still busy after {timeout_s:.1f} s")
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     # -- the sender thread ---------------------------------------------------------
     def _run(self) -> None:
@@ -141,6 +154,10 @@ class ResponseSender:
                 self._streams[stream.request_id] = stream
             elif kind == "output":
                 self._on_output(message[1])
+            elif kind == "encoded":
+                stream = self._streams.get(message[1])
+                if stream is not None:
+                    self._flush(stream)
             elif kind == "fail":
                 stream = self._streams.pop(message[1], None)
                 if stream is not None:
@@ -154,8 +171,35 @@ class ResponseSender:
 
     def _on_output(self, output: DiffusionOutput) -> None:
         stream = self._streams.get(output.request_id)
-        if stream is None:
-            return  # already ended (cancelled by the client): drop what the engine still had
+        if stream is None or stream.final_queued:
+            return  # already ended (cancelled by the client), or a second final: drop it
+        stream.final_queued = output.is_final
+        job = None
+        if output.error is None and self._encodes(stream.output_format, output):
+            job = self._encoder.submit(self._arrays, output, stream.output_format)
+            job.add_done_callback(lambda _job, request_id=output.request_id: self._queue.put(("encoded", request_id)))
+        stream.pending.append((output, job))
+        self._flush(stream)
+
+    def _encodes(self, output_format: str, output: DiffusionOutput) -> bool:
+        """Whether this response carries an output to encode (png, mp4): the slow part, done on the pool."""
+        return output_format != "raw" and any(output_format in self._outputs[name].encodings
+                                              for name in output.outputs if name in self._outputs)
+
+    def _arrays(self, output: DiffusionOutput, output_format: str) -> dict:
+        with self._clock.phase("encode"):
+            return output_arrays(output, output_format, self._outputs)
+
+    def _flush(self, stream: OpenStream) -> None:
+        """Send the stream's pending responses in order, up to the first still encoding."""
+        while stream.pending and self._streams.get(stream.request_id) is stream:
+            output, job = stream.pending[0]
+            if job is not None and not job.done():
+                return
+            stream.pending.popleft()
+            self._send(stream, output, job)
+
+    def _send(self, stream: OpenStream, output: DiffusionOutput, job: Optional[Future]) -> None:
         now = time.monotonic()
         if output.is_final:
             del self._streams[output.request_id]
@@ -163,10 +207,9 @@ class ResponseSender:
             if output.error is not None:
                 self._send_error(stream.response_sender, output.error, stream.client_id)
             else:
-                with self._clock.phase("encode"):
-                    arrays = output_arrays(output, stream.output_format, self._outputs)
-                    response = self._pb.InferenceResponse(
-                        output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
+                arrays = job.result() if job is not None else self._arrays(output, stream.output_format)
+                response = self._pb.InferenceResponse(
+                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()])
                 flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.is_final else 0
                 with self._clock.phase("send"):
                     stream.response_sender.send(response, flags=flags)
@@ -222,7 +265,13 @@ class ResponseSender:
                 break
             if message[0] is not self._STOP:
                 self._handle(message)
+        jobs = [job for stream in self._streams.values() for _, job in stream.pending if job is not None]
+        wait(jobs, timeout=DRAIN_ENCODES_S)  # what the engine finished still goes out, if it encodes in time
         for stream in list(self._streams.values()):
+            self._flush(stream)
+        for stream in list(self._streams.values()):
+            stream.pending.clear()
+            stream.final_queued = False
             self._on_output(DiffusionOutput(stream.request_id, 0, 0, True,
                                             error=EngineUnavailableError("model is shutting down")))
 

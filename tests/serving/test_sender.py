@@ -218,3 +218,68 @@ def test_shutdown_sends_what_is_queued_then_ends_open_streams_unavailable():
     assert [f for _, f in still_open.sent] == [0, FINAL]
     assert still_open.finals[0].error.code == "UNAVAILABLE" and "shutting down" in still_open.finals[0].error.message
     assert sorted(metrics.outcomes) == ["error", "success"]
+
+
+@pytest.fixture
+def slow_encoding(monkeypatch):
+    """An output encoding ("slow") that takes 0.5 s per response, as an mp4 of a long video does."""
+    from engine_lib.serving import tensors
+
+    started = threading.Event()
+
+    def slow(array, outputs):
+        started.set()
+        time.sleep(0.5)
+        return np.array([b"encoded"], dtype=np.object_)
+
+    monkeypatch.setitem(tensors.ENCODERS, "slow", slow)
+    aborted: list[str] = []
+    metrics = FakeMetrics()
+    video = OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "videos", encodings=("slow",), pipe_output="frames")
+    sender = ResponseSender(PB, aborted.extend, metrics, log=lambda line: None, model_name="m",
+                            poll_interval_s=0.01, outputs={"video": video})
+    sender.started, sender.metrics = started, metrics
+    sender.start()
+    yield sender
+    sender.close(timeout_s=5)
+
+
+def clip():
+    return {"video": np.zeros((1, 2, 8, 8, 3), dtype=np.uint8)}
+
+
+def test_a_slow_encoding_holds_neither_other_streams_nor_its_own_order(slow_encoding):
+    sender = slow_encoding
+    slow, fast = open_stream(sender, "slow", "slow"), open_stream(sender, "fast")
+    sender.enqueue(DiffusionOutput("slow", 2, 4, False, outputs=clip()))  # a chunk: encodes for 0.5 s
+    sender.enqueue(DiffusionOutput("slow", 3, 4, False))  # progress behind it, on the same stream
+    sender.enqueue(DiffusionOutput("slow", 4, 4, True, outputs=clip()))
+    assert sender.started.wait(5)
+    sender.enqueue(DiffusionOutput("fast", 1, 1, True, outputs=image()))
+    settle(sender, lambda: fast.finals, timeout=0.4)  # while the slow stream's chunk still encodes
+    assert slow.sent == []
+    settle(sender, lambda: slow.finals)
+    assert [int(r.tensors["step"][0]) for r, _ in slow.sent] == [2, 3, 4]  # the engine's order
+    assert [f for _, f in slow.sent] == [0, 0, FINAL] and slow.finals[0].tensors["video_slow"].tolist() == [b"encoded"]
+    assert sorted(sender.metrics.outcomes) == ["success", "success"]
+
+
+def test_a_cancel_during_an_encoding_ends_the_stream_once(slow_encoding):
+    sender = slow_encoding
+    rs = open_stream(sender, "r", "slow")
+    sender.enqueue(DiffusionOutput("r", 4, 4, True, outputs=clip()))
+    assert sender.started.wait(5)
+    rs.cancelled = True
+    settle(sender, lambda: rs.finals)
+    time.sleep(0.6)  # the encoding finishes after the cancel: its response is dropped
+    assert len(rs.sent) == 1 and rs.finals[0].error.code == "CANCELLED"
+    assert sender.metrics.outcomes == ["cancelled"]
+
+
+def test_shutdown_waits_for_a_final_that_is_encoding(slow_encoding):
+    sender = slow_encoding
+    rs = open_stream(sender, "r", "slow")
+    sender.enqueue(DiffusionOutput("r", 4, 4, True, outputs=clip()))
+    assert sender.started.wait(5)
+    sender.close(timeout_s=5)
+    assert [f for _, f in rs.sent] == [FINAL] and rs.finals[0].error is None
