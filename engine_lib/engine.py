@@ -160,8 +160,9 @@ class DiffusionEngine:
         budget = self.config.max_batch_tokens
         cost = self.adapter.request_cost(params) if budget else 0
         if cost > budget:
-            raise InvalidInputError("height", f"{params.height}x{params.width} with num_images={params.num_images} "
-                                    f"needs {cost} latent tokens per step, more than max_batch_tokens={budget}")
+            counts = "".join(f", {name}={params[name]}" for name in ("num_images", "num_frames") if name in params)
+            raise InvalidInputError("height", f"{params.height}x{params.width}{counts} needs {cost} latent tokens per "
+                                    f"step, more than max_batch_tokens={budget}")
         return params
 
     def add_request(self, request_id: str, params: Union[SamplingParams, Mapping[str, Any]],

@@ -147,3 +147,18 @@ def test_a_drive_with_previews_sends_progress_only(adapter):
                                                         preview_interval=1))], capacity=1)
     assert [step for step, frames in result.previews["r"]] == [1, 2]
     assert all(frames is None for _, frames in result.previews["r"])
+
+
+def test_a_video_over_the_compute_budget_is_refused_naming_its_size(adapter):
+    from engine_lib.config import EngineConfig
+    from engine_lib.engine import DiffusionEngine
+
+    engine = DiffusionEngine(adapter, EngineConfig(pipeline="ltx2", step_execution=True, max_num_seqs=2,
+                                                   max_batch_tokens=100, warmup=False))
+    try:
+        assert engine.parse(dict(prompt="x", height=32, width=32)).num_frames == 9  # 2 x 4 x 4 tokens, x2 CFG
+        with pytest.raises(InvalidInputError, match=r"input 'height': 64x64, num_frames=17 needs 384 latent tokens "
+                                                    r"per step, more than max_batch_tokens=100"):
+            engine.parse(dict(prompt="x", height=64, width=64, num_frames=17))
+    finally:
+        engine.close()
