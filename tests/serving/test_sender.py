@@ -76,14 +76,20 @@ class FakeMetrics:
 IMAGE = OutputSpec("image", "UINT8", (-1, -1, -1, 3), "images", encodings=("png",), pipe_output="images")
 
 
-@pytest.fixture
-def sender():
+def started_sender(outputs: dict) -> ResponseSender:
+    """A running sender with fake Triton parts; `.aborted` and `.metrics` record what it did."""
     aborted: list[str] = []
     metrics = FakeMetrics()
     sender = ResponseSender(PB, aborted.extend, metrics, log=lambda line: None, model_name="m",
-                            poll_interval_s=0.01, outputs={"image": IMAGE})
+                            poll_interval_s=0.01, outputs=outputs)
     sender.aborted, sender.metrics = aborted, metrics
     sender.start()
+    return sender
+
+
+@pytest.fixture
+def sender():
+    sender = started_sender({"image": IMAGE})
     yield sender
     sender.close(timeout_s=5)
 
@@ -233,13 +239,9 @@ def slow_encoding(monkeypatch):
         return np.array([b"encoded"], dtype=np.object_)
 
     monkeypatch.setitem(tensors.ENCODERS, "slow", slow)
-    aborted: list[str] = []
-    metrics = FakeMetrics()
     video = OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "videos", encodings=("slow",), pipe_output="frames")
-    sender = ResponseSender(PB, aborted.extend, metrics, log=lambda line: None, model_name="m",
-                            poll_interval_s=0.01, outputs={"video": video})
-    sender.started, sender.metrics = started, metrics
-    sender.start()
+    sender = started_sender({"video": video})
+    sender.started = started
     yield sender
     sender.close(timeout_s=5)
 
