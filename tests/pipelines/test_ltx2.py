@@ -137,6 +137,14 @@ def test_num_frames_off_the_8k_plus_1_grid_is_refused_naming_it(adapter, num_fra
     assert says in str(info.value)
 
 
+def test_a_video_too_short_for_any_sound_is_refused_naming_num_frames(adapter):
+    """1 frame at 120 fps is 8 ms: no audio latent frame, where the pipeline itself would fail reshaping."""
+    with pytest.raises(InvalidInputError, match=r"input 'num_frames': 1 frames at frame_rate 120 last 0.008 s, "
+                                                r"shorter than 0.020 s, the least that gives the sound one latent frame"):
+        parse(adapter, dict(prompt="x", num_frames=1, frame_rate=120.0))
+    assert parse(adapter, dict(prompt="x", num_frames=1, frame_rate=24.0)).num_frames == 1  # 0.042 s: one frame
+
+
 def test_sizes_follow_the_pipelines_multiple_of_32(adapter):
     with pytest.raises(InvalidInputError, match="input 'height': 48 must be a multiple of 32"):
         parse(adapter, dict(prompt="x", height=48))

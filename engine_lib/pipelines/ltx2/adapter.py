@@ -160,6 +160,20 @@ class LTX2Adapter(DiffusersAdapter):
             below = (params.num_frames - 1) // ratio * ratio + 1
             raise InvalidInputError("num_frames", f"{params.num_frames} must be {ratio}k + 1 (the VAE compresses "
                                     f"{ratio} frames into one latent frame); nearest: {below} or {below + ratio}")
+        if self.audio_frames(params) < 1:
+            raise InvalidInputError("num_frames", f"{params.num_frames} frames at frame_rate {params.frame_rate:g} "
+                                    f"last {params.num_frames / params.frame_rate:.3f} s, shorter than "
+                                    f"{0.5 / self.audio_latents_per_second:.3f} s, the least that gives the sound one "
+                                    "latent frame: ask for more frames or a lower frame_rate")
+
+    @property
+    def audio_latents_per_second(self) -> float:
+        pipe = self.pipe
+        return pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
+
+    def audio_frames(self, params: SamplingParams) -> int:
+        """Audio latent frames of the request's duration, as `__call__` rounds them."""
+        return round(params.num_frames / params.frame_rate * self.audio_latents_per_second)
 
     def request_cost(self, params: SamplingParams) -> int:
         """Video tokens x the rows of the main pass (the largest forward)."""
@@ -187,8 +201,7 @@ class LTX2Adapter(DiffusersAdapter):
         height, width = p.height // pipe.vae_spatial_compression_ratio, p.width // pipe.vae_spatial_compression_ratio
         state.latents["video"] = pipe.prepare_latents(1, pipe.transformer.config.in_channels, p.height, p.width,
                                                       p.num_frames, 0.0, torch.float32, self.device, state.generator)
-        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
-        audio_frames = round(p.num_frames / p.frame_rate * per_second)
+        audio_frames = self.audio_frames(p)
         mel_bins = pipe.audio_vae.config.mel_bins
         state.latents["audio"] = pipe.prepare_audio_latents(
             1, num_channels_latents=pipe.audio_vae.config.latent_channels, audio_latent_length=audio_frames,
