@@ -240,7 +240,8 @@ class DiffusionEngine:
         with self._cond:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
-                               self.scheduler.num_preempted, self.clock.totals(), self.adapter.counters())
+                               self.scheduler.num_preempted, self.clock.totals(),
+                               {**self.adapter.counters(), "frames_generated": self.runner.frames_generated})
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:

@@ -64,6 +64,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread
         self._input_batch: Optional[InputBatch] = None
         self._paused: set[str] = set()  # states moved to host memory while their request is paused
+        self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
@@ -214,6 +215,8 @@ class ModelRunner:
         for state, named in zip(states, outputs):
             result.outputs[state.request_id] = named
             result.output.finished.add(state.request_id)
+            if "video" in named:  # [N, F, H, W, 3]
+                self.frames_generated += named["video"].shape[0] * named["video"].shape[1]
 
     def _declared(self, outputs: Outputs, as_float: bool) -> Outputs:
         """Named arrays checked against the declaration, converted to the declared dtypes unless `as_float`."""

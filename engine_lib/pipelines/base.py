@@ -283,9 +283,19 @@ class PipelineAdapter(ABC):
 
 
 class DiffusersAdapter(PipelineAdapter):
-    """An adapter of one diffusers pipeline class (`pipeline_class`), loaded with its own `from_pretrained`."""
+    """An adapter of one diffusers pipeline class (`pipeline_class`), loaded with its own `from_pretrained`,
+    with a prompt-embedding cache (`text_cache`, `prompt_cache_bytes` option) whose hits and misses it counts."""
 
     pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
+        from engine_lib.pipelines.text_cache import TextEmbeddingCache
+
+        super().__init__(pipe, device, dtype, options)
+        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
+
+    def counters(self) -> dict[str, float]:
+        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses}
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,

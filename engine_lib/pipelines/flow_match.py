@@ -33,7 +33,6 @@ from engine_lib import interface
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
-from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import ConfigError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
@@ -118,7 +117,6 @@ class FlowMatchAdapter(DiffusersAdapter):
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
         self.lora_batching = self.options.get("lora_batching") or "mixed"
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
-        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
 
     # -- limits --------------------------------------------------------------
     @property
@@ -242,9 +240,6 @@ class FlowMatchAdapter(DiffusersAdapter):
         cfg = self.do_cfg(params)
         return (self.name, params.prompt, cfg, params.negative_prompt if cfg else None, self.text_length(params),
                 params.num_images, self.row_lora(params))
-
-    def counters(self) -> dict[str, float]:
-        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses}
 
     # -- step execution ------------------------------------------------------
     @torch.inference_mode()

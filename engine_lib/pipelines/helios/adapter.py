@@ -34,7 +34,6 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
-from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import InvalidInputError, SamplingParams
 
 FRAME_RATE_FPS = 24.0  # diffusers' Helios example exports at 24 fps
@@ -98,11 +97,6 @@ class HeliosAdapter(DiffusersAdapter):
     max_step_batch = 1  # the seed's limit: one active request
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
     supports_previews = True  # progress responses (no frames: a chunk is the preview)
-
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
-        super().__init__(pipe, device, dtype, options)
-        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
-        self.frames_generated = 0
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property
@@ -264,16 +258,11 @@ class HeliosAdapter(DiffusersAdapter):
 
     def post_decode(self, states: list[HeliosState]) -> list[Outputs]:
         """The chunks end to end (each was decoded as it finished)."""
-        videos = [np.concatenate(s.frames, axis=1) for s in states]
-        self.frames_generated += sum(v.shape[0] * v.shape[1] for v in videos)
-        return [{"video": v, "frame_rate": np.array([FRAME_RATE_FPS], dtype=np.float32)} for v in videos]
+        return [{"video": np.concatenate(s.frames, axis=1), "frame_rate": np.array([FRAME_RATE_FPS], dtype=np.float32)}
+                for s in states]
 
     def preview(self, state: HeliosState) -> Outputs:
         return {}  # progress only: step and num_steps
-
-    def counters(self) -> dict[str, float]:
-        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses,
-                "frames_generated": self.frames_generated}
 
 
 ADAPTER = HeliosAdapter

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -35,7 +35,6 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
-from engine_lib.pipelines.text_cache import TextEmbeddingCache
 from engine_lib.request import InvalidInputError, SamplingParams
 
 STG_BLOCK = 28  # LTX2Pipeline.__call__'s spatio_temporal_guidance_blocks=[28] (the last block, if there are fewer)
@@ -139,9 +138,7 @@ class LTX2Adapter(DiffusersAdapter):
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
-        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
         self.stg_blocks = [min(STG_BLOCK, pipe.transformer.config.num_layers - 1)]
-        self.frames_generated = 0
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property
@@ -343,17 +340,12 @@ class LTX2Adapter(DiffusersAdapter):
         video = pipe.video_processor.postprocess_video(video, output_type="np")
         mel = pipe.audio_vae.decode(audio.to(pipe.audio_vae.dtype), return_dict=False)[0]
         sound = pipe.vocoder(mel)
-        self.frames_generated += video.shape[0] * video.shape[1]
         return {"video": video, "audio": sound.float().cpu().numpy(),
                 "audio_sample_rate": np.array([pipe.vocoder.config.output_sampling_rate], dtype=np.int32),
                 "frame_rate": np.array([p.frame_rate], dtype=np.float32)}
 
     def preview(self, state: LTX2State) -> Outputs:
         return {}  # progress only: step and num_steps
-
-    def counters(self) -> dict[str, Any]:
-        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses,
-                "frames_generated": self.frames_generated}
 
 
 ADAPTER = LTX2Adapter
