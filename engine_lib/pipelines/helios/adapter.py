@@ -4,7 +4,7 @@ Helios generates a video chunk by chunk: each chunk (9 latent frames, 33 video
 frames) is denoised from fresh noise with its own schedule, conditioned on the
 latents of the chunks before it (long, mid and short history windows), then
 decoded on its own. So a request's steps are `num_inference_steps` x chunks,
-its `Schedule` has one phase per chunk, and each chunk is streamed as soon as it
+each chunk sets its own timesteps when it starts, and each chunk is streamed as soon as it
 is decoded (`chunk_outputs`), with its `frame_offset`; the final response
 carries the whole video, which is those chunks end to end.
 
@@ -39,6 +39,19 @@ from engine_lib.request import InvalidInputError, SamplingParams
 FRAME_RATE_FPS = 24.0  # diffusers' Helios example exports at 24 fps
 HISTORY_SIZES = [16, 2, 1]  # HeliosPipeline.__call__ defaults (long, mid, short history windows)
 LATENT_FRAMES_PER_CHUNK = 9
+
+
+def _frame_indices() -> dict[str, torch.Tensor]:
+    """The frame indices of a chunk and its history windows (keep_first_frame=True), the same for every chunk."""
+    prefix, long, mid, short_1x, hidden = torch.arange(0, sum([1, *HISTORY_SIZES, LATENT_FRAMES_PER_CHUNK])).split(
+        [1, *HISTORY_SIZES, LATENT_FRAMES_PER_CHUNK], dim=0)
+    return {"indices_hidden_states": hidden.unsqueeze(0),
+            "indices_latents_history_short": torch.cat([prefix, short_1x], dim=0).unsqueeze(0),
+            "indices_latents_history_mid": mid.unsqueeze(0),
+            "indices_latents_history_long": long.unsqueeze(0)}
+
+
+FRAME_INDICES = _frame_indices()
 
 HELIOS_INPUTS = (
     interface.PROMPT,
@@ -201,9 +214,8 @@ class HeliosAdapter(DiffusersAdapter):
     def denoise_step(self, input_batch: InputBatch, *, states: list[HeliosState]) -> torch.Tensor:
         [state] = states  # max_step_batch = 1
         t = state.timesteps[state.step_index % state.params.num_inference_steps]
-        indices = self._indices()
         kwargs = dict(hidden_states=state.latents.to(self.pipe.transformer.dtype), timestep=t.expand(1),
-                      **indices, latents_history_short=state.history["short"],
+                      **FRAME_INDICES, latents_history_short=state.history["short"],
                       latents_history_mid=state.history["mid"], latents_history_long=state.history["long"],
                       attention_kwargs=None, return_dict=False)
         with self.pipe.transformer.cache_context("cond"):
@@ -213,16 +225,6 @@ class HeliosAdapter(DiffusersAdapter):
                 uncond = self.pipe.transformer(encoder_hidden_states=state.text["uncond"]["embeds"], **kwargs)[0]
             pred = uncond + state.params.guidance_scale * (pred - uncond)
         return pred
-
-    @staticmethod
-    def _indices() -> dict[str, torch.Tensor]:
-        """The frame indices of the chunk and its history windows (keep_first_frame=True)."""
-        prefix, long, mid, short_1x, hidden = torch.arange(0, sum([1, *HISTORY_SIZES, LATENT_FRAMES_PER_CHUNK])).split(
-            [1, *HISTORY_SIZES, LATENT_FRAMES_PER_CHUNK], dim=0)
-        return {"indices_hidden_states": hidden.unsqueeze(0),
-                "indices_latents_history_short": torch.cat([prefix, short_1x], dim=0).unsqueeze(0),
-                "indices_latents_history_mid": mid.unsqueeze(0),
-                "indices_latents_history_long": long.unsqueeze(0)}
 
     def step_scheduler(self, state: HeliosState, noise_pred: torch.Tensor) -> None:
         steps = state.params.num_inference_steps
