@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from engine_lib.request import ConfigError
+from engine_lib.sched.base import ADMISSION_ORDERS
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -36,7 +37,8 @@ class EngineConfig:
     step_execution: bool = False
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
-    max_head_bypass: int = 16  # step mode: compatible requests that may pass an incompatible head (0: FIFO)
+    max_head_bypass: int = 16  # later requests that may pass a waiting one (0: FIFO within a priority level)
+    admission_order: str = "arrival"  # within a priority level: "arrival" or "shortest_remaining" (fewest steps left)
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
     default_priority_level: int = 2  # a request without `priority` (or with 0)
     max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)
@@ -101,6 +103,9 @@ class EngineConfig:
         for name in ("max_head_bypass", "max_preemptions", "max_batch_tokens", "prompt_cache_mb", "decode_group_ticks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ConfigError(f"parameter 'admission_order': {self.admission_order!r} is not one of "
+                              f"{', '.join(ADMISSION_ORDERS)}")
         if self.lora_batching not in ("mixed", "homogeneous"):
             raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",

@@ -119,9 +119,11 @@ class DiffusionEngine:
         adapter = self.adapter
         if self.mode is EngineMode.REQUEST_BATCH:
             return RequestScheduler(self.config.max_num_seqs, adapter.request_key, adapter.request_cost,
-                                    self.config.max_batch_tokens)
+                                    self.config.max_batch_tokens, self.config.max_head_bypass,
+                                    self.config.admission_order)
         return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass,
-                             adapter.request_cost, self.config.max_batch_tokens, self.config.max_preemptions)
+                             adapter.request_cost, self.config.max_batch_tokens, self.config.max_preemptions,
+                             self.config.admission_order)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,

@@ -129,6 +129,7 @@ class DiffusionRequest:
     priority: int = 1  # 1 most urgent; the engine resolves the `priority` input (0: the model's default)
     deadline: Optional[float] = None  # time.monotonic() by which it must have started (Triton's timeout)
     num_preemptions: int = 0  # times it was paused between steps for a more urgent request
+    num_passed: int = 0  # later requests of its priority admitted while it waited (bounded: max_head_bypass)
     total_steps: Optional[int] = None  # the adapter's count when not num_inference_steps (chunked video)
 
     @property

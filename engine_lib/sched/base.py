@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Iterable, Optional
 
 from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, RequestTimedOutError, SamplingParams
 
+ADMISSION_ORDERS = ("arrival", "shortest_remaining")
 KeyFn = Callable[[SamplingParams], Hashable]
 CostFn = Callable[[SamplingParams], int]  # latent tokens x rows a request adds to one forward
 
@@ -55,11 +56,9 @@ class RunnerOutput:
 
 
 class Scheduler(ABC):
-    """Admission by (priority, arrival) into a running set that shares one compatibility key; one
-    denoise step per tick.
+    """Admission by urgency into a running set that shares one compatibility key; one denoise step per tick.
 
-    Everything both modes share lives here: the waiting queue (most urgent first,
-    then oldest), the running set, each active request's key and cost, the
+    Everything both modes share lives here: the waiting queue (`_queue_order`), the running set, each active request's key and cost, the
     compute budget (`max_batch_tokens`: the running set's latent tokens x rows;
     0: no limit; a request alone is never refused by it), deadlines, abort,
     progress updates and the ids that ended since the last tick. Subclasses
@@ -67,10 +66,17 @@ class Scheduler(ABC):
     calls it under its lock. Only a scheduler writes request status.
     """
 
-    def __init__(self, max_num_seqs: int, key_fn: KeyFn, cost_fn: Optional[CostFn] = None, max_batch_tokens: int = 0):
+    def __init__(self, max_num_seqs: int, key_fn: KeyFn, cost_fn: Optional[CostFn] = None, max_batch_tokens: int = 0,
+                 max_head_bypass: int = 0, admission_order: str = "arrival"):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_head_bypass < 0:
+            raise ValueError(f"max_head_bypass must be >= 0, got {max_head_bypass}")
+        if admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, got {admission_order!r}")
         self.max_num_seqs = max_num_seqs
+        self.max_head_bypass = max_head_bypass  # how many later requests may pass a waiting one
+        self.admission_order = admission_order
         self.key_fn = key_fn
         self.cost_fn = cost_fn or (lambda params: 0)
         self.max_batch_tokens = max_batch_tokens
@@ -94,14 +100,28 @@ class Scheduler(ABC):
         self._requests[request.request_id] = request
         self._enqueue(request)
 
+    def urgency(self, request: DiffusionRequest) -> tuple[int, int]:
+        """(priority, steps left), smaller first; steps count only under `shortest_remaining`.
+
+        A request that `max_head_bypass` later requests of its priority have passed counts
+        as having no steps left, so shorter arrivals cannot starve it.
+        """
+        if self.admission_order == "arrival" or request.num_passed >= self.max_head_bypass:
+            return request.priority, 0
+        return request.priority, request.num_steps - request.step_index
+
+    def _queue_order(self, request: DiffusionRequest) -> tuple:
+        return (*self.urgency(request), request.arrival_time)
+
     def _enqueue(self, request: DiffusionRequest) -> None:
-        """Into the waiting queue behind every request at least as urgent and older (a paused request
-        goes back to the place its arrival earned it)."""
-        order = (request.priority, request.arrival_time)
-        index = len(self._waiting)
-        while index > 0 and (self._waiting[index - 1].priority, self._waiting[index - 1].arrival_time) > order:
-            index -= 1
-        self._waiting.insert(index, request)
+        """Into the waiting queue at its place (a paused request goes back to the place its
+        arrival, and its steps left, earned it)."""
+        self._waiting.append(request)
+        self._sort_waiting()
+
+    def _sort_waiting(self) -> None:
+        """Passes change a waiting request's place under `shortest_remaining`; the sort is stable."""
+        self._waiting = deque(sorted(self._waiting, key=self._queue_order))
 
     def expire(self, now: float) -> list[DiffusionRequest]:
         """End every request that waits, never started, and whose deadline has passed; return them."""
@@ -210,6 +230,9 @@ class Scheduler(ABC):
             request = self._waiting.popleft()
         else:
             self._waiting.remove(request)
+        for earlier in self._waiting:
+            if earlier.priority == request.priority and earlier.arrival_time < request.arrival_time:
+                earlier.num_passed += 1
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
         (out.running_ids if request.num_preemptions else out.new_ids).append(request.request_id)

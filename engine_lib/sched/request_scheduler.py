@@ -1,7 +1,7 @@
 """RequestScheduler: request mode, where a wave of compatible requests runs to completion together.
 
 A wave is admitted when nothing is running: the head of the queue (the most
-urgent, then the oldest) plus the requests right behind it that share its key
+urgent, then the oldest, or the shortest with `admission_order=shortest_remaining`) plus the requests right behind it that share its key
 (which includes the step count), up to `max_num_seqs` and `max_batch_tokens`.
 An incompatible request stops the wave (head-of-line blocking, the seed's
 conservative policy). Waves are never preempted.
@@ -32,6 +32,7 @@ class RequestScheduler(Scheduler):
         out = SchedulerOutput(running_ids=list(self._running), finished_ids=self._take_ended_ids())
         if self._running or not self._waiting:
             return out
+        self._sort_waiting()
         head_key = self._keys[self._waiting[0].request_id]
         while (self._waiting and len(out.new_ids) < self.max_num_seqs
                and self._keys[self._waiting[0].request_id] == head_key and self._fits_budget(self._waiting[0])):

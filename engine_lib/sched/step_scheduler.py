@@ -1,22 +1,27 @@
 """StepScheduler: step mode, where requests join and leave the running batch between denoise steps.
 
 The running set holds requests of one key, up to `max_num_seqs` and within the
-compute budget (`max_batch_tokens`). Between ticks, waiting requests join most
-urgent first, then oldest (`priority`: 1 is the most urgent), while they fit
-and their key matches the running set's (any key when it is empty).
+compute budget (`max_batch_tokens`). Between ticks, waiting requests join in
+queue order while they fit and their key matches the running set's (any key
+when it is empty). The queue order (`Scheduler.urgency`): most urgent
+`priority` first (1 is the most urgent); within a level the oldest first, or
+with `admission_order=shortest_remaining` the fewest steps left first.
 
 - **Preemption.** When the head of the queue cannot join and is more urgent
-  than running requests, those pause between two steps (least urgent first,
-  the latest admitted first among equals) until it can: a compatible head
+  than running requests (a better priority, or under shortest_remaining also
+  fewer steps left), those pause between two steps (least urgent first, the
+  latest admitted first among equals) until it can: a compatible head
   needs a seat and room in the budget, an incompatible one needs the whole set
   to pause, or nothing pauses. A paused request keeps its runner state and
-  waits at its (priority, arrival) place; it resumes where it stopped. Each
+  waits at its place in the queue; it resumes where it stopped. Each
   request pauses at most `max_preemptions` times (0: no preemption).
-- **Head bypass.** When the head still cannot join, up to `max_head_bypass`
-  requests of its priority behind it that can may pass it (the oldest first);
-  then the head waits only for the running set to drain, and is admitted first
-  once it has. `max_head_bypass=0` is the seed's FIFO, where an incompatible
-  head blocks everyone behind it (head-of-line blocking). A less urgent request
+- **Passing, bounded.** When the head still cannot join, requests of its
+  priority behind it that can may pass it (the first in queue order); under
+  shortest_remaining shorter requests also pass older ones. A waiting request
+  is passed at most `max_head_bypass` times: then it counts as having no steps
+  left, goes first, and when it cannot join it waits only for the running set
+  to drain. `max_head_bypass=0` is the seed's FIFO, where an incompatible head
+  blocks everyone behind it (head-of-line blocking). A less urgent request
   never passes a more urgent one.
 
 Requests with different step counts and at different steps share ticks; the
@@ -35,21 +40,18 @@ class StepScheduler(Scheduler):
     """Continuous batching over denoise steps. Not thread-safe: the engine locks."""
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn, max_head_bypass: int = 0, cost_fn: Optional[CostFn] = None,
-                 max_batch_tokens: int = 0, max_preemptions: int = 0):
-        super().__init__(max_num_seqs, key_fn, cost_fn, max_batch_tokens)
-        if max_head_bypass < 0 or max_preemptions < 0:
-            raise ValueError(f"max_head_bypass and max_preemptions must be >= 0, got {max_head_bypass}, "
-                             f"{max_preemptions}")
-        self.max_head_bypass = max_head_bypass
+                 max_batch_tokens: int = 0, max_preemptions: int = 0, admission_order: str = "arrival"):
+        super().__init__(max_num_seqs, key_fn, cost_fn, max_batch_tokens, max_head_bypass, admission_order)
+        if max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.max_preemptions = max_preemptions
-        self._bypassed_head: Optional[str] = None  # the head that requests passed, and how often
-        self._bypasses = 0
         self._ran_before: set[str] = set()  # the running set when this schedule() began
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._take_ended_ids())
         out.running_ids = list(self._running)
         self._ran_before = set(self._running)
+        self._sort_waiting()
         while self._waiting:
             head = self._waiting[0]
             if self._can_join(head) or self._make_room(out, head):
@@ -57,15 +59,12 @@ class StepScheduler(Scheduler):
                 continue
             if len(self._running) >= self.max_num_seqs:
                 break
-            if self._bypassed_head != head.request_id:
-                self._bypassed_head, self._bypasses = head.request_id, 0
-            if self._bypasses >= self.max_head_bypass:
+            if head.num_passed >= self.max_head_bypass:
                 break
             match = next((r for r in self._waiting if r.priority == head.priority and self._can_join(r)), None)
             if match is None:
                 break
-            self._admit(out, match)
-            self._bypasses += 1
+            self._admit(out, match)  # counts the pass
         return out
 
     def _can_join(self, request: DiffusionRequest) -> bool:
@@ -79,9 +78,9 @@ class StepScheduler(Scheduler):
         """Pause less urgent running requests until `head` can join; pause none if that cannot work.
         Only requests that ran before this tick may pause (a new one has no state to keep yet)."""
         victims = [r for r in self._running.values() if r.request_id in self._ran_before
-                   and r.priority > head.priority and r.num_preemptions < self.max_preemptions]
+                   and self.urgency(r) > self.urgency(head) and r.num_preemptions < self.max_preemptions]
         victims.reverse()
-        victims.sort(key=lambda r: -r.priority)  # least urgent first; among equals, the latest admitted
+        victims.sort(key=self.urgency, reverse=True)  # least urgent first; among equals, the latest admitted
         if not victims:
             return False
         running_key = self._keys[next(iter(self._running))]

@@ -1,6 +1,8 @@
-"""Priorities, preemption at step boundaries, deadlines and the compute budget through a real
-tritonserver (step mode, two running slots, max_batch_tokens 128: two 64x64 images of the tiny model,
-64 latent tokens each). Order-based, held by the tick budget: no timing in the asserts."""
+"""Priorities, preemption at step boundaries, shortest-remaining admission, deadlines and the compute
+budget through a real tritonserver (step mode, two running slots, max_batch_tokens 128: two 64x64 images
+of the tiny model, 64 latent tokens each; `admission_order=shortest_remaining`, which orders requests only
+within a priority level, so the priority tests use distinct levels). Order-based, held by the tick budget:
+no timing in the asserts."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ LABELS = dict(model="qwen_image")
 @pytest.fixture(scope="module")
 def prio_server(tmp_path_factory, request):
     server = start_server(tmp_path_factory.mktemp("priorities"), model_path(request), step_execution="true",
-                          max_num_seqs="2", max_batch_tokens="128", max_preemptions="1")
+                          max_num_seqs="2", max_batch_tokens="128", max_preemptions="1",
+                          admission_order="shortest_remaining")
     yield server
     server.cleanup()
 
@@ -93,6 +96,49 @@ def test_a_preempted_request_resumes_and_equals_its_uninterrupted_run(prio_serve
     solo = run_request(url, prompt="second", seed=12, num_inference_steps=6)
     difference = np.abs(paused.final.as_numpy("image").astype(int) - solo.final.as_numpy("image").astype(int))
     assert difference.max() <= 1, difference.max()
+
+
+def test_a_short_request_pauses_the_running_one_with_the_most_steps_left(prio_server):
+    url, budget = prio_server.grpc_url, prio_server.budget.hold()
+    preempted_before = metric(scrape(prio_server.metrics_url), "diffusion_preemptions_total", **LABELS)
+    streams = []
+    try:
+        streams.append(RequestStream(url).send("long-30", prompt="a", num_inference_steps=30))
+        streams.append(RequestStream(url).send("long-20", prompt="b", num_inference_steps=20))
+        waiting(prio_server, 2)
+        budget.allow(1)
+        waiting(prio_server, 0)
+        streams.append(RequestStream(url).send("short", prompt="c", num_inference_steps=2))  # same priority
+        waiting(prio_server, 1)
+        budget.release()
+        order = finished_order(streams)
+    finally:
+        close_all(streams, budget)
+    # In arrival order "short" would wait for long-20's seat and finish after it.
+    assert order == ["short", "long-20", "long-30"], order
+    assert metric(scrape(prio_server.metrics_url), "diffusion_preemptions_total", **LABELS) == preempted_before + 1
+
+
+def test_a_waiting_short_request_is_admitted_before_an_older_long_one(prio_server):
+    url, budget = prio_server.grpc_url, prio_server.budget.hold()
+    streams = []
+    try:
+        # Two urgent requests hold both seats (the waiting ones cannot pause them); one frees its seat soon.
+        streams.append(RequestStream(url).send("urgent-3", prompt="a", num_inference_steps=3, priority=1))
+        streams.append(RequestStream(url).send("urgent-40", prompt="b", num_inference_steps=40, priority=1))
+        waiting(prio_server, 2)
+        budget.allow(1)
+        waiting(prio_server, 0)
+        streams.append(RequestStream(url).send("long", prompt="c", num_inference_steps=12))
+        waiting(prio_server, 1)
+        streams.append(RequestStream(url).send("short", prompt="d", num_inference_steps=2))
+        waiting(prio_server, 2)
+        budget.release()
+        order = finished_order(streams)
+    finally:
+        close_all(streams, budget)
+    # In arrival order "long" takes the freed seat first and "short" finishes after it.
+    assert order.index("short") < order.index("long"), order
 
 
 def test_a_request_not_started_before_its_timeout_ends_at_once_and_costs_nothing(prio_server):
