@@ -19,10 +19,10 @@ from benchmarks.perf_analyzer import EXPLANATION as PERF_ANALYZER_NOTE
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DOC_PATH = REPO_ROOT / "docs" / "benchmarks.md"
-STEP, SERIAL, NAIVE = "step", "rb_serial", "naive"
+STEP, SERIAL, NAIVE, SRPT = "step", "rb_serial", "naive", "step_srpt"
 # One colour per system in every plot.
 COLORS = {"rb_serial": "tab:blue", "rb_fused": "tab:orange", "rb_fused_wait": "tab:green", "step": "tab:red",
-          "naive": "tab:purple"}
+          "naive": "tab:purple", "step_srpt": "tab:brown"}
 
 
 # ---------------------------------------------------------------------------
@@ -90,6 +90,9 @@ def targets(results: dict) -> list[dict]:
         ratio(step_p.get("latency_p99_s"), serial_p.get("latency_p99_s")), 0.5, False)
     add("Poisson mixed steps: STEP_BATCH SLO attainment (3x solo latency)", step_p.get("slo_attainment"), 0.95, True,
         unit="%")
+    if S.get(SRPT, {}).get("poisson"):
+        add(f"Poisson mixed steps: {S[SRPT]['label']} SLO attainment", S[SRPT]["poisson"].get("slo_attainment"),
+            0.95, True, unit="%")
     add(f"STEP_BATCH / naive baseline, requests/s at concurrency {c}", ratio(rps(STEP), rps(NAIVE)), 2.5, True)
     return out
 
@@ -267,7 +270,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "- Systems, each its own tritonserver on a copy of the model repository, all up for the whole run: "
         + "; ".join(f"`{n}` = {s['label']}" for n, s in S.items()) + ". The closed-loop points are interleaved "
         "(each repeat and concurrency runs on every system back to back, then one offline sample); mixed sizes "
-        "and Poisson runs go one system after the other.",
+        "and Poisson runs go one system after the other."
+        + "".join(f" `{n}` runs only the Poisson load." for n, s in S.items() if not s.get("closed")),
         f"- Each server gets one request alone, then {plan['max_num_seqs']} at concurrency {plan['max_num_seqs']}, "
         "unmeasured, before its first measurement. "
         f"Total wall time of the run: {f((results.get('wall_s') or 0) / 60, 1)} min.",
@@ -296,7 +300,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         + f" | mean batch at c={c} | peak RSS (server tree) | start-up |",
         "|---|" + "---|" * len(plan["concurrencies"]) + "---|---|---|",
     ]
-    for name, s in S.items():
+    closed = {name: s for name, s in S.items() if s.get("closed")}  # (some systems run only the Poisson load)
+    for name, s in closed.items():
         batch = spread([p.get("server", {}).get("mean_batch_size") for p in s.get("closed", {}).get(str(c), [])])
         lines.append(f"| {s['label']} | " + " | ".join(fmt_spread(closed_stat(s, cc), 3) for cc in plan["concurrencies"])
                      + f" | {fmt_spread(batch, 1)} | {f((s.get('peak_rss_bytes') or 0) / 2**20, 0, ' MiB')} "
@@ -308,7 +313,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "| system | mean | p50 | p95 | p99 | first preview p50 | SLO attainment | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for s in S.values():
+    for s in closed.values():
         pts = s.get("closed", {}).get(str(c), [])
 
         def med(key: str) -> Optional[float]:
@@ -354,6 +359,11 @@ def gap_notes(results: dict) -> list[str]:
                 f"{best} requests but only {by_shape[worst]['attainment']:.0%} of the {worst} ones: a request shares "
                 f"every step with whoever else is running, so each of its steps takes the batched step time{slow}, "
                 "and a short request's 3x budget is the smallest.")
+        srpt = S.get(SRPT, {}).get("poisson", {})
+        if srpt.get("slo_attainment") is not None:
+            note += (f" {S[SRPT]['label']} met it for {srpt['slo_attainment']:.0%}: a short request runs with at "
+                     "most one other and may pause the one with the most steps left, so it no longer shares "
+                     "every step with long ones; the long ones wait instead.")
         load = poisson.get("load_at_start")
         if load and results.get("load_before"):
             note += (f" The machine's 1-minute load was {load[0]:.1f} when this run started, against "

@@ -62,7 +62,7 @@ class Plan:
     mixed_sizes: tuple = (64, 128)
     poisson_requests: int = 40
     poisson_load: float = 0.8  # fraction of REQUEST_BATCH serial capacity
-    poisson_systems: tuple = ("rb_serial", "rb_fused_wait", "step")
+    poisson_systems: tuple = ("rb_serial", "rb_fused_wait", "step", "step_srpt")
     mixed_sizes_systems: tuple = ("rb_fused_wait", "step")
     systems: tuple = ("rb_serial", "rb_fused", "rb_fused_wait", "step", "naive")
     perf_analyzer_concurrency: int = 4
@@ -80,7 +80,7 @@ class Plan:
 
 FULL = Plan("full")
 QUICK = Plan("quick", steps=4, concurrencies=(1, 8), rounds=2, repeats=2, mixed_step_choices=(2, 4, 8),
-             mixed_sizes=(64, 128), poisson_requests=12, poisson_systems=("rb_serial", "step"),
+             mixed_sizes=(64, 128), poisson_requests=12, poisson_systems=("rb_serial", "step", "step_srpt"),
              mixed_sizes_systems=("step",), systems=("rb_serial", "rb_fused_wait", "step", "naive"),
              perf_analyzer_concurrency=8, perf_analyzer_requests=8, preview_interval=2)
 
@@ -268,7 +268,8 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "systems": {}}
     log_dir = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/bench-logs"))
     by_name = {s.name: s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, plan.device, plan.dtype)}
-    names = ["rb_serial"] + [n for n in plan.systems if n != "rb_serial"]  # serial calibrates the SLO
+    closed = list(dict.fromkeys(("rb_serial",) + plan.systems))  # serial calibrates the SLO
+    names = list(dict.fromkeys(closed + list(plan.poisson_systems + plan.mixed_sizes_systems)))
     S = results["systems"]
     with contextlib.ExitStack() as stack:
         running: dict[str, systems.RunningSystem] = {}
@@ -296,11 +297,11 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
             for c in plan.concurrencies:
                 specs = workloads.uniform(max(plan.rounds * c, 2), plan.size, plan.steps, plan.preview_interval,
                                           seed=100 + r)
-                for name, rs in running.items():
-                    point = closed_point(rs, specs, c, ctx["solo"], plan.slo_factor, f"c{c}r{r}")
+                for name in closed:
+                    point = closed_point(running[name], specs, c, ctx["solo"], plan.slo_factor, f"c{c}r{r}")
                     S[name]["closed"].setdefault(str(c), []).append(point)
                 log(f"repeat {r} c={c} req/s " + ", ".join(
-                    f"{n} {S[n]['closed'][str(c)][-1]['requests_per_s'] or 0:.3f}" for n in running))
+                    f"{n} {S[n]['closed'][str(c)][-1]['requests_per_s'] or 0:.3f}" for n in closed))
             if limit is not None:
                 limit.sample()
             save(results, out_path)
@@ -424,7 +425,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.systems:
-        plan = replace(plan, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()))
+        subset = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        plan = replace(plan, systems=subset, poisson_systems=tuple(s for s in plan.poisson_systems if s in subset),
+                       mixed_sizes_systems=tuple(s for s in plan.mixed_sizes_systems if s in subset))
     overrides = {"preset": args.preset, "device": args.device, "dtype": args.dtype, "size": args.size, "steps": args.steps, "repeats": args.repeats,
                  "poisson_requests": args.poisson_requests,
                  "concurrencies": tuple(int(c) for c in args.concurrencies.split(",")) if args.concurrencies else None}
