@@ -331,6 +331,11 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
     return "\n".join(lines) + "\n"
 
 
+def _steps(shape_key: str) -> int:
+    """The step count of a workload shape key such as "128x128/16"."""
+    return int(shape_key.rsplit("/", 1)[1])
+
+
 def gap_notes(results: dict) -> list[str]:
     """Measured facts that explain the gap between served and offline, and the serving overhead."""
     S, c = results["systems"], top_concurrency(results)
@@ -357,8 +362,9 @@ def gap_notes(results: dict) -> list[str]:
                     "a solo step on this CPU)")
         note = (f"Under Poisson arrivals STEP_BATCH met the SLO for {by_shape[best]['attainment']:.0%} of the "
                 f"{best} requests but only {by_shape[worst]['attainment']:.0%} of the {worst} ones: a request shares "
-                f"every step with whoever else is running, so each of its steps takes the batched step time{slow}, "
-                "and a short request's 3x budget is the smallest.")
+                f"every step with whoever else is running, so each of its steps takes the batched step time{slow}"
+                + (", and a short request's 3x budget is the smallest." if _steps(worst) == min(map(_steps, by_shape))
+                   else "."))
         srpt = S.get(SRPT, {}).get("poisson", {})
         if srpt.get("slo_attainment") is not None:
             note += (f" {S[SRPT]['label']} met it for {srpt['slo_attainment']:.0%}: a short request runs with at "
