@@ -126,9 +126,10 @@ class ModelRunner:
         self.states[request.request_id] = state
 
     def _denoise(self, states: list[RequestState], result: RunnerResult) -> None:
-        """One batched denoise forward, then each request's own scheduler step."""
+        """One batched denoise forward, then the scheduler steps: batched where the adapter can
+        (`step_batch`), else each request's own."""
         try:
-            preds = self._predict(states)
+            batch, prediction = self._predict(states)
         except Exception as exc:  # noqa: BLE001
             if len(states) == 1:
                 result.fail(states[0].request_id, exc)
@@ -140,20 +141,25 @@ class ModelRunner:
                 self._denoise([state], result)
             return
         with self.clock.phase("scheduler"), torch.inference_mode():
-            for state, pred in zip(states, preds):
+            try:
+                if self.adapter.step_batch(batch, states, prediction):
+                    return
+            except Exception as exc:  # noqa: BLE001 - step_batch changes nothing before it succeeds
+                logger.warning("batched scheduler step failed (%s); stepping each request alone", exc)
+            for state, pred in zip(states, batch.split(prediction)):
                 try:
                     self.adapter.step_scheduler(state, pred)
                 except Exception as exc:  # noqa: BLE001
                     result.fail(state.request_id, exc)
 
-    def _predict(self, states: list[RequestState]) -> list[Prediction]:
+    def _predict(self, states: list[RequestState]) -> tuple[InputBatch, Prediction]:
         if self.fail_prompt and any(s.params.get("prompt") == self.fail_prompt for s in states):
             raise PipelineError(f"injected failure for the prompt {self.fail_prompt!r} (test_fail_prompt)")
         with self.clock.phase("gather"):
             batch = InputBatch.gather(states, previous=self._input_batch)
         self._input_batch = batch
         with self.clock.phase("forward"), torch.inference_mode():
-            return batch.split(self.adapter.denoise_step(batch, states=states))
+            return batch, self.adapter.denoise_step(batch, states=states)
 
     def _decode_now(self, denoised: list[RequestState], denoising: list[RequestState],
                     priority: dict[str, int]) -> list[RequestState]:

@@ -18,7 +18,8 @@ and implements the seed's step contract, which is the only way the runner runs i
 * `prepare_encode(state)` once per request: encode, draw latents, build its schedule;
 * `denoise_step(input_batch, states=...)` once per tick over all scheduled rows;
 * `step_scheduler(state, noise_pred)` per request per tick: the only place
-  latents change and `step_index` advances;
+  latents change and `step_index` advances (`step_batch` may do all of a tick's
+  requests in one operation instead, where that is bit for bit the same);
 * `post_decode(states)` once for the requests that finished in the same tick:
   one dict of named float outputs per state (`output_type="np"` values; the
   runner converts them to the declared dtypes);
@@ -133,7 +134,9 @@ class InputBatch:
     longest; `seq_lens` then holds each request's own length, and `split` cuts
     the padding off again. `cache` survives while the batch's membership is
     unchanged, so an adapter can keep batched prompt embeddings there instead of
-    rebuilding them every tick.
+    rebuilding them every tick. So does a tensor the adapter `adopt`ed (the
+    latents a batched scheduler step wrote): while every request still hands
+    back the very rows it was given, the next gather reuses it without a copy.
     """
 
     request_ids: list[str]
@@ -142,6 +145,7 @@ class InputBatch:
     row_slices: list[slice]
     cache: dict = field(default_factory=dict)
     seq_lens: Optional[list[int]] = None  # per request, when its tokens were padded to the longest
+    pieces: dict = field(default_factory=dict)  # name -> each request's rows (views) of an adopted tensor
 
     @classmethod
     def gather(cls, states: list[RequestState], previous: Optional["InputBatch"] = None) -> "InputBatch":
@@ -151,16 +155,27 @@ class InputBatch:
             slices.append(slice(start, start + s.num_rows))
             start += s.num_rows
         parts = [s.step_inputs() for s in states]
-        tensors, seq_lens = {}, None
+        same = previous is not None and previous.request_ids == ids
+        tensors, seq_lens, pieces = {}, None, {}
         for name in parts[0]:
             values = [p[name] for p in parts]
+            kept = previous.pieces.get(name) if same else None
+            if kept is not None and all(v is k for v, k in zip(values, kept)):
+                tensors[name], pieces[name] = previous.tensors[name], kept
+                continue
             lengths = [v.shape[1] if v.dim() > 1 else 0 for v in values]
             if len(set(lengths)) > 1:
                 seq_lens, longest = lengths, max(lengths)
                 values = [F.pad(v, (0, 0) * (v.dim() - 2) + (0, longest - v.shape[1])) for v in values]
             tensors[name] = values[0] if len(values) == 1 else torch.cat(values)
-        cache = previous.cache if previous is not None and previous.request_ids == ids else {}
-        return cls(ids, states, tensors, slices, cache, seq_lens)
+        return cls(ids, states, tensors, slices, previous.cache if same else {}, seq_lens, pieces)
+
+    def adopt(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Make `tensor` (every row, unpadded) this batch's `name`; return each request's rows of it (views)."""
+        assert self.seq_lens is None, "a padded batch cannot adopt unpadded rows"
+        self.tensors[name] = tensor
+        self.pieces[name] = [tensor[rows] for rows in self.row_slices]
+        return self.pieces[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -264,6 +279,12 @@ class PipelineAdapter(ABC):
     @abstractmethod
     def step_scheduler(self, state: RequestState, noise_pred: Prediction) -> None:
         """The only place a request's latents change and its step index advances."""
+
+    def step_batch(self, input_batch: InputBatch, states: list[RequestState], prediction: Prediction) -> bool:
+        """Optional: every request's scheduler step in one batched operation, bit for bit what
+        `step_scheduler` would do for each. False: not possible here (the runner steps each request);
+        it must then have changed nothing."""
+        return False
 
     @abstractmethod
     def post_decode(self, states: list[RequestState]) -> list[Outputs]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -35,6 +36,8 @@ from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.request import ConfigError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
+
+logger = logging.getLogger(__name__)
 
 # The text tensors of one side (cond or uncond) of one request: "embeds" [N, L, D]
 # plus whatever else the transformer takes per row ("mask" [N, L], "pooled" [N, P]).
@@ -68,6 +71,7 @@ class FlowMatchState(RequestState):
     schedule: Schedule = field(default_factory=Schedule)
     latents: Optional[torch.Tensor] = None  # rows = num_images
     text: dict = field(default_factory=dict)  # "cond" (and "uncond" with CFG) -> TextParts
+    sigma_steps: Optional[torch.Tensor] = None  # dt of each Euler step: sigmas[i + 1] - sigmas[i]
 
     @property
     def num_rows(self) -> int:
@@ -114,6 +118,7 @@ class FlowMatchAdapter(DiffusersAdapter):
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be in "
                               f"[1, {int(declared.high)}] for {self.name}")
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._batched_step_exact: dict[tuple, bool] = {}  # (dtype, device type) -> step_batch equals per request
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
         self.lora_batching = self.options.get("lora_batching") or "mixed"
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
@@ -259,6 +264,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **self._timestep_kwargs(state))
         scheduler.set_begin_index(0)  # the step loop starts at the first timestep
         state.scheduler = scheduler
+        state.sigma_steps = scheduler.sigmas[1:] - scheduler.sigmas[:-1]  # as step() computes each dt
         state.schedule = Schedule([timesteps])
         state.num_steps = state.schedule.num_steps
         state.step_index = 0
@@ -304,6 +310,38 @@ class FlowMatchAdapter(DiffusersAdapter):
         t = state.schedule.timestep(state.step_index)
         state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
         state.step_index += 1
+
+    @torch.inference_mode()
+    def step_batch(self, input_batch: InputBatch, states: list[FlowMatchState], prediction: torch.Tensor) -> bool:
+        """Every row's Euler step at once: `latents + dt * prediction`, each row with its own request's dt,
+        the formula `FlowMatchEulerDiscreteScheduler.step` applies per request. The result becomes the
+        batch's latents (each request holds its rows as views), so an unchanged batch gathers it again
+        without a copy.
+
+        Whether this is bit for bit the per-request step depends on how the device's kernels treat a
+        0-dim dt in reduced precision, so the first batch of each dtype and device is compared with the
+        per-request step (on scheduler copies); where they differ, requests step one by one from then on.
+        """
+        if input_batch.seq_lens is not None or not all(_plain_euler(s) for s in states):
+            return False
+        latents = input_batch["latents"]
+        dt = torch.cat([s.sigma_steps[s.step_index:s.step_index + 1].expand(s.num_rows) for s in states])
+        dt = dt.to(prediction.dtype).view(-1, *(1,) * (latents.dim() - 1))
+        stepped = (latents.to(torch.float32) + dt * prediction).to(prediction.dtype)
+        key = (prediction.dtype, prediction.device.type)
+        if key not in self._batched_step_exact:
+            self._batched_step_exact[key] = all(
+                torch.equal(rows, _solo_step(state, pred)) for state, rows, pred
+                in zip(states, input_batch.split(stepped), input_batch.split(prediction)))
+            logger.info("%s: batched scheduler steps %s for %s on %s", self.name,
+                        "on" if self._batched_step_exact[key] else "off (not bit for bit)", *key)
+        if not self._batched_step_exact[key]:
+            return False
+        for state, rows in zip(states, input_batch.adopt("latents", stepped)):
+            state.latents = rows
+            state.step_index += 1
+            state.scheduler._step_index = state.step_index  # diffusers' own counter, for a later per-request step
+        return True
 
     @torch.inference_mode()
     def post_decode(self, states: list[FlowMatchState]) -> list[Outputs]:
@@ -426,3 +464,18 @@ def _pad_text(parts: list[tuple[torch.Tensor, Optional[torch.Tensor]]],
             mask = torch.ones(e.shape[:2], dtype=torch.long, device=e.device)
         masks.append(F.pad(mask, (0, longest - mask.shape[1])))
     return embeds, torch.cat(masks)
+
+
+def _plain_euler(state: FlowMatchState) -> bool:
+    """A deterministic flow-match Euler scheduler (the only kind `step_batch` reproduces)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = state.scheduler
+    return (type(scheduler) is FlowMatchEulerDiscreteScheduler and not scheduler.config.stochastic_sampling
+            and state.sigma_steps is not None)
+
+
+def _solo_step(state: FlowMatchState, noise_pred: torch.Tensor) -> torch.Tensor:
+    """What `step_scheduler` would make of this request's latents, on a copy of its scheduler."""
+    scheduler = copy.copy(state.scheduler)
+    return scheduler.step(noise_pred, state.schedule.timestep(state.step_index), state.latents, return_dict=False)[0]

@@ -230,6 +230,10 @@ class FaultyAdapter:
         self._maybe_fail("step_scheduler", [state])
         return self._real.step_scheduler(state, noise_pred)
 
+    def step_batch(self, input_batch, states, prediction):  # the same step, batched: the runner falls back
+        self._maybe_fail("step_scheduler", states)
+        return self._real.step_batch(input_batch, states, prediction)
+
     def post_decode(self, states):
         self._maybe_fail("post_decode", states)
         return self._real.post_decode(states)
