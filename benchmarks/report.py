@@ -772,11 +772,28 @@ def with_other_pipelines(results: dict, source: Path) -> dict:
 def gpu_section(results: dict) -> list[str]:
     gpu = results["machine"].get("gpu")
     if gpu:
-        return ["", "## GPU", "", f"This page was measured on {gpu} (device `{results['plan'].get('device')}`)."]
+        return ["", "## GPU", "", f"This page was measured on {gpu} (device `{results['plan'].get('device')}`)."] \
+            + gpu_sync_section()
     return ["", "## GPU", "",
             "Not measured yet: no GPU was available to the session that produced these numbers. On a CUDA host, "
             "`bash benchmarks/gpu.sh` runs the engine on CUDA with a larger random-weight preset, the four modes "
             "side by side, and writes `benchmarks/results/gpu.json` and `docs/benchmarks-gpu.md`."]
+
+
+def gpu_sync_section() -> list[str]:
+    """benchmarks/gpu_sync.py's count of host synchronisations per tick, when gpu.sh has run it."""
+    path = RESULTS_DIR / "gpu_sync.json"
+    if not path.exists():
+        return []
+    sync = json.loads(path.read_text())
+    lines = ["", f"Host synchronisations per engine tick on {sync['device']} (`python -m benchmarks.gpu_sync`, "
+             f"{sync['preset']} preset, {sync['size']}x{sync['size']}, {sync['steps']} steps; the goal: none while "
+             "requests only denoise, one where outputs go to the host):", "",
+             "| tick | ticks | mean | max | first waits reported |", "|---|---|---|---|---|"]
+    for kind, s in sync["ticks"].items():
+        lines.append(f"| {kind} | {s['ticks']} | {f(s['syncs_mean'], 1)} | {s['syncs_max']} | "
+                     f"{'; '.join(m[:80] for m in s['first_messages'][:2]) or '-'} |")
+    return lines
 
 
 def reproduce_section() -> list[str]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from engine_lib import host_copy
 from engine_lib.phases import PhaseClock
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, Prediction, RequestState, move_tensors
 from engine_lib.request import DiffusionRequest, EngineError, PipelineError
@@ -65,6 +66,7 @@ class ModelRunner:
         self._input_batch: Optional[InputBatch] = None
         self._paused: set[str] = set()  # states moved to host memory while their request is paused
         self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
+        self.host = host_copy.HostCopier(adapter.device)
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
@@ -94,6 +96,8 @@ class ModelRunner:
         decode_now = self._decode_now(denoised, [s for s in done if not s.denoise_completed], priority)
         result.output.decoding.update({s.request_id for s in denoised} - {s.request_id for s in decode_now})
         self._decode(decode_now, result)
+        with self.clock.phase("convert"):
+            self._to_host(result)
         self.free(list(result.output.errors) + list(result.output.finished))
         return result
 
@@ -225,11 +229,23 @@ class ModelRunner:
                 self.frames_generated += named["video"].shape[0] * named["video"].shape[1]
 
     def _declared(self, outputs: Outputs, as_float: bool) -> Outputs:
-        """Named arrays checked against the declaration, converted to the declared dtypes unless `as_float`."""
+        """Named arrays (or device tensors) checked against the declaration, converted to the declared
+        dtypes unless `as_float` (tensors where they are: `_to_host` brings them back)."""
         undeclared = sorted(set(outputs) - set(self._output_specs))
         if undeclared:
             raise PipelineError(f"{self.adapter.name} produced undeclared outputs {undeclared}")
-        return dict(outputs) if as_float else {name: self._output_specs[name].convert(a) for name, a in outputs.items()}
+        if as_float:
+            return dict(outputs)
+        specs = self._output_specs
+        return {name: host_copy.convert(specs[name], a) if isinstance(a, torch.Tensor) else specs[name].convert(a)
+                for name, a in outputs.items()}
+
+    def _to_host(self, result: RunnerResult) -> None:
+        """Every tensor of the tick's outputs, previews and chunks to numpy, with one host synchronisation."""
+        slots = [(named, name) for group in (result.outputs, result.previews, result.chunks)
+                 for named in group.values() for name, value in named.items() if isinstance(value, torch.Tensor)]
+        for (named, name), array in zip(slots, self.host.to_host([named[name] for named, name in slots])):
+            named[name] = array
 
     def pause(self, request_ids: list[str]) -> None:
         """Preempted between two steps: keep the state, in host memory when it lives on a GPU."""

@@ -21,8 +21,9 @@ and implements the seed's step contract, which is the only way the runner runs i
   latents change and `step_index` advances (`step_batch` may do all of a tick's
   requests in one operation instead, where that is bit for bit the same);
 * `post_decode(states)` once for the requests that finished in the same tick:
-  one dict of named float outputs per state (`output_type="np"` values; the
-  runner converts them to the declared dtypes);
+  one dict of named float outputs per state (`output_type="np"` values, as numpy
+  arrays or as tensors left on the device; the runner converts them to the
+  declared dtypes and brings a tick's tensors to the host at once, host_copy.py);
 * `preview(state)`: optional cheap named uint8 outputs of the current latents;
 * `chunk_outputs(state)`: after each scheduler step, a pipeline that decodes as
   it goes (Helios, chunk by chunk) hands back what it just decoded, streamed at
@@ -46,7 +47,7 @@ from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.request import SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
-Outputs = dict  # output name -> numpy array
+Outputs = dict  # output name -> numpy array (or, from an adapter, a tensor on its device)
 Prediction = Union[torch.Tensor, dict]  # one tensor per row, or several by name (video + audio)
 
 

@@ -345,7 +345,8 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     @torch.inference_mode()
     def post_decode(self, states: list[FlowMatchState]) -> list[Outputs]:
-        """`{"image": float32 [N, H, W, 3] in [0, 1]}` per state, as `pipe(..., output_type="np")`.
+        """`{"image": float32 [N, H, W, 3] in [0, 1]}` per state, as `pipe(..., output_type="np")` has them,
+        left on the device (the runner brings a tick's outputs to the host at once).
 
         One `vae.decode` call per image size for all the given states.
         """
@@ -355,7 +356,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         out: list[Outputs] = [{} for _ in states]
         for (height, width), indices in by_size.items():
             latents = self._unpack(torch.cat([states[i].latents for i in indices]), height, width)
-            images = self.pipe.image_processor.postprocess(self._vae_decode(latents), output_type="np")
+            images = self.pipe.image_processor.postprocess(self._vae_decode(latents), output_type="pt")
+            images = images.permute(0, 2, 3, 1).float()  # what output_type="np" does, but the .cpu()
             start = 0
             for i in indices:
                 rows = states[i].num_rows
@@ -375,7 +377,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         rgb = torch.einsum("nchw,cr->nrhw", latents.float(), weights) + bias.view(1, 3, 1, 1)
         rgb = F.interpolate(rgb, size=(p.height, p.width), mode="nearest")
         rgb = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8)
-        return {"image": rgb.permute(0, 2, 3, 1).cpu().numpy()}
+        return {"image": rgb.permute(0, 2, 3, 1)}  # on the device: the runner brings it to the host
 
     # -- helpers shared by every path ----------------------------------------
     def _cache_context(self, name: str):

@@ -1,0 +1,55 @@
+"""A tick's outputs from the device to numpy with one host synchronisation: the runner's only way back.
+
+Adapters may hand back torch tensors on their device (images, previews); the runner
+converts them to the declared dtypes there (`convert`, UINT8 rounded as
+`interface.to_uint8` rounds) and, once per tick, `HostCopier.to_host` copies every
+one of them into pinned host memory on a side stream and waits for that stream
+once: the one synchronisation that ends the tick. Before, each output's `.cpu()`
+waited for the device on its own. On the CPU the tensors become numpy arrays
+without a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_lib.interface import OutputSpec
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """`interface.to_uint8` on a tensor: the same float32 operations, so the same bytes."""
+    return (images.to(torch.float32).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def convert(spec: OutputSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """`OutputSpec.convert` on the device."""
+    if spec.datatype == "UINT8":
+        return tensor if tensor.dtype == torch.uint8 else to_uint8(tensor)
+    return tensor.to({"FP32": torch.float32, "INT32": torch.int32}[spec.datatype])
+
+
+class HostCopier:
+    """Device tensors to numpy: on CUDA through pinned memory on a side stream, with one wait."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def to_host(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        """C-contiguous numpy arrays of `tensors`, in order."""
+        on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        hosts: list[Any] = [None if t.device.type == "cuda" else t.contiguous() for t in tensors]
+        if on_device:
+            stream = self._stream or torch.cuda.Stream(tensors[on_device[0]].device)
+            stream.wait_stream(torch.cuda.current_stream(tensors[on_device[0]].device))  # after their kernels
+            with torch.cuda.stream(stream):
+                for i in on_device:
+                    host = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True)
+                    host.copy_(tensors[i], non_blocking=True)
+                    tensors[i].record_stream(stream)  # its memory is not reused before the copy is done
+                    hosts[i] = host
+            stream.synchronize()  # the tick's one host synchronisation for its outputs
+        return [h.numpy() for h in hosts]
