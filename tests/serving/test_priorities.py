@@ -28,6 +28,15 @@ def waiting(server, count: int) -> None:
     assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", float(count), **LABELS) == count
 
 
+def fill_both_seats(server, budget, streams: list, **requests: dict) -> None:
+    """Send two requests (request id -> inputs) into `streams` and let them take one step together."""
+    for request_id, inputs in requests.items():
+        streams.append(RequestStream(server.grpc_url).send(request_id, **inputs))
+    waiting(server, 2)
+    budget.allow(1)
+    waiting(server, 0)
+
+
 def finished_order(streams) -> list[str]:
     for stream in streams:
         result = stream.collect()
@@ -41,11 +50,8 @@ def test_an_urgent_request_is_admitted_before_an_older_less_urgent_one(prio_serv
     streams = []
     try:
         # Two urgent requests fill both slots (as urgent as anything: nothing is preempted).
-        streams.append(RequestStream(url).send("long-a", prompt="a", num_inference_steps=20, priority=1))
-        streams.append(RequestStream(url).send("long-b", prompt="b", num_inference_steps=30, priority=1))
-        waiting(prio_server, 2)
-        budget.allow(1)
-        waiting(prio_server, 0)
+        fill_both_seats(prio_server, budget, streams, **{"long-a": dict(prompt="a", num_inference_steps=20, priority=1),
+                                                         "long-b": dict(prompt="b", num_inference_steps=30, priority=1)})
         streams.append(RequestStream(url).send("low", prompt="low", num_inference_steps=2, priority=3))
         waiting(prio_server, 1)
         streams.append(RequestStream(url).send("urgent", prompt="urgent", num_inference_steps=2))  # default 2
@@ -103,11 +109,8 @@ def test_a_short_request_pauses_the_running_one_with_the_most_steps_left(prio_se
     preempted_before = metric(scrape(prio_server.metrics_url), "diffusion_preemptions_total", **LABELS)
     streams = []
     try:
-        streams.append(RequestStream(url).send("long-30", prompt="a", num_inference_steps=30))
-        streams.append(RequestStream(url).send("long-20", prompt="b", num_inference_steps=20))
-        waiting(prio_server, 2)
-        budget.allow(1)
-        waiting(prio_server, 0)
+        fill_both_seats(prio_server, budget, streams, **{"long-30": dict(prompt="a", num_inference_steps=30),
+                                                         "long-20": dict(prompt="b", num_inference_steps=20)})
         streams.append(RequestStream(url).send("short", prompt="c", num_inference_steps=2))  # same priority
         waiting(prio_server, 1)
         budget.release()
@@ -124,11 +127,8 @@ def test_a_waiting_short_request_is_admitted_before_an_older_long_one(prio_serve
     streams = []
     try:
         # Two urgent requests hold both seats (the waiting ones cannot pause them); one frees its seat soon.
-        streams.append(RequestStream(url).send("urgent-3", prompt="a", num_inference_steps=3, priority=1))
-        streams.append(RequestStream(url).send("urgent-40", prompt="b", num_inference_steps=40, priority=1))
-        waiting(prio_server, 2)
-        budget.allow(1)
-        waiting(prio_server, 0)
+        fill_both_seats(prio_server, budget, streams, **{"urgent-3": dict(prompt="a", num_inference_steps=3, priority=1),
+                                                         "urgent-40": dict(prompt="b", num_inference_steps=40, priority=1)})
         streams.append(RequestStream(url).send("long", prompt="c", num_inference_steps=12))
         waiting(prio_server, 1)
         streams.append(RequestStream(url).send("short", prompt="d", num_inference_steps=2))
@@ -147,11 +147,8 @@ def test_a_request_not_started_before_its_timeout_ends_at_once_and_costs_nothing
                               **LABELS)
     streams = []
     try:
-        streams = [RequestStream(url).send(f"busy-{i}", prompt=f"busy {i}", num_inference_steps=2, priority=1)
-                   for i in range(2)]
-        waiting(prio_server, 2)
-        budget.allow(1)
-        waiting(prio_server, 0)
+        fill_both_seats(prio_server, budget, streams, **{f"busy-{i}": dict(prompt=f"busy {i}", num_inference_steps=2,
+                                                                           priority=1) for i in range(2)})
         ticks_before = metric(scrape(prio_server.metrics_url), "diffusion_batch_size_count", **LABELS)
         late = RequestStream(url).send("late", prompt="late", num_inference_steps=2, timeout_us=300_000)
         streams.append(late)
