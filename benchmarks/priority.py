@@ -7,6 +7,8 @@ Workload (tiny Qwen-Image, 64x64, 8 steps, step mode, max_num_seqs 4): a closed-
 - alone: the foreground requests on an idle server;
 - preempt: foreground priority 1, `max_preemptions=1` (an urgent request pauses a background one);
 - order: foreground priority 1, `max_preemptions=0` (admitted first, but waits for a free slot);
+- separate: foreground priority 1, `priority_batching=separate` (it pauses every background request
+  and runs alone);
 - fifo: foreground priority 3, like the background (arrival order: the seed's behaviour).
 
 Results go to benchmarks/results/priority.json; docs/benchmarks.md shows them.
@@ -28,9 +30,11 @@ from benchmarks.run import log, machine_info, side_main
 
 def priority_systems(max_num_seqs: int) -> list[systems.System]:
     engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs=str(max_num_seqs))
-    return [systems.System(f"priority_{name}", f"STEP_BATCH x{max_num_seqs}, max_preemptions={preemptions}",
-                           systems.MODEL_REPOSITORY, "qwen_image", parameters={**engine, "max_preemptions": preemptions})
-            for name, preemptions in (("preempt", "1"), ("order", "0"))]
+    variants = (("preempt", {"max_preemptions": "1"}), ("order", {"max_preemptions": "0"}),
+                ("separate", {"max_preemptions": "1", "priority_batching": "separate"}))
+    return [systems.System(f"priority_{name}", f"STEP_BATCH x{max_num_seqs}, " + ", ".join(
+        f"{k}={v}" for k, v in extra.items()), systems.MODEL_REPOSITORY, "qwen_image", parameters={**engine, **extra})
+            for name, extra in variants]
 
 
 def foreground(target: loadgen.Target, specs: list, gap_s: float, tag: str) -> list[float]:
@@ -101,11 +105,11 @@ def run(background: int = 8, urgent: int = 60, size: int = 64, steps: int = 8, m
     with contextlib.ExitStack() as stack:
         running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir))
                    for s in priority_systems(max_num_seqs)}
-        preempt, order = running["priority_preempt"].target, running["priority_order"].target
-        for target in (preempt, order):  # first-request and batch-shape effects, not measured
+        preempt, order, apart = (running[f"priority_{n}"].target for n in ("preempt", "order", "separate"))
+        for target in (preempt, order, apart):  # first-request and batch-shape effects, not measured
             foreground(target, fg[:2], 0.0, "warm")
         plan = [("alone", preempt, fg, False), ("preempt", preempt, fg, True), ("order", order, fg, True),
-                ("fifo", preempt, [replace(s, priority=3) for s in fg], True)]
+                ("separate", apart, fg, True), ("fifo", preempt, [replace(s, priority=3) for s in fg], True)]
         for name, target, specs, loaded in plan:
             with contextlib.ExitStack() as load:
                 bg = load.enter_context(background_load(target, replace(base, priority=3), background, name)) \

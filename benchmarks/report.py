@@ -699,6 +699,8 @@ def priority_section(path: Optional[Path] = None) -> list[str]:
     labels = {"alone": "alone (idle server)",
               "preempt": "under load, priority 1, `max_preemptions=1` (pauses a background request)",
               "order": "under load, priority 1, `max_preemptions=0` (admitted first, waits for a slot)",
+              "separate": "under load, priority 1, `priority_batching=separate` (pauses the whole background "
+                          "batch, runs alone)",
               "fifo": "under load, priority 3 like the background (arrival order, the seed's)"}
     lines = ["", "## Priorities: an urgent request under a full background load", "",
              f"`make bench-priority`, started {results['started']}: the tiny Qwen-Image, {w['size']}x{w['size']}, "
@@ -712,7 +714,9 @@ def priority_section(path: Optional[Path] = None) -> list[str]:
                      f"{entry['p99_over_alone_p99']:.2f}x | {entry['background_completed']} |")
     lines += ["", "Goal (issue #13): p99 under load <= 1.5x alone. On this CPU a step over a full batch of "
               f"{w['max_num_seqs']} costs more than a step over one request, so even an urgent request that never "
-              "waits runs slower under load; the rows show how much of the rest priority and preemption remove."]
+              "waits runs slower under load; the rows show how much of the rest priority and preemption remove. "
+              "`priority_batching=separate` keeps the background out of the urgent request's forwards, at the "
+              "background's expense (its requests done)."]
     return lines
 
 

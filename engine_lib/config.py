@@ -42,6 +42,7 @@ class EngineConfig:
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
     default_priority_level: int = 2  # a request without `priority` (or with 0)
     max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)
+    priority_batching: str = "mixed"  # step mode: "mixed" (levels share a forward) or "separate" (one level per batch)
     max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
@@ -106,6 +107,8 @@ class EngineConfig:
         if self.admission_order not in ADMISSION_ORDERS:
             raise ConfigError(f"parameter 'admission_order': {self.admission_order!r} is not one of "
                               f"{', '.join(ADMISSION_ORDERS)}")
+        if self.priority_batching not in ("mixed", "separate"):
+            raise ConfigError(f"parameter 'priority_batching': {self.priority_batching!r} is not mixed or separate")
         if self.lora_batching not in ("mixed", "homogeneous"):
             raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",

@@ -123,7 +123,7 @@ class DiffusionEngine:
                                     self.config.admission_order)
         return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass,
                              adapter.request_cost, self.config.max_batch_tokens, self.config.max_preemptions,
-                             self.config.admission_order)
+                             self.config.admission_order, self.config.priority_batching == "separate")
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None,

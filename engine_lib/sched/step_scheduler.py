@@ -24,6 +24,10 @@ with `admission_order=shortest_remaining` the fewest steps left first.
   blocks everyone behind it (head-of-line blocking). A less urgent request
   never passes a more urgent one.
 
+With `separate_priorities` (`priority_batching=separate`) a batch holds one
+priority level: a more urgent head is incompatible with a less urgent running
+set, so it pauses the whole set (or waits for it to drain) and runs without it.
+
 Requests with different step counts and at different steps share ticks; the
 runner reports each one's progress.
 """
@@ -40,11 +44,13 @@ class StepScheduler(Scheduler):
     """Continuous batching over denoise steps. Not thread-safe: the engine locks."""
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn, max_head_bypass: int = 0, cost_fn: Optional[CostFn] = None,
-                 max_batch_tokens: int = 0, max_preemptions: int = 0, admission_order: str = "arrival"):
+                 max_batch_tokens: int = 0, max_preemptions: int = 0, admission_order: str = "arrival",
+                 separate_priorities: bool = False):
         super().__init__(max_num_seqs, key_fn, cost_fn, max_batch_tokens, max_head_bypass, admission_order)
         if max_preemptions < 0:
             raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.max_preemptions = max_preemptions
+        self.separate_priorities = separate_priorities  # a batch holds one priority level (priority_batching)
         self._ran_before: set[str] = set()  # the running set when this schedule() began
 
     def schedule(self) -> SchedulerOutput:
@@ -70,9 +76,13 @@ class StepScheduler(Scheduler):
     def _can_join(self, request: DiffusionRequest) -> bool:
         if not self._running:
             return True
-        running_key = self._keys[next(iter(self._running))]
-        return (len(self._running) < self.max_num_seqs and self._keys[request.request_id] == running_key
-                and self._fits_budget(request))
+        return len(self._running) < self.max_num_seqs and self._compatible(request) and self._fits_budget(request)
+
+    def _compatible(self, request: DiffusionRequest) -> bool:
+        """The running set's key (and, with separate_priorities, its priority level)."""
+        first = next(iter(self._running.values()))
+        return self._keys[request.request_id] == self._keys[first.request_id] and (
+            not self.separate_priorities or request.priority == first.priority)
 
     def _make_room(self, out: SchedulerOutput, head: DiffusionRequest) -> bool:
         """Pause less urgent running requests until `head` can join; pause none if that cannot work.
@@ -83,8 +93,7 @@ class StepScheduler(Scheduler):
         victims.sort(key=self.urgency, reverse=True)  # least urgent first; among equals, the latest admitted
         if not victims:
             return False
-        running_key = self._keys[next(iter(self._running))]
-        if self._keys[head.request_id] != running_key:
+        if not self._compatible(head):
             chosen = victims if len(victims) == len(self._running) else []
         else:
             chosen = []

@@ -408,3 +408,21 @@ def test_a_tick_with_nothing_to_run_takes_nothing_from_the_budget(adapter, tick_
         assert drain(second)[-1].error is None
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("parameters, expected", [
+    ({}, ("arrival", False)),
+    ({"admission_order": "shortest_remaining", "priority_batching": "separate"}, ("shortest_remaining", True))])
+def test_the_scheduling_parameters_reach_the_step_scheduler(adapter, parameters, expected):
+    engine = make(adapter, step_execution=True, max_num_seqs=2, **parameters)
+    try:
+        assert (engine.scheduler.admission_order, engine.scheduler.separate_priorities) == expected
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name, value, allowed", [("priority_batching", "isolated", "mixed or separate"),
+                                                  ("admission_order", "srpt", "arrival, shortest_remaining")])
+def test_an_unknown_scheduling_parameter_value_fails_the_load_naming_it(name, value, allowed):
+    with pytest.raises(ConfigError, match=f"'{name}'.*{allowed}"):
+        EngineConfig.from_parameters({name: value})

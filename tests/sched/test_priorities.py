@@ -160,3 +160,38 @@ def test_a_request_whose_deadline_passes_before_it_starts_times_out_and_a_starte
 def test_negative_preemption_bound_is_refused(max_preemptions):
     with pytest.raises(ValueError, match="max_preemptions"):
         step(max_preemptions=max_preemptions)
+
+
+def separate(max_num_seqs=4, max_preemptions=1) -> StepScheduler:
+    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), 16, max_preemptions=max_preemptions,
+                         separate_priorities=True)
+
+
+def test_separate_priorities_an_urgent_request_pauses_the_whole_less_urgent_set_and_runs_alone():
+    sched = separate()
+    add(sched, req("bg1", 3, steps=6), req("bg2", 3, steps=6), req("mid", 2, steps=6))
+    out, _ = tick(sched)
+    assert out.new_ids == ["mid"]  # one level per batch: the priority-3 requests wait for it
+    for _ in range(5):  # "mid" runs its other five steps alone
+        tick(sched)
+    out, _ = tick(sched)
+    assert out.new_ids == ["bg1", "bg2"]
+    add(sched, req("urgent", 1, steps=2), req("bg3", 3))
+    out, _ = tick(sched)
+    assert sorted(out.preempted_ids) == ["bg1", "bg2"] and out.new_ids == ["urgent"] and out.running_ids == []
+    _, ended = tick(sched)  # "bg3" (a free seat, another level) does not join the urgent one
+    assert ended == ["urgent"]
+    out, _ = tick(sched)
+    assert out.running_ids == ["bg1", "bg2"] and out.new_ids == ["bg3"]
+
+
+def test_separate_priorities_an_urgent_head_waits_for_the_set_to_drain_when_it_cannot_pause_it():
+    sched = separate(max_num_seqs=4, max_preemptions=0)
+    add(sched, req("bg", 3, steps=3))
+    tick(sched)
+    add(sched, req("urgent", 1, steps=1), req("bg-late", 3))
+    order = []
+    while sched.has_requests:
+        out, _ = tick(sched)
+        order += out.new_ids
+    assert order == ["urgent", "bg-late"]  # nothing joined "bg" past the urgent head

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine_lib.config import EngineConfig
-from engine_lib.request import ConfigError
 from engine_lib.sched import RequestScheduler, StepScheduler, step_batch_key
 from engine_lib.sched.keys import request_batch_key
 from tests.sched.test_priorities import add, req, tick
@@ -95,8 +93,6 @@ def test_request_mode_admits_the_shortest_wave_first():
 
 
 @pytest.mark.parametrize("value", ["srpt", "", "Shortest_Remaining"])
-def test_an_unknown_admission_order_fails_the_load_naming_it(value):
-    with pytest.raises(ConfigError, match="admission_order.*arrival, shortest_remaining"):
-        EngineConfig.from_parameters({"admission_order": value})
+def test_an_unknown_admission_order_is_refused(value):  # the engine's parameter: tests/engine/test_engine.py
     with pytest.raises(ValueError, match="admission_order"):
         srpt(order=value)
