@@ -154,11 +154,11 @@ class ModelMetrics:
         if self._stats is None:
             return
         stats = self._stats()
+        waiting = getattr(stats, "waiting_by_priority", None) or {}
+        for level, gauge in self._waiting_by_priority.items():  # before the total: who sees it sees these
+            gauge.set(float(waiting.get(level, 0)))
         for field, gauge in self._gauges.items():
             gauge.set(float(getattr(stats, field)))
-        waiting = getattr(stats, "waiting_by_priority", None) or {}
-        for level, gauge in self._waiting_by_priority.items():
-            gauge.set(float(waiting.get(level, 0)))
         for (field, key), counter in self._totals.items():
             value = getattr(stats, field, None)
             value = float((value or {}).get(key, 0.0) if key is not None else (value or 0))

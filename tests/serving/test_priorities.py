@@ -56,9 +56,8 @@ def test_an_urgent_request_is_admitted_before_an_older_less_urgent_one(prio_serv
         waiting(prio_server, 1)
         streams.append(RequestStream(url).send("urgent", prompt="urgent", num_inference_steps=2))  # default 2
         waiting(prio_server, 2)
-        samples = scrape(prio_server.metrics_url)
-        assert [metric(samples, "diffusion_requests_waiting_by_priority", priority=str(p)) for p in (1, 2, 3)] \
-            == [0, 1, 1]
+        assert [wait_for_metric(prio_server.metrics_url, "diffusion_requests_waiting_by_priority", float(n),
+                                priority=str(p)) for p, n in ((1, 0), (2, 1), (3, 1))] == [0, 1, 1]
         budget.release()
         order = finished_order(streams)
     finally:
