@@ -58,12 +58,13 @@ class RunnerOutput:
 class Scheduler(ABC):
     """Admission by urgency into a running set that shares one compatibility key; one denoise step per tick.
 
-    Everything both modes share lives here: the waiting queue (`_queue_order`), the running set, each active request's key and cost, the
-    compute budget (`max_batch_tokens`: the running set's latent tokens x rows;
-    0: no limit; a request alone is never refused by it), deadlines, abort,
-    progress updates and the ids that ended since the last tick. Subclasses
-    decide only who is admitted when (`schedule`). Not thread-safe: the engine
-    calls it under its lock. Only a scheduler writes request status.
+    Everything both modes share lives here: the waiting queue (`_queue_order`),
+    the running set, each active request's key and cost, the compute budget
+    (`max_batch_tokens`: the running set's latent tokens x rows; 0: no limit; a
+    request alone is never refused by it), deadlines, abort, progress updates
+    and the ids that ended since the last tick. Subclasses decide only who is
+    admitted when (`schedule`). Not thread-safe: the engine calls it under its
+    lock. Only a scheduler writes request status.
     """
 
     def __init__(self, max_num_seqs: int, key_fn: KeyFn, cost_fn: Optional[CostFn] = None, max_batch_tokens: int = 0,
