@@ -11,7 +11,7 @@ without a copy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -34,17 +34,17 @@ def convert(spec: OutputSpec, tensor: torch.Tensor) -> torch.Tensor:
 class HostCopier:
     """Device tensors to numpy: on CUDA through pinned memory on a side stream, with one wait."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self) -> None:
+        self._stream: Optional[torch.cuda.Stream] = None  # made on the device of the first CUDA outputs
 
     def to_host(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
         """C-contiguous numpy arrays of `tensors`, in order."""
         on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
         hosts: list[Any] = [None if t.device.type == "cuda" else t.contiguous() for t in tensors]
         if on_device:
-            stream = self._stream or torch.cuda.Stream(tensors[on_device[0]].device)
-            stream.wait_stream(torch.cuda.current_stream(tensors[on_device[0]].device))  # after their kernels
+            device = tensors[on_device[0]].device
+            stream = self._stream = self._stream or torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # after their kernels
             with torch.cuda.stream(stream):
                 for i in on_device:
                     host = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True)

@@ -66,7 +66,7 @@ class ModelRunner:
         self._input_batch: Optional[InputBatch] = None
         self._paused: set[str] = set()  # states moved to host memory while their request is paused
         self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
-        self.host = host_copy.HostCopier(adapter.device)
+        self.host = host_copy.HostCopier()
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,

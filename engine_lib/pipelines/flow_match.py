@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import interface
+from engine_lib.host_copy import to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
@@ -307,8 +308,7 @@ class FlowMatchAdapter(DiffusersAdapter):
     @torch.inference_mode()
     def step_scheduler(self, state: FlowMatchState, noise_pred: torch.Tensor) -> None:
         """The only place a request's latents change and its step index advances."""
-        t = state.schedule.timestep(state.step_index)
-        state.latents = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+        state.latents = _euler_step(state.scheduler, state, noise_pred)
         state.step_index += 1
 
     @torch.inference_mode()
@@ -331,7 +331,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         key = (prediction.dtype, prediction.device.type)
         if key not in self._batched_step_exact:
             self._batched_step_exact[key] = all(
-                torch.equal(rows, _solo_step(state, pred)) for state, rows, pred
+                torch.equal(rows, _euler_step(copy.copy(state.scheduler), state, pred)) for state, rows, pred
                 in zip(states, input_batch.split(stepped), input_batch.split(prediction)))
             logger.info("%s: batched scheduler steps %s for %s on %s", self.name,
                         "on" if self._batched_step_exact[key] else "off (not bit for bit)", *key)
@@ -376,8 +376,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         weights, bias = self._preview_projection()
         rgb = torch.einsum("nchw,cr->nrhw", latents.float(), weights) + bias.view(1, 3, 1, 1)
         rgb = F.interpolate(rgb, size=(p.height, p.width), mode="nearest")
-        rgb = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8)
-        return {"image": rgb.permute(0, 2, 3, 1)}  # on the device: the runner brings it to the host
+        return {"image": to_uint8((rgb + 1) / 2).permute(0, 2, 3, 1)}  # on the device: the runner brings it back
 
     # -- helpers shared by every path ----------------------------------------
     def _cache_context(self, name: str):
@@ -477,7 +476,6 @@ def _plain_euler(state: FlowMatchState) -> bool:
             and state.sigma_steps is not None)
 
 
-def _solo_step(state: FlowMatchState, noise_pred: torch.Tensor) -> torch.Tensor:
-    """What `step_scheduler` would make of this request's latents, on a copy of its scheduler."""
-    scheduler = copy.copy(state.scheduler)
+def _euler_step(scheduler: Any, state: FlowMatchState, noise_pred: torch.Tensor) -> torch.Tensor:
+    """The request's next latents from `scheduler.step` (its own scheduler, or a copy to leave it untouched)."""
     return scheduler.step(noise_pred, state.schedule.timestep(state.step_index), state.latents, return_dict=False)[0]

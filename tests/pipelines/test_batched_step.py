@@ -80,7 +80,9 @@ def test_a_batched_step_that_is_not_bit_for_bit_is_switched_off_and_changes_noth
     batch = InputBatch.gather(states)
     before = [s.latents.clone() for s in states]
     monkeypatch.setattr(adapter, "_batched_step_exact", {})
-    monkeypatch.setattr(flow_match, "_solo_step", lambda state, pred: state.latents + 1)  # "the device differs"
+    real = flow_match._euler_step
+    monkeypatch.setattr(flow_match, "_euler_step",  # "the device differs": the per-request step gives other bytes
+                        lambda scheduler, state, pred: real(scheduler, state, pred) + 1)
     assert not adapter.step_batch(batch, states, torch.randn_like(batch["latents"]))
     assert all(s.step_index == 0 and torch.equal(s.latents, b) for s, b in zip(states, before))
     assert adapter._batched_step_exact == {(torch.float32, "cpu"): False}
