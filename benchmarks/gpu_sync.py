@@ -66,7 +66,8 @@ def main() -> int:
             syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
             kind = "finishing" if result.output.finished else "admitting" if new else "denoising only"
             counts[kind].append(len(syncs))
-            first_messages.setdefault(kind, syncs[:5])
+            if syncs:
+                first_messages.setdefault(kind, syncs[:5])
             running = [r for r in running + new if r.request_id not in result.output.finished]
             for r in running:
                 r.step_index = result.output.step_index.get(r.request_id, r.step_index)
