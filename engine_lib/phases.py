@@ -2,10 +2,11 @@
 
 The engine thread splits each tick into admission (`schedule`), `prepare` (prompt
 encode, noise, schedule), `gather`, `forward`, `scheduler` (each request's step),
-`previews`, `decode`, `convert` (float outputs to the declared dtypes) and `emit`
-(handing outputs to the streams); the sender adds `encode` (output tensors, PNG,
-mp4: on its encoding pool) and `send`. Totals only grow, so a scrape before and after a run gives the
-run's split (`diffusion_engine_phase_seconds_total{phase}`).
+`previews`, `decode`, `convert` (outputs to the declared dtypes and to the host)
+and `emit` (handing outputs to the streams); the sender adds `encode` (output
+tensors, PNG, mp4: on its encoding pool) and `send`. Totals only grow, so a
+scrape before and after a run gives the run's split
+(`diffusion_engine_phase_seconds_total{phase}`).
 """
 
 from __future__ import annotations

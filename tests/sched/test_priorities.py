@@ -31,6 +31,15 @@ def tick(sched):
     return out, [r.request_id for r in ended]
 
 
+def admission_order(sched) -> list[str]:
+    """Tick until every request has ended; the ids in the order they were admitted."""
+    order = []
+    while sched.has_requests:
+        out, _ = tick(sched)
+        order += out.new_ids
+    return order
+
+
 def add(sched, *requests):
     for request in requests:
         sched.add_request(request)
@@ -39,11 +48,7 @@ def add(sched, *requests):
 def test_the_most_urgent_waiting_request_is_admitted_first_then_the_oldest():
     sched = step(max_num_seqs=1, max_preemptions=0)
     add(sched, req("low", 3), req("mid-old", 2), req("urgent", 1), req("mid-new", 2))
-    order = []
-    while sched.has_requests:
-        out, _ = tick(sched)
-        order += out.new_ids
-    assert order == ["urgent", "mid-old", "mid-new", "low"]
+    assert admission_order(sched) == ["urgent", "mid-old", "mid-new", "low"]
     assert sched.waiting_by_priority() == {}
 
 
@@ -190,8 +195,4 @@ def test_separate_priorities_an_urgent_head_waits_for_the_set_to_drain_when_it_c
     add(sched, req("bg", 3, steps=3))
     tick(sched)
     add(sched, req("urgent", 1, steps=1), req("bg-late", 3))
-    order = []
-    while sched.has_requests:
-        out, _ = tick(sched)
-        order += out.new_ids
-    assert order == ["urgent", "bg-late"]  # nothing joined "bg" past the urgent head
+    assert admission_order(sched) == ["urgent", "bg-late"]  # nothing joined "bg" past the urgent head

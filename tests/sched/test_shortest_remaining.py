@@ -8,20 +8,12 @@ import pytest
 
 from engine_lib.sched import RequestScheduler, StepScheduler, step_batch_key
 from engine_lib.sched.keys import request_batch_key
-from tests.sched.test_priorities import add, req, tick
+from tests.sched.test_priorities import add, admission_order, req, tick
 
 
 def srpt(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, order="shortest_remaining") -> StepScheduler:
     return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass,
                          max_preemptions=max_preemptions, admission_order=order)
-
-
-def admission_order(sched) -> list[str]:
-    order = []
-    while sched.has_requests:
-        out, _ = tick(sched)
-        order += out.new_ids
-    return order
 
 
 def test_the_waiting_request_with_fewest_steps_left_goes_first_then_the_oldest():

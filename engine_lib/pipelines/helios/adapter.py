@@ -4,8 +4,8 @@ Helios generates a video chunk by chunk: each chunk (9 latent frames, 33 video
 frames) is denoised from fresh noise with its own schedule, conditioned on the
 latents of the chunks before it (long, mid and short history windows), then
 decoded on its own. So a request's steps are `num_inference_steps` x chunks,
-each chunk sets its own timesteps when it starts, and each chunk is streamed as soon as it
-is decoded (`chunk_outputs`), with its `frame_offset`; the final response
+each chunk sets its own timesteps when it starts, and each chunk is streamed as
+soon as it is decoded (`chunk_outputs`), with its `frame_offset`; the final response
 carries the whole video, which is those chunks end to end.
 
 * `prepare_encode`: `encode_prompt` (T5; with CFG the negative prompt, "" when
