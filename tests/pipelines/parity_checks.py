@@ -294,6 +294,40 @@ class FlowMatchParitySuite:
         for image, expected in zip(run_wave(adapter, all_params), images):
             np.testing.assert_array_equal(image, to_uint8(expected))
 
+    # -- mixed sizes in one step batch (adapters with `step_key_skips`: Qwen-Image, Flux) ----------
+
+    MIXED = {"padded": [("square-64", 64, 64), ("small-32", 32, 32), ("wide", 32, 64), ("tall", 64, 48)],
+             "transposed": [("wide", 32, 64), ("tall", 64, 32)]}  # one token count: no padding, other positions
+
+    @staticmethod
+    def mixed_size_adapter(adapter: PipelineAdapter) -> PipelineAdapter:
+        if not adapter.step_key_skips:
+            pytest.skip(f"{adapter.name} keeps one image size per forward")
+        return type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
+                             {**adapter.options, "mixed_size_batching": True})
+
+    def test_with_mixed_size_batching_size_leaves_the_step_key_but_not_the_request_key(self, adapter):
+        mixed = self.mixed_size_adapter(adapter)
+        small, large = parse(adapter, self.params(height=32, width=32)), parse(adapter, self.params(height=64, width=48))
+        assert mixed.step_key(small) == mixed.step_key(large)
+        assert mixed.request_key(small) != mixed.request_key(large)
+        assert adapter.step_key(small) != adapter.step_key(large)  # the default keeps one size per batch
+
+    @pytest.mark.parametrize("sizes, cfg", [("padded", False), ("padded", True), ("transposed", False)],
+                             ids=["padded-no-cfg", "padded-cfg", "transposed"])
+    def test_different_sizes_share_a_forward_and_each_matches_its_solo_run(self, adapter, sizes, cfg):
+        """Rows padded to the longest image sequence, each with its own RoPE and its padding masked: every
+        image within the batched tolerance of its solo run (which is bitwise diffusers'), staggered joins
+        too. Transposed sizes have one token count (nothing to pad) but not the same positions."""
+        mixed = self.mixed_size_adapter(adapter)
+        inputs = {name: self.params(PROMPTS[i], cfg=cfg, height=h, width=w, steps=4, seed=i)
+                  for i, (name, h, w) in enumerate(self.MIXED[sizes])}
+        together = drive_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
+                               float_output=True)
+        assert max(together.batch_sizes) == len(inputs)  # every size in one forward
+        for name, p in inputs.items():
+            assert_close_images(together.images[name], solo_steps(mixed, p, float_output=True), to_uint8)
+
     # -- isolation ------------------------------------------------------------------------
 
     @pytest.mark.parametrize("mode", ["wave", "steps"])

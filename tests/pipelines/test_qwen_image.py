@@ -100,38 +100,3 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     assert registry.resolve_model_path(EngineConfig()) == "/its/own"  # the per-pipeline variable wins
     assert registry.resolve_model_path(EngineConfig(pipeline="flux")) == "/elsewhere"
     assert registry.resolve_model_path(EngineConfig(model_path="/given")) == "/given"
-
-
-# -- mixed sizes in one step batch (engine_lib/pipelines/qwen_image/mixed_sizes.py) ----------------
-
-MIXED = [("square-64", 64, 64), ("small-32", 32, 32), ("wide", 32, 64), ("tall", 64, 48)]
-
-
-@pytest.fixture(scope="module")
-def mixed_adapter(adapter) -> QwenImageAdapter:
-    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
-
-
-def test_with_mixed_size_batching_size_leaves_the_step_key_but_not_the_request_key(adapter, mixed_adapter):
-    small, large = parse(adapter, params(height=32, width=32)), parse(adapter, params(height=64, width=48))
-    assert mixed_adapter.step_key(small) == mixed_adapter.step_key(large)
-    assert mixed_adapter.request_key(small) != mixed_adapter.request_key(large)
-    assert adapter.step_key(small) != adapter.step_key(large)  # the default keeps one size per batch
-
-
-@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])
-def test_different_sizes_share_a_forward_and_each_matches_its_solo_run(mixed_adapter, cfg):
-    """Rows padded to the longest image sequence, each with its own RoPE and its padding masked: every
-    image within the batched tolerance of its solo run (which is bitwise diffusers'), staggered joins too."""
-    from engine_lib.interface import to_uint8
-    from parity_checks import Arrival, assert_close_images, drive_steps, solo_steps
-
-    extra = TestQwenImageParity.CFG if cfg else {}
-    inputs = {name: params(height=h, width=w, steps=4, seed=i, prompt=f"prompt {name}", **extra)
-              for i, (name, h, w) in enumerate(MIXED)}
-    together = drive_steps(mixed_adapter, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
-                           float_output=True)
-    assert max(together.batch_sizes) == len(MIXED)  # all four sizes in one forward
-    for name, p in inputs.items():
-        solo = solo_steps(mixed_adapter, p, float_output=True)
-        assert_close_images(together.images[name], solo, to_uint8)

@@ -5,14 +5,16 @@ each piece calling the pipeline's helpers:
 
 * text: `encode_prompt` (CLIP pooled + T5 padded to `max_sequence_length`, and
   the negative prompt for true CFG); `txt_ids` are shared by the whole batch;
-* latents: `prepare_latents` (packed 2x2) with `img_ids`, shared by the batch;
+* latents: `prepare_latents` (packed 2x2) with `img_ids`, shared by the batch; with
+  `mixed_size_batching`, rows of different sizes share a step batch, padded, each with
+  the RoPE of its own ids and a mask (mixed_sizes.py);
 * timesteps: sigmas `linspace(1, 1/n, n)`, `calculate_shift` on the packed sequence length;
 * transformer: timestep in the latents' dtype `/ 1000`, embedded guidance per
   row (float32, as the pipeline builds it), true CFG without a rescale;
 * decode: `_unpack_latents`, `/ scaling_factor + shift_factor`, `vae.decode`.
 
-Shared `txt_ids`/`img_ids` mean one forward holds one image size and one text
-length: both are in the keys (height/width, and `key_fields`).
+Shared `txt_ids` mean one forward holds one text length (`max_sequence_length` is in
+the keys); the image size is too, unless `mixed_size_batching` is on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
+from engine_lib.pipelines.flux.mixed_sizes import MixedSizeFluxAttnProcessor, row_rope
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
@@ -56,6 +59,11 @@ class FluxAdapter(FlowMatchAdapter):
                 doc="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev), per row"),
     )
     state_class = FluxState
+    step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
+
+    def __init__(self, pipe, device, dtype, options=None):
+        super().__init__(pipe, device, dtype, options)
+        pipe.transformer.set_attn_processor(MixedSizeFluxAttnProcessor())
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:
@@ -96,11 +104,16 @@ class FluxAdapter(FlowMatchAdapter):
         return {"sigmas": sigmas, "mu": self._shift(state.latents.shape[1])}
 
     def _row_inputs(self, states: list[FluxState]) -> dict:
-        return {"guidance": self._guidance_rows(states)}
+        rows = {"guidance": self._guidance_rows(states)}
+        if len({(s.params.height, s.params.width) for s in states}) > 1:  # each row's own RoPE, padding masked
+            rows.update(row_rope(self.pipe.transformer.pos_embed, states[0].txt_ids,
+                                 [s.img_ids for s in states for _ in range(s.num_rows)]))
+        return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        img_ids = states[0].img_ids
-        assert all(s.img_ids.shape == img_ids.shape for s in states), "one image size per batch (keys)"
+        ragged = {name: rows[name] for name in ("rope_cos", "rope_sin", "attention_mask") if name in rows}
+        # diffusers still builds its shared table from these ids; the row tables replace it in a ragged batch
+        img_ids = max((s.img_ids for s in states), key=len)
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -109,7 +122,7 @@ class FluxAdapter(FlowMatchAdapter):
             encoder_hidden_states=text["embeds"],
             txt_ids=states[0].txt_ids,
             img_ids=img_ids,
-            joint_attention_kwargs={},
+            joint_attention_kwargs=ragged,
             return_dict=False,
         )[0]
 
