@@ -5,17 +5,21 @@ Workload: the `bench` Qwen-Image preset, sizes drawn from 64 and 128, 8 steps, c
 concurrency 16, `max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait
 (waves of one size), STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
 `mixed_size_batching=true` (any sizes share a forward, padded). Repeats are interleaved between the
-servers. Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
+servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8 of one size,
+at each size in fresh processes (benchmarks/efficiency.py), combined over the workload's sizes: no
+server, no waiting, no size switches: the ceiling for a server running batches of 8 on this machine.
+Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks import systems, workloads
+from benchmarks import efficiency, systems, workloads
 from benchmarks.run import FULL, interleaved_points, machine_info, side_main
 
 
@@ -37,12 +41,24 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
                             "requests_per_point": rounds * concurrency, "repeats": repeats,
                             "max_num_seqs": max_num_seqs}}
     plan = replace(FULL, steps=steps, max_num_seqs=max_num_seqs, preview_interval=0)
-    results["systems"] = interleaved_points(
-        size_systems(max_num_seqs), model_path, plan, concurrency, repeats,
-        lambda r: workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r), "sizes", log_dir)
+
+    def specs_for(r: int) -> list:
+        return workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r)
+
+    results["systems"] = interleaved_points(size_systems(max_num_seqs), model_path, plan, concurrency, repeats,
+                                            specs_for, "sizes", log_dir)
     fused = results["systems"]["rb_fused_wait"]["requests_per_s_median"]
     results["step_over_fused"] = {name: entry["requests_per_s_median"] / fused
                                   for name, entry in results["systems"].items() if name != "rb_fused_wait"}
+    if (steps, max_num_seqs) == (efficiency.STEPS, efficiency.BATCH):
+        offline = {size: [efficiency.offline_images_per_s(FULL.preset, size, 6 * efficiency.BATCH)
+                          for _ in range(repeats)] for size in sizes}
+        rate = {size: statistics.median(values) for size, values in offline.items()}
+        specs = [spec for r in range(repeats) for spec in specs_for(r)]
+        limit = len(specs) / sum(1 / rate[spec.height] for spec in specs)
+        results["offline"] = {"images_per_s": offline, "limit_requests_per_s": limit}
+        results["share_of_limit"] = {name: entry["requests_per_s_median"] / limit
+                                     for name, entry in results["systems"].items()}
     return results
 
 

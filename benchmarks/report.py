@@ -640,25 +640,32 @@ def efficiency_section(path: Optional[Path] = None) -> list[str]:
              f"prompts cycling; offline is diffusers `pipe(prompt=[{w['batch']} prompts])` in a fresh process; the "
              f"in-process engine (step mode, `max_num_seqs={w['batch']}`) runs in another fresh process with "
              f"{w['batch']} closed-loop client threads; served is tritonserver with the same engine and "
-             f"{w['batch']} closed-loop gRPC clients. {w['requests_per_point']} requests per point, {w['repeats']} "
-             "interleaved repeats (median, min-max). Goals (issue #14): served / offline >= 0.9, engine / offline "
+             f"{w['batch']} closed-loop gRPC clients. Requests per point: " + ", ".join(
+                 f"{p} {e['requests']}" for p, e in results["presets"].items()) + f" (the offline limit: as many "
+             f"images in calls of {w['batch']}); {w['repeats']} interleaved repeats (median, min-max). Goals (issue #14): served / offline >= 0.9, engine / offline "
              ">= 0.95.", "",
-             "| preset | offline images/s | engine req/s | engine / offline | served req/s | served / offline |",
-             "|---|---|---|---|---|---|"]
+             "| preset | offline images/s | runner images/s | runner / offline | engine req/s | engine / offline | "
+             "served req/s | served / offline |", "|---|---|---|---|---|---|---|---|"]
     for preset, e in results["presets"].items():
         lines.append(f"| {preset} {e['size']}x{e['size']} | {fmt_spread(spread(e['offline']))} | "
+                     f"{fmt_spread(spread(e['runner']))} | {f(e['runner_over_offline'], 2, 'x')} | "
                      f"{fmt_spread(spread(e['engine']))} | {f(e['engine_over_offline'], 2, 'x')} | "
                      f"{fmt_spread(spread(e['served']))} | {f(e['served_over_offline'], 2, 'x')} |")
+    lines += ["", "runner: the engine's loop (`ModelRunner.run_to_completion`) over 8 requests admitted together, "
+              "in a fresh process like offline: its per-tick code without threads or a closed loop. Between runner "
+              "and engine lies what a closed loop does: requests join and finish at different ticks, so some "
+              "forwards run part-full (in a per-tick trace of the tiny preset at concurrency 8, the clients "
+              "settled into two cohorts of 4, and each tick after a cohort finished ran 4 rows: the finished "
+              "clients' next requests arrived after it started)."]
     lines += ["", "Milliseconds per request in each phase (medians over repeats; engine thread, plus the sender's "
               "`encode` and `send` when served; engine_lib/phases.py):", "",
               "| phase | " + " | ".join(f"{p} engine | {p} served" for p in results["presets"]) + " |",
               "|---|" + "---|---|" * len(results["presets"])]
-    n = w["requests_per_point"]
     for phase in PHASES:
         cells = []
         for e in results["presets"].values():
             for key in ("engine_phases", "served_phases"):
-                values = [run.get(phase, 0.0) * 1000 / n for run in e[key]]
+                values = [run.get(phase, 0.0) * 1000 / e["requests"] for run in e[key]]
                 cells.append(f"{statistics.median(values):.2f}" if values else "-")
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     return lines
@@ -687,6 +694,16 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
               "`mixed_size_batching` fills forwards with padding here (64 padded to 128 is 4x the tokens); it "
               "removes waiting for a batch of another size, not work. Both step variants are listed so the "
               "trade-off is visible."]
+    offline = results.get("offline")
+    if offline:
+        rates = ", ".join(f"{size}x{size} {statistics.median(v):.2f}" for size, v in offline["images_per_s"].items())
+        shares = ", ".join(f"{results['systems'][name]['label']} {share:.0%}"
+                           for name, share in results["share_of_limit"].items())
+        fused = results["share_of_limit"]["rb_fused_wait"]
+        lines += ["", f"The offline limit of this size mix (diffusers `pipe()` in batches of {w['max_num_seqs']} of "
+                  f"one size, fresh processes; images/s: {rates}) is {offline['limit_requests_per_s']:.2f} "
+                  f"requests/s: no server, no waiting, no size switches. Share of it reached: {shares}. Step at "
+                  f"1.3x fused would need {1.3 * fused:.0%} of it."]
     return lines
 
 
