@@ -6,7 +6,9 @@ converts them to the declared dtypes there (`convert`, UINT8 rounded as
 one of them into pinned host memory on a side stream and waits for that stream
 once: the one synchronisation that ends the tick. Before, each output's `.cpu()`
 waited for the device on its own. On the CPU the tensors become numpy arrays
-without a copy.
+without a copy. The other way, `to_device` puts small host values (per-row
+guidance, row indices) on the device without waiting: a plain
+`torch.tensor(values, device="cuda")` copies from pageable memory and waits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ def convert(spec: OutputSpec, tensor: torch.Tensor) -> torch.Tensor:
     if spec.datatype == "UINT8":
         return tensor if tensor.dtype == torch.uint8 else to_uint8(tensor)
     return tensor.to({"FP32": torch.float32, "INT32": torch.int32}[spec.datatype])
+
+
+def to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without a host wait: on CUDA staged in pinned
+    memory and copied asynchronously (the caching host allocator keeps the buffer until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class HostCopier:

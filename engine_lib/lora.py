@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from engine_lib.host_copy import to_device
 from engine_lib.interface import InputSpec
 from engine_lib.request import InvalidInputError
 
@@ -55,6 +56,7 @@ class LoraLibrary:
         self._ids = itertools.count(1)
         self._hooked: set[int] = set()
         self._plan: Optional[list[RowLora]] = None
+        self._indices: dict[tuple, dict] = {}  # (plan, rows, device) -> _row_indices (engine thread)
 
     # -- names (admission) ---------------------------------------------------------------
     def names(self) -> list[str]:
@@ -159,12 +161,7 @@ class LoraLibrary:
         rows = x.shape[0]
         if rows % len(plan):
             raise RuntimeError(f"a LoRA layer saw {rows} rows for a plan of {len(plan)}")
-        plan = plan * (rows // len(plan))
-        groups: dict[tuple[str, float], list[int]] = {}
-        for row, lora in enumerate(plan):
-            if lora is not None:
-                groups.setdefault(lora, []).append(row)
-        for (name, scale), indices in groups.items():
+        for (name, scale), index in self._row_indices(plan, rows, x.device).items():
             adapter = self._loaded[name][0]
             if adapter not in module.lora_A:
                 continue  # this LoRA leaves this layer alone
@@ -174,10 +171,27 @@ class LoraLibrary:
             else:
                 scaling = scale * module.lora_alpha[adapter] / module.r[adapter]  # peft's set_scale
             dropout = module.lora_dropout[adapter]
-            if len(indices) == rows:  # every row: exactly peft's forward
+            if index is None:  # every row: exactly peft's forward
                 output = output + lora_b(lora_a(dropout(x.to(lora_a.weight.dtype)))) * scaling
             else:
-                index = torch.tensor(indices, device=x.device)
                 delta = lora_b(lora_a(dropout(x.index_select(0, index).to(lora_a.weight.dtype)))) * scaling
                 output = output.index_add(0, index, delta.to(output.dtype))
         return output
+
+    def _row_indices(self, plan: list[RowLora], rows: int, device: torch.device) -> dict:
+        """Each LoRA of the plan -> the rows it applies to (a device index tensor; None: every row). Made once
+        per plan and row count, not in every layer of every forward: each would be a host-to-device copy,
+        which waits on CUDA without `to_device`'s pinned staging."""
+        key = (tuple(plan), rows, device)
+        indices = self._indices.get(key)
+        if indices is None:
+            groups: dict[tuple[str, float], list[int]] = {}
+            for row, lora in enumerate(plan * (rows // len(plan))):
+                if lora is not None:
+                    groups.setdefault(lora, []).append(row)
+            indices = {lora: None if len(group) == rows else to_device(group, device)
+                       for lora, group in groups.items()}
+            if len(self._indices) >= 16:  # plans change with membership; keep the recent ones
+                self._indices.clear()
+            self._indices[key] = indices
+        return indices

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import interface
-from engine_lib.host_copy import to_uint8
+from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
@@ -73,6 +73,7 @@ class FlowMatchState(RequestState):
     latents: Optional[torch.Tensor] = None  # rows = num_images
     text: dict = field(default_factory=dict)  # "cond" (and "uncond" with CFG) -> TextParts
     sigma_steps: Optional[torch.Tensor] = None  # dt of each Euler step: sigmas[i + 1] - sigmas[i]
+    guidance: Optional[torch.Tensor] = None  # [1] float32 embedded guidance (guidance-distilled models only)
 
     @property
     def num_rows(self) -> int:
@@ -257,6 +258,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         if p.lora_name:
             self.loras.ensure([p.lora_name])  # a file that cannot be loaded fails this request alone
         state.text = self.text_cache.get_or_encode(self._text_key(p), lambda: self._encode(state))
+        if self.pipe.transformer.config.get("guidance_embeds"):  # (SD3's config has no such field)
+            state.guidance = to_device([float(p.guidance_scale)], self.device, torch.float32)
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.latents = self._initial_latents(state)
         # The copy is request-local: diffusers keeps `_step_index` on the scheduler object.
@@ -278,7 +281,9 @@ class FlowMatchAdapter(DiffusersAdapter):
         assert len(do_cfg) == 1, "requests with and without CFG never share a batch (see the keys)"
         latents = input_batch["latents"]
         timestep = self._model_timestep(input_batch["timesteps"], latents)
-        rows = self._row_inputs(states)
+        rows = input_batch.cache.get("rows")
+        if rows is None:  # per-row inputs hold while the membership does (RoPE tables of a ragged batch)
+            rows = input_batch.cache["rows"] = self._row_inputs(states)
         text = self._text_inputs(input_batch)
         plan = [self.row_lora(s.params) for s in states for _ in range(s.num_rows)]
         with self.loras.rows(plan):
@@ -385,11 +390,11 @@ class FlowMatchAdapter(DiffusersAdapter):
         return cache_context(name) if cache_context is not None else contextlib.nullcontext()
 
     def _guidance_rows(self, states: list[FlowMatchState]) -> Optional[torch.Tensor]:
-        """Per-row embedded guidance (float32, as the pipelines build it) for guidance-distilled models, else None."""
+        """Per-row embedded guidance (float32, as the pipelines build it) for guidance-distilled models, else None:
+        from each request's device copy (made at admission), so a denoising tick reads nothing from the host."""
         if not self.pipe.transformer.config.guidance_embeds:
             return None
-        values = [float(s.params.guidance_scale) for s in states for _ in range(s.num_rows)]
-        return torch.tensor(values, device=self.device, dtype=torch.float32)
+        return torch.cat([s.guidance.expand(s.num_rows) for s in states])
 
     def _text_inputs(self, input_batch: InputBatch) -> dict[str, TextParts]:
         """Batched text per side ("cond", "uncond", and "cfg" = both in `cfg_order`), cached while

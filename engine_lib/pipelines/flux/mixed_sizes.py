@@ -29,9 +29,7 @@ def row_rope(pos_embed, txt_ids: torch.Tensor, img_ids: list[torch.Tensor]) -> d
         pad = longest - ids.shape[0]
         cos_rows.append(torch.cat([cos, cos.new_ones(pad, cos.shape[1])]))
         sin_rows.append(torch.cat([sin, sin.new_zeros(pad, sin.shape[1])]))
-        mask = torch.ones(cos.shape[0] + pad, dtype=torch.bool, device=cos.device)
-        mask[cos.shape[0]:] = False
-        masks.append(mask)
+        masks.append(torch.arange(cos.shape[0] + pad, device=cos.device) < cos.shape[0])
     return {"rope_cos": torch.stack(cos_rows), "rope_sin": torch.stack(sin_rows),
             "attention_mask": torch.stack(masks)[:, None, None, :]}
 

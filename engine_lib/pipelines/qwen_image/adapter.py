@@ -58,6 +58,11 @@ class QwenImageAdapter(FlowMatchAdapter):
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
         pipe.transformer.set_attn_processor(MixedSizeAttnProcessor())
+        # The pipeline's de-normalisation constants, on the device once: made per decode, each would be
+        # a host-to-device copy that waits (the pipeline's own operations, so the same values).
+        vae, z_dim = pipe.vae, pipe.vae.config.z_dim
+        self._latents_mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
+        self._latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:
@@ -137,15 +142,9 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The pipeline's de-normalisation, operation for operation, on the one-frame video VAE."""
-        vae = self.pipe.vae
-        latents = latents.unsqueeze(2).to(vae.dtype)
-        z_dim = vae.config.z_dim
-        latents_mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        latents = latents / latents_std + latents_mean
-        return vae.decode(latents, return_dict=False)[0][:, :, 0]
+        latents = latents.unsqueeze(2).to(self.pipe.vae.dtype)
+        latents = latents / self._latents_std + self._latents_mean
+        return self.pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
 
 
 ADAPTER = QwenImageAdapter

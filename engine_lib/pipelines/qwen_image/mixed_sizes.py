@@ -19,25 +19,24 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 
 def row_rope(pos_embed, img_shapes: list[tuple[int, int, int]], longest: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             device: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Per row: image frequencies [R, longest, D/2] (padding: 1, no rotation), the row's text start
-    index [R] (its largest image index), and the image-token mask [R, longest]."""
+    index (its largest image index; host ints, which slicing needs without reading the device), and
+    the image-token mask [R, longest]."""
     freqs, starts, masks = [], [], []
     for frames, height, width in img_shapes:
         video = pos_embed._compute_video_freqs(frames, height, width, 0, device)
         pad = longest - video.shape[0]
         freqs.append(torch.cat([video, video.new_ones(pad, video.shape[1])]) if pad else video)
         starts.append(max(height // 2, width // 2) if pos_embed.scale_rope else max(height, width))
-        mask = torch.zeros(longest, dtype=torch.bool, device=device)
-        mask[:video.shape[0]] = True
-        masks.append(mask)
-    return torch.stack(freqs), torch.tensor(starts, device=device), torch.stack(masks)
+        masks.append(torch.arange(longest, device=device) < video.shape[0])
+    return torch.stack(freqs), starts, torch.stack(masks)
 
 
-def text_rope(pos_embed, starts: torch.Tensor, text_len: int, device: torch.device) -> torch.Tensor:
+def text_rope(pos_embed, starts: list[int], text_len: int, device: torch.device) -> torch.Tensor:
     """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
     pos_freqs, _ = pos_embed._get_device_freqs(device)
-    return torch.stack([pos_freqs[int(start):int(start) + text_len] for start in starts])
+    return torch.stack([pos_freqs[start:start + text_len] for start in starts])
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

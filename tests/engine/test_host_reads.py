@@ -1,0 +1,140 @@
+"""No tick reads from the device once its requests are admitted (issue #14), checked on the CPU.
+
+On CUDA a denoising tick must not wait for the device, and a finishing tick only
+once, for its outputs (engine_lib/host_copy.py). `benchmarks/gpu_sync.py` counts
+the real waits on a GPU; the operations that cause them can be seen on the CPU
+too, with a TorchDispatchMode: a tensor's value read on the host (`item()`,
+`int(t)`, `bool(t)`, `torch.equal`), shapes that depend on values (`nonzero`,
+boolean indexing), and tensors made from host data (`torch.tensor(list)`, on CUDA
+a copy from pageable memory that waits). Admission ticks may do these (diffusers'
+`encode_prompt` does); every later tick of a steady batch, the finishing one
+included, must do none, and so must a tick after some requests finished (a new
+membership, without an admission): with previews, true CFG, mixed sizes and mixed
+LoRAs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine_lib.request import DiffusionRequest
+from engine_lib.runner import ModelRunner
+from tests.pipelines.parity_checks import load_tiny_adapter, parse
+
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "lift_fresh",
+              "lift_fresh_copy", "_unique2", "unique_consecutive", "unique_dim"}
+
+
+ALLOWED = {
+    # engine_lib.host_copy.to_device: on CUDA staged in pinned memory and copied without a wait.
+    "host_copy.py:to_device",
+    # Inside diffusers' own forward, not avoidable without patching diffusers: QwenImageTransformer2DModel,
+    # whenever a text mask is passed (prompts of different lengths share a forward), makes
+    # torch.as_tensor(text_seq_len, device=...) for a per-row length it then discards.
+    "transformer_qwenimage.py:compute_text_seq_len_from_mask",
+}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operations that would make the host wait for a CUDA device, by op and by the first
+    frame outside torch that made it (file:function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+        if name in HOST_READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            where = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}" if frame else "?"
+            if where not in ALLOWED:
+                self.seen[f"{func} in {where}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_tick(adapter, inputs: list[dict]) -> list[Counter]:
+    """Admit every request at tick 0 and run the runner's ticks until all have finished (requests of
+    4 and 6 steps alternate: the batch shrinks after tick 3, a new membership without an admission)."""
+    runner = ModelRunner(adapter)
+    # as the engine's warm-up does before serving: one request alone makes the first-use checks
+    # (FlowMatchAdapter.step_batch compares its first batched step with the per-request one)
+    runner.run_to_completion([DiffusionRequest("warm-up", parse(adapter, inputs[0]))])
+    new = [DiffusionRequest(f"r{i}", parse(adapter, {**p, "num_inference_steps": 4 + 2 * (i % 2)}))
+           for i, p in enumerate(inputs)]
+    running: list[DiffusionRequest] = []
+    ticks = []
+    while new or running:
+        with HostReads() as reads:
+            result = runner.execute_step(new, running)
+        assert not result.output.errors, result.output.errors
+        ticks.append(reads.seen)
+        running = [r for r in new + running if r.request_id not in result.output.finished]
+        new = []
+    return ticks
+
+
+def request(i: int, **kw) -> dict:
+    return {"prompt": f"prompt {i}", "seed": i, "height": 32, "width": 32,
+            "max_sequence_length": 32, **kw}
+
+
+def assert_quiet_after_admission(ticks: list[Counter]) -> None:
+    assert len(ticks) == 6, ticks
+    assert sum(ticks[0].values()) > 0  # the probe sees admission's own reads (prompt encode, first-use checks)
+    for index, reads in enumerate(ticks[1:], start=1):
+        assert not reads, f"tick {index} would wait for the device: {dict(reads)}"
+
+
+@pytest.fixture(scope="module", params=["qwen_image", "flux", "sd3"])
+def adapter(request):
+    from engine_lib.pipelines.registry import get_adapter_class
+
+    return load_tiny_adapter(request.param, get_adapter_class(request.param))
+
+
+def test_a_steady_batch_reads_nothing_from_the_device(adapter):
+    """Previews every 2 steps and (Flux) per-row embedded guidance included."""
+    assert_quiet_after_admission(reads_per_tick(adapter, [request(i, preview_interval=2) for i in range(3)]))
+
+
+def test_true_cfg_reads_nothing_from_the_device(adapter):
+    cfg = {"negative_prompt": "blurry"}
+    cfg.update({"guidance_scale": 5.0} if adapter.cfg_kind == "cfg" else {"true_cfg_scale": 4.0})
+    assert_quiet_after_admission(reads_per_tick(adapter, [request(i, **cfg) for i in range(2)]))
+
+
+def test_mixed_sizes_read_nothing_from_the_device(adapter):
+    if not adapter.step_key_skips:
+        pytest.skip(f"{adapter.name} keeps one image size per forward")
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    sizes = [(32, 32), (64, 64), (32, 64)]
+    assert_quiet_after_admission(reads_per_tick(mixed, [request(i, height=h, width=w) for i, (h, w) in enumerate(sizes)]))
+
+
+def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
+    """Rows with different LoRAs (and none) in one forward: each LoRA's rows are an index tensor,
+    made once per plan instead of in every layer."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    model_dir = ensure_model(adapter.name, "tiny")
+    for name in ("toy_a", "toy_b"):
+        shutil.copy(ensure_loras(adapter.name, model_dir) / f"{name}.safetensors", tmp_path)
+    with_loras = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu",
+                                           dtype="float32", lora_dir=str(tmp_path)))  # its own pipe
+    # 4, 6, 4 and 6 steps: two LoRAs on part of the rows before and after the batch shrinks
+    loras = [{"lora_name": "toy_a"}, {"lora_name": "toy_b", "lora_scale": 0.5}, {}, {"lora_name": "toy_a"}]
+    assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))
