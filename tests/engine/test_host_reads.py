@@ -10,7 +10,8 @@ a copy from pageable memory that waits). Admission ticks may do these (diffusers
 `encode_prompt` does); every later tick of a steady batch, the finishing one
 included, must do none, and so must a tick after some requests finished (a new
 membership, without an admission): with previews, true CFG, mixed sizes and mixed
-LoRAs.
+LoRAs; LTX-2's guidance passes too. (BAGEL's and HunyuanImage-3's own model code,
+and Helios' diffusers scheduler, still read: docs/architecture.md.)
 """
 
 from __future__ import annotations
@@ -138,3 +139,13 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     # 4, 6, 4 and 6 steps: two LoRAs on part of the rows before and after the batch shrinks
     loras = [{"lora_name": "toy_a"}, {"lora_name": "toy_b", "lora_scale": 0.5}, {}, {"lora_name": "toy_a"}]
     assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))
+
+
+def test_ltx2_guidance_passes_read_nothing_from_the_device():
+    """LTX-2's three forwards per tick (CFG, spatio-temporal guidance, modality isolation) take each
+    request's text rows by slices."""
+    from engine_lib.pipelines.registry import get_adapter_class
+
+    ltx2 = load_tiny_adapter("ltx2", get_adapter_class("ltx2"))
+    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": 32, "width": 32, "num_frames": 17} for i in range(3)]
+    assert_quiet_after_admission(reads_per_tick(ltx2, inputs))

@@ -58,7 +58,8 @@ class BagelState(RequestState):
 
     context: Optional[Context] = None
     latents: Optional[torch.Tensor] = None
-    timesteps: Optional[torch.Tensor] = None
+    timesteps: Optional[torch.Tensor] = None  # on the host: CFG decisions read them every step
+    device_timesteps: Optional[torch.Tensor] = None  # the same on the device, for the forward
     dts: Optional[torch.Tensor] = None
     guidance: Guidance = field(default_factory=Guidance)
 
@@ -112,6 +113,7 @@ class BagelAdapter(PipelineAdapter):
         state.context = self.pipe.encode(p.prompt, p.height, p.width)
         state.latents = self.pipe.initial_noise(p.seed, state.context)
         state.timesteps, state.dts = self.pipe.schedule(p.num_inference_steps, p.timestep_shift)
+        state.device_timesteps = state.timesteps.to(self.device)  # (admission: a copy here may wait)
         state.guidance = Guidance(p.guidance_scale, p.cfg_img_scale, tuple(p.cfg_interval), p.cfg_renorm_type,
                                   p.cfg_renorm_min)
         state.num_steps, state.step_index = p.num_inference_steps, 0
@@ -125,7 +127,7 @@ class BagelAdapter(PipelineAdapter):
             input_batch.cache.clear()
             rows = input_batch.cache[with_uncond] = self.pipe.query_rows([s.context for s in states], with_uncond)
         latents = input_batch["latents"]
-        velocities = self.pipe.predict(rows, latents, [s.timesteps[s.step_index] for s in states],
+        velocities = self.pipe.predict(rows, latents, [s.device_timesteps[s.step_index] for s in states],
                                        [s.guidance for s in states], with_uncond, [len(s.latents) for s in states])
         out = torch.zeros_like(latents)
         for i, v in enumerate(velocities):

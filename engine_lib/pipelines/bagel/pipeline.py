@@ -133,7 +133,9 @@ class BagelPipeline:
         [B, N_max, 64] right-padded, `counts` the N_r."""
         uncond = [i for i, u in enumerate(with_uncond) if u]
         t = torch.stack([timesteps[i] for i in list(range(len(counts))) + uncond]).to(self.device)
-        raw = self.model.velocity(rows, torch.cat([latents, latents[uncond]]) if uncond else latents, t)
+        # the uncond rows by slices: a list index is a host-to-device copy that waits, on CUDA
+        both = torch.cat([latents] + [latents[i:i + 1] for i in uncond]) if uncond else latents
+        raw = self.model.velocity(rows, both, t)
         out, next_uncond = [], len(counts)
         for i, n in enumerate(counts):
             v = raw[i, :n]

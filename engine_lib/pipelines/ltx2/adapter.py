@@ -257,7 +257,9 @@ class LTX2Adapter(DiffusersAdapter):
         request); request id -> its (video, audio) predictions, float32, one row per text row."""
         if not members:
             return {}
-        text = {k: torch.cat([s.text["rows"][k][rows] for s, rows in members]) for k in ("video", "audio", "mask")}
+        # rows as slices: a list index is a host-to-device copy that waits, on CUDA
+        text = {k: torch.cat([s.text["rows"][k][r:][:1] for s, rows in members for r in rows])
+                for k in ("video", "audio", "mask")}
         dtype = text["video"].dtype
         counts = [len(rows) for _, rows in members]
 
