@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import group_indices
 
 
@@ -51,7 +52,7 @@ class PaddedCaches:
     def of(cls, caches: list[KVCache]) -> "PaddedCaches":
         longest = max(cache.length for cache in caches)
         device = caches[0].keys[0].device
-        lengths = torch.tensor([cache.length for cache in caches], device=device)
+        lengths = to_device([cache.length for cache in caches], device)
         valid = torch.arange(longest, device=device)[None] < lengths[:, None]
         layers = range(len(caches[0].keys))
         return cls([_pad_stack([c.keys[i] for c in caches], longest) for i in layers],

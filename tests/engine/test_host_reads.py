@@ -10,8 +10,8 @@ a copy from pageable memory that waits). Admission ticks may do these (diffusers
 `encode_prompt` does); every later tick of a steady batch, the finishing one
 included, must do none, and so must a tick after some requests finished (a new
 membership, without an admission): with previews, true CFG, mixed sizes and mixed
-LoRAs; LTX-2's guidance passes too. (BAGEL's and HunyuanImage-3's own model code,
-and Helios' diffusers scheduler, still read: docs/architecture.md.)
+LoRAs; LTX-2 and BAGEL too. (HunyuanImage-3's own model code and Helios' diffusers
+scheduler still read: docs/architecture.md.)
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
 from tests.pipelines.parity_checks import load_tiny_adapter, parse
 
-HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "lift_fresh",
-              "lift_fresh_copy", "_unique2", "unique_consecutive", "unique_dim"}
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_numpy", "argwhere", "masked_select",
+              "bincount", "lift_fresh", "lift_fresh_copy", "_unique2", "unique_consecutive", "unique_dim"}
 
 
 ALLOWED = {
@@ -55,7 +55,9 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
         indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
-        if name in HOST_READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+        value_sized = name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor)
+        if name in HOST_READS or value_sized or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                    for i in indices):
             frame = sys._getframe(1)
             while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
                 frame = frame.f_back
@@ -120,8 +122,8 @@ def test_mixed_sizes_read_nothing_from_the_device(adapter):
     if not adapter.step_key_skips:
         pytest.skip(f"{adapter.name} keeps one image size per forward")
     mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
-    sizes = [(32, 32), (64, 64), (32, 64)]
-    assert_quiet_after_admission(reads_per_tick(mixed, [request(i, height=h, width=w) for i, (h, w) in enumerate(sizes)]))
+    inputs = [request(i, height=h, width=w) for i, (h, w) in enumerate([(32, 32), (64, 64), (32, 64)])]
+    assert_quiet_after_admission(reads_per_tick(mixed, inputs))
 
 
 def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
@@ -141,11 +143,13 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))
 
 
-def test_ltx2_guidance_passes_read_nothing_from_the_device():
+@pytest.mark.parametrize("pipeline, extra", [("ltx2", {"num_frames": 17}), ("bagel", {})], ids=["ltx2", "bagel"])
+def test_other_pipelines_read_nothing_from_the_device(pipeline, extra):
     """LTX-2's three forwards per tick (CFG, spatio-temporal guidance, modality isolation) take each
-    request's text rows by slices."""
+    request's text rows by slices; BAGEL's query rows, rebuilt when its batch or CFG set changes,
+    have their indices made on the host."""
     from engine_lib.pipelines.registry import get_adapter_class
 
-    ltx2 = load_tiny_adapter("ltx2", get_adapter_class("ltx2"))
-    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": 32, "width": 32, "num_frames": 17} for i in range(3)]
-    assert_quiet_after_admission(reads_per_tick(ltx2, inputs))
+    adapter = load_tiny_adapter(pipeline, get_adapter_class(pipeline))
+    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": 32, "width": 32, **extra} for i in range(3)]
+    assert_quiet_after_admission(reads_per_tick(adapter, inputs))

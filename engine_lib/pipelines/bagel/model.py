@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys
 from engine_lib.pipelines.prompt_cache import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
 
@@ -277,19 +278,21 @@ class QueryRows:
         n_max = max(counts)
         R, Q = len(caches), n_max + 2
         index = torch.arange(Q, device=device)
-        ns = torch.tensor(counts, device=device)
+        ns = to_device(counts, device)
         valid = index[None] < (ns + 2)[:, None]
-        gen = (index[None] >= 1) & (index[None] <= ns[:, None])
-        und = valid & ~gen
+        # Row r's text tokens sit at 0 and n_r + 1, its latents at 1..n_r: flat indices known on the host,
+        # in the order `nonzero` of the masks would give them (which would wait for the device on CUDA).
+        und_index = [r * Q + q for r, n in enumerate(counts) for q in (0, n + 1)]
+        gen_index = [r * Q + q for r, n in enumerate(counts) for q in range(1, n + 1)]
         latent_pos = torch.zeros(R, n_max, dtype=torch.long, device=device)
         for r, (h, w) in enumerate(grids):  # patch (i, j) -> i * max_latent_size + j, row-major
             latent_pos[r, :h * w] = (torch.arange(h, device=device)[:, None] * max_latent_size
                                      + torch.arange(w, device=device)).flatten()
         padded = PaddedCaches.of(caches)
         key_mask = torch.cat([padded.valid, valid], dim=1)
-        return cls(text_ids=torch.tensor([text_ids] * R, device=device), positions=torch.tensor(positions, device=device),
-                   latent_pos=latent_pos, valid=valid, end=ns + 1, und_index=und.flatten().nonzero().squeeze(1),
-                   gen_index=gen.flatten().nonzero().squeeze(1), key_mask=key_mask[:, None, None], caches=padded)
+        return cls(text_ids=to_device([list(text_ids)] * R, device), positions=to_device(positions, device),
+                   latent_pos=latent_pos, valid=valid, end=ns + 1, und_index=to_device(und_index, device),
+                   gen_index=to_device(gen_index, device), key_mask=key_mask[:, None, None], caches=padded)
 
 
 def read_llm_config(model_path: Path) -> dict:
