@@ -33,12 +33,14 @@ def convert(spec: OutputSpec, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to({"FP32": torch.float32, "INT32": torch.int32}[spec.datatype])
 
 
-def to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype, device=device)` without a host wait: on CUDA staged in pinned
-    memory and copied asynchronously (the caching host allocator keeps the buffer until the copy is done)."""
+def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` (or a host tensor's `.to(device, dtype)`) without a
+    host wait: on CUDA staged in pinned memory and copied asynchronously (the caching host allocator keeps
+    the buffer until the copy is done)."""
+    host = values.to(dtype or values.dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class HostCopier:

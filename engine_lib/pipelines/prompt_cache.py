@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -106,12 +105,13 @@ def shifted_schedule(num_steps: int, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-def decode_by_grid(states: Sequence, decode: Callable[[list[torch.Tensor], tuple[int, int]], np.ndarray]) -> list[dict]:
+def decode_by_grid(states: Sequence, decode: Callable[[list[torch.Tensor], tuple[int, int]], torch.Tensor]) -> list[dict]:
     """`post_decode` for states holding `context.grid` and `latents`: one `decode(latents, grid)` call per image
-    size, `{"image": [1, H, W, 3]}` per state."""
+    size (float images [B, H, W, 3] on the device; the runner brings them to the host once per tick),
+    `{"image": [1, H, W, 3]}` per state."""
     out: list[dict] = [{} for _ in states]
     for grid, indices in group_indices([state.context.grid for state in states]).items():
         images = decode([states[i].latents for i in indices], grid)
         for k, i in enumerate(indices):
-            out[i] = {"image": np.ascontiguousarray(images[k:k + 1])}
+            out[i] = {"image": images[k:k + 1]}
     return out

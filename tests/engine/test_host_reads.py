@@ -10,8 +10,8 @@ a copy from pageable memory that waits). Admission ticks may do these (diffusers
 `encode_prompt` does); every later tick of a steady batch, the finishing one
 included, must do none, and so must a tick after some requests finished (a new
 membership, without an admission): with previews, true CFG, mixed sizes and mixed
-LoRAs; LTX-2 and BAGEL too. (HunyuanImage-3's own model code and Helios' diffusers
-scheduler still read: docs/architecture.md.)
+LoRAs; LTX-2, BAGEL and HunyuanImage-3 too. (Helios' diffusers scheduler still reads:
+docs/architecture.md.)
 """
 
 from __future__ import annotations
@@ -143,13 +143,17 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))
 
 
-@pytest.mark.parametrize("pipeline, extra", [("ltx2", {"num_frames": 17}), ("bagel", {})], ids=["ltx2", "bagel"])
-def test_other_pipelines_read_nothing_from_the_device(pipeline, extra):
+@pytest.mark.parametrize("pipeline, size, extra", [("ltx2", 32, {"num_frames": 17}), ("bagel", 32, {}),
+                                                   ("hunyuan_image3", 64, {})], ids=["ltx2", "bagel", "hunyuan_image3"])
+def test_other_pipelines_read_nothing_from_the_device(pipeline, size, extra):
     """LTX-2's three forwards per tick (CFG, spatio-temporal guidance, modality isolation) take each
-    request's text rows by slices; BAGEL's query rows, rebuilt when its batch or CFG set changes,
-    have their indices made on the host."""
+    request's text rows by slices; BAGEL's query rows and HunyuanImage-3's image rows, rebuilt when the
+    batch changes, have their indices and positions made on the host; HunyuanImage-3's MoE routes by a
+    grouped matmul, not by `nonzero` per expert. The last request runs without CFG."""
     from engine_lib.pipelines.registry import get_adapter_class
 
     adapter = load_tiny_adapter(pipeline, get_adapter_class(pipeline))
-    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": 32, "width": 32, **extra} for i in range(3)]
+    no_cfg = {"guidance_scale": 1.0} if pipeline == "hunyuan_image3" else {}
+    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": size, "width": size, **extra, **(no_cfg if i == 2 else {})}
+              for i in range(3)]
     assert_quiet_after_admission(reads_per_tick(adapter, inputs))

@@ -123,7 +123,8 @@ def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, d
                 latents.setdefault(state.request_id, []).append(state.latents.clone())
         done = [s for s in active if s.denoise_completed]
         for state, out in zip(done, adapter.post_decode(done) if done else []):
-            images[state.request_id] = out["image"]
+            image = out["image"]  # float images, as a tensor on the device or numpy
+            images[state.request_id] = image.cpu().numpy() if isinstance(image, torch.Tensor) else image
         tick += 1
     return {rid: torch.stack(v).numpy() for rid, v in latents.items()}, images
 

@@ -9,6 +9,7 @@ Every run goes through the real loader and the adapter's step contract.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import shutil
@@ -96,8 +97,8 @@ def test_raw_predictions_are_the_references(adapter, golden, case):
     sigmas = adapter.pipe.sigmas(4, 3.0)
     for i in range(4):
         x = torch.from_numpy(golden[f"case_{case}_latents_in"][i])
-        cond, uncond = adapter.pipe.model.predict([context.cond, context.uncond], [context.grid] * 2, [x, x],
-                                                  torch.stack([sigmas[i]] * 2) * 1000)
+        rows = adapter.pipe.model.image_rows([context.cond, context.uncond], [context.grid] * 2)
+        cond, uncond = adapter.pipe.model.predict(rows, [x, x], torch.stack([sigmas[i]] * 2) * 1000)
         assert np.abs(cond.numpy() - golden[f"case_{case}_pred_cond"][i]).max() <= LATENT_BOUND
         assert np.abs(uncond.numpy() - golden[f"case_{case}_pred_uncond"][i]).max() <= LATENT_BOUND
 
@@ -131,7 +132,8 @@ def test_guidance_at_most_one_runs_the_conditional_pass_alone(adapter, golden):
     latents, images = step_latents(adapter, {"r": (0, p)})
     x = torch.from_numpy(golden["case_a_init_noise"][0])
     sigmas = adapter.pipe.sigmas(4, 3.0)
-    [cond] = adapter.pipe.model.predict([state.context.cond], [state.context.grid], [x], sigmas[:1] * 1000)
+    rows = adapter.pipe.model.image_rows([state.context.cond], [state.context.grid])
+    [cond] = adapter.pipe.model.predict(rows, [x], sigmas[:1] * 1000)
     np.testing.assert_allclose(latents["r"][0], (x + cond * (sigmas[1] - sigmas[0])).numpy(), atol=1e-6)
     assert images["r"].shape == (1, 64, 64, 3)
 
@@ -193,3 +195,27 @@ def test_shards_are_read_through_the_index_and_understanding_parts_skipped(tmp_p
     assert [r.getMessage() for r in caplog.records if "understanding-only" in r.getMessage()] == [
         "skipped 107 understanding-only tensors (lm_head, model.ln_f, vae.encoder, vision_aligner, vision_model)"]
     assert torch.equal(pipe.model.model.wte.weight, state["model.wte.weight"])
+
+
+def per_expert_moe(moe, x: torch.Tensor) -> torch.Tensor:
+    """The MoE as the reference computes it: each expert on the tokens routed to it, outputs added in expert order."""
+    gates = torch.softmax(torch.nn.functional.linear(x.float(), moe.gate.wg.weight.float()), dim=-1)
+    weight, chosen = torch.topk(gates, moe.topk)
+    weight = weight / weight.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(moe.experts):
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        out.index_add_(0, token, expert(x[token]) * weight[token, slot, None].to(x.dtype))
+    return moe.shared_mlp(x) + out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_moe_is_the_per_expert_loop_after_dtype_changes(adapter, dtype):
+    """The experts' weights stay views into the stacked tensors the grouped matmuls read, also after `.to()`
+    gave every parameter its own storage; the result is the per-expert loop's, bit for bit."""
+    moe = copy.deepcopy(adapter.pipe.model.model.layers[0].mlp).to(dtype)
+    for name in ("gate_and_up_proj", "down_proj"):
+        for e, expert in enumerate(moe.experts):
+            assert getattr(expert, name).weight.data_ptr() == moe.stacked[name][e].data_ptr()
+    x = torch.randn(37, moe.gate.wg.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(moe(x), per_expert_moe(moe, x))

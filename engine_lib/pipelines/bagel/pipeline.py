@@ -26,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, load_model
@@ -146,14 +145,15 @@ class BagelPipeline:
         return out
 
     @torch.no_grad()
-    def decode(self, latents: Sequence[torch.Tensor], grid: tuple[int, int]) -> np.ndarray:
-        """Packed latents [N, 64] of one grid -> float images [B, H, W, 3] already on the reference's uint8 levels."""
+    def decode(self, latents: Sequence[torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
+        """Packed latents [N, 64] of one grid -> float images [B, H, W, 3] already on the reference's uint8 levels,
+        on the device."""
         h, w, p, c = *grid, self.patch, self.latent_channels
         z = torch.stack(list(latents)).reshape(-1, h, w, p, p, c)
         z = torch.einsum("nhwpqc->nchpwq", z).reshape(-1, c, h * p, w * p)
         images = vae_decode(self.vae, z)
         images = torch.floor((images * 0.5 + 0.5).clamp(0, 1) * 255) / 255  # the reference's truncating cast
-        return images.permute(0, 2, 3, 1).cpu().numpy()
+        return images.permute(0, 2, 3, 1)
 
     # -- the reference's loop, for one request ------------------------------------------------
     def __call__(self, prompt: str, height: int = 1024, width: int = 1024, num_inference_steps: int = 50,
@@ -171,7 +171,7 @@ class BagelPipeline:
             rows = self.query_rows([context], with_uncond)
             [v] = self.predict(rows, x[None], [t], [guidance], with_uncond, [len(x)])
             x = x - v * dt
-        return SimpleNamespace(images=self.decode([x], context.grid))
+        return SimpleNamespace(images=self.decode([x], context.grid).cpu().numpy())
 
 
 def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, g: Guidance) -> torch.Tensor:

@@ -49,7 +49,8 @@ class HunyuanState(RequestState):
 
     context: Optional[Context] = None
     latents: Optional[torch.Tensor] = None
-    sigmas: Optional[torch.Tensor] = None
+    sigmas: Optional[torch.Tensor] = None  # on the host: the Euler update reads them as scalars
+    device_sigmas: Optional[torch.Tensor] = None  # the model's timesteps
     scale: float = 1.0
 
     @property
@@ -108,14 +109,18 @@ class HunyuanImage3Adapter(PipelineAdapter):
         state.context = self.pipe.encode(p.prompt, p.height, p.width, cfg=state.scale > 1.0)
         state.latents = self.pipe.initial_noise(p.seed, state.context)
         state.sigmas = self.pipe.sigmas(p.num_inference_steps, p.flow_shift)
+        state.device_sigmas = state.sigmas.to(self.device)  # (admission: a copy here may wait)
         state.num_steps, state.step_index = p.num_inference_steps, 0
 
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[HunyuanState]) -> torch.Tensor:
         """Every request's guided prediction as tokens [B, N_max, C], right-padded like the gathered latents."""
-        latents = [s.latents for s in states]
-        preds = self.pipe.predict([s.context for s in states], latents, [s.sigmas[s.step_index] for s in states],
-                                  [s.scale for s in states])
+        contexts = [s.context for s in states]
+        rows = input_batch.cache.get("rows")  # padded caches, masks and RoPE: rebuilt only when the batch changes
+        if rows is None:
+            rows = input_batch.cache["rows"] = self.pipe.image_rows(contexts)
+        preds = self.pipe.predict(contexts, [s.latents for s in states],
+                                  [s.device_sigmas[s.step_index] for s in states], [s.scale for s in states], rows)
         out = torch.zeros_like(input_batch["latents"])
         for i, pred in enumerate(preds):
             out[i, :pred[0].numel()] = pred.flatten(1).T

@@ -24,11 +24,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys, group_indices
 from engine_lib.pipelines.prompt_cache import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
 
@@ -102,7 +104,14 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """A shared MLP plus top-k routed experts, weights renormalised over the chosen k (tokens [T, D])."""
+    """A shared MLP plus top-k routed experts, weights renormalised over the chosen k (tokens [T, D]).
+
+    The routed experts run as two grouped matmuls over the tokens sorted by expert (`F.grouped_mm`, its
+    group ends computed on the device), not as one call per expert on the tokens `nonzero` finds: on
+    CUDA that read every expert's token count back to the host, E waits per layer; torch's grouped
+    kernel (bf16, sm90+) needs none, its fallback one per call. Each expert's weights stay under the
+    checkpoint's names as views into one stacked [E, out, in] tensor per projection (`_stack_experts`).
+    """
 
     def __init__(self, c: HunyuanConfig):
         super().__init__()
@@ -110,16 +119,46 @@ class MoE(nn.Module):
         self.shared_mlp = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.num_shared_expert)
         self.gate = Gate(c.hidden_size, c.num_experts)
         self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
+        self._stack_experts()
+
+    def _stack_experts(self) -> None:
+        """Make every expert's `gate_and_up_proj` and `down_proj` weight a view into one stacked tensor, so
+        the grouped matmul reads them without a copy and `load_state_dict` (in place) fills both."""
+        self.stacked = {}
+        for name in ("gate_and_up_proj", "down_proj"):
+            linears = [getattr(expert, name) for expert in self.experts]
+            stacked = torch.stack([linear.weight.detach() for linear in linears])
+            for e, linear in enumerate(linears):
+                linear.weight.data = stacked[e]
+            self.stacked[name] = stacked
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, ... give each parameter its own storage: stack them again."""
+        super()._apply(fn, recurse)
+        self._stack_experts()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gates = F.softmax(F.linear(x.float(), self.gate.wg.weight.float()), dim=-1)  # the router runs in float32
         weight, chosen = torch.topk(gates, self.topk)
         weight = weight / weight.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        # each token's experts in ascending order: the order its expert outputs are summed in
+        chosen, by_expert = chosen.sort(dim=-1)
+        weight = weight.gather(-1, by_expert)
+        T, k = chosen.shape
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
+        counts = torch.zeros(len(self.experts), dtype=torch.long, device=x.device).scatter_add_(0, flat,
+                                                                                              torch.ones_like(flat))
+        ends = counts.cumsum(0).to(torch.int32)
+        gate_and_up = F.grouped_mm(x[order // k], self.stacked["gate_and_up_proj"].transpose(1, 2), offs=ends)
+        x1, x2 = gate_and_up.chunk(2, dim=-1)
+        routed = F.grouped_mm(x1 * F.silu(x2), self.stacked["down_proj"].transpose(1, 2), offs=ends)
+        routed = routed * weight.flatten()[order, None].to(x.dtype)
+        slots = torch.empty_like(routed).index_copy_(0, order, routed).view(T, k, -1)  # back to (token, slot)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if len(token):
-                out.index_add_(0, token, (expert(x[token]) * weight[token, slot, None].to(x.dtype)))
+        for slot in range(k):
+            out = out + slots[:, slot]
         return self.shared_mlp(x) + out
 
 
@@ -154,11 +193,14 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def feed_forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The MoE on the real tokens only (`tokens` [B, T] bool), residual added."""
-        out = torch.zeros_like(hidden)
-        out[tokens] = self.mlp(self.post_attention_layernorm(hidden[tokens]))
-        return hidden + out
+    def feed_forward(self, hidden: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The MoE on the real tokens only (`tokens`: their flat indices into [B * T], ascending; None: all),
+        residual added."""
+        flat = hidden.flatten(0, 1)
+        if tokens is None:
+            return hidden + self.mlp(self.post_attention_layernorm(flat)).view_as(hidden)
+        routed = self.mlp(self.post_attention_layernorm(flat.index_select(0, tokens)))
+        return hidden + torch.zeros_like(flat).index_copy_(0, tokens, routed).view_as(hidden)
 
 
 class Decoder(nn.Module):
@@ -284,46 +326,34 @@ class HunyuanImage3Model(nn.Module):
             values.append(v[0])
             out = attend(q, k, v, causal).transpose(1, 2).reshape(1, L, -1)
             hidden = hidden + layer.self_attn.o_proj(out)
-            hidden = layer.feed_forward(hidden, torch.ones(1, L, dtype=torch.bool, device=hidden.device))
+            hidden = layer.feed_forward(hidden)
         return KVCache(keys, values)
 
+    def image_rows(self, caches: list[KVCache], grids: list[tuple[int, int]]) -> "ImageRows":
+        return ImageRows.build(self, caches, grids)
+
     @torch.no_grad()
-    def predict(self, caches: list[KVCache], grids: list[tuple[int, int]], latents: list[torch.Tensor],
-                timesteps: torch.Tensor) -> list[torch.Tensor]:
-        """One forward over rows r = (`<timestep>`, the h_r x w_r image tokens of `latents[r]` [C, h, w]) at
+    def predict(self, rows: "ImageRows", latents: list[torch.Tensor], timesteps: torch.Tensor) -> list[torch.Tensor]:
+        """One forward over `rows` (r: `<timestep>`, then the h_r x w_r image tokens of `latents[r]` [C, h, w]) at
         timestep `timesteps[r]` (sigma * 1000), each against its own cache: the prediction [C, h, w] per row."""
-        c, device = self.config, timesteps.device
-        dtype = self.model.wte.weight.dtype
-        R = len(caches)
-        counts = [h * w for h, w in grids]
-        Q = 1 + max(counts)
-        hidden = torch.zeros(R, Q, c.hidden_size, device=device, dtype=dtype)
+        c = self.config
+        R, Q = len(latents), rows.num_queries
+        hidden = torch.zeros(R, Q, c.hidden_size, device=timesteps.device, dtype=self.model.wte.weight.dtype)
         hidden[:, 0] = self.timestep_emb(timesteps)
-        for grid, rows in group_indices(grids).items():
-            x = torch.stack([latents[r] for r in rows]).to(dtype)
-            hidden[rows, 1:1 + grid[0] * grid[1]] = self.patch_embed(x, self.time_embed(timesteps[rows]))
-        padded = PaddedCaches.of(caches)
-        query = torch.arange(Q, device=device)[None] <= torch.tensor(counts, device=device)[:, None]  # [R, Q] real
-        # <timestep> sees the prompt and itself; image tokens see the prompt, <timestep> and every image token.
-        within = query[:, None, :] & ((torch.arange(Q, device=device)[:, None] > 0) |
-                                      (torch.arange(Q, device=device)[None, :] == 0))[None]
-        mask = torch.cat([padded.valid[:, None, :].expand(R, Q, -1), within], dim=2)[:, None]
-        positions = torch.zeros(R, Q, 2, dtype=torch.long)
-        for r, (cache, grid) in enumerate(zip(caches, grids)):
-            start = cache.length
-            positions[r, 0] = start
-            positions[r, 1:1 + counts[r]] = image_positions(start + 1, grid)
-        cos, sin = self.rope(positions)
+        for (h, w), members, index in rows.groups:
+            x = torch.stack([latents[r] for r in members]).to(hidden.dtype)
+            hidden[index, 1:1 + h * w] = self.patch_embed(x, self.time_embed(timesteps[index]))
+        padded = rows.caches
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
-            out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), mask)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), rows.cos, rows.sin)
+            out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), rows.mask)
             hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).reshape(R, Q, -1))
-            hidden = layer.feed_forward(hidden, query)
+            hidden = layer.feed_forward(hidden, rows.tokens)
         out: list[torch.Tensor] = [None] * R  # type: ignore[list-item]
-        for grid, rows in group_indices(grids).items():
-            tokens = hidden[rows, 1:1 + grid[0] * grid[1]]
-            pred = self.final_layer(tokens, self.time_embed_2(timesteps[rows]), grid).float()
-            for k, r in enumerate(rows):
+        for grid, members, index in rows.groups:
+            tokens = hidden[index, 1:1 + grid[0] * grid[1]]
+            pred = self.final_layer(tokens, self.time_embed_2(timesteps[index]), grid).float()
+            for k, r in enumerate(members):
                 out[r] = pred[k]
         return out
 
@@ -335,6 +365,45 @@ class HunyuanImage3Model(nn.Module):
         check_keys("model weights", state, {k: t.shape for k, t in expected.items()}, UNDERSTANDING_PREFIXES, logger)
         self.load_state_dict({k: state[k] for k in self.state_dict()}, strict=True)
         vae.decoder.load_state_dict({k: state[f"vae.decoder.{k}"] for k in vae.decoder.state_dict()}, strict=True)
+
+
+@dataclass
+class ImageRows:
+    """What a forward's rows need besides their latents and timesteps, made once per batch membership
+    (the adapter keeps it with the batch) and without a host wait: indices and positions are made on
+    the host and copied by `to_device`.
+
+    Row r is `<timestep>` then its h_r * w_r image tokens, right-padded to Q = 1 + the most; it attends
+    to its own cache (padded to the longest) and to its own query tokens.
+    """
+
+    caches: PaddedCaches
+    num_queries: int  # Q
+    tokens: torch.Tensor  # flat indices (r * Q + q) of the real query tokens, ascending: the MoE's tokens
+    mask: torch.Tensor  # [R, 1, Q, C_max + Q] bool: the keys each query attends to
+    cos: torch.Tensor  # [R, Q, head_dim]: 2D RoPE of every query position
+    sin: torch.Tensor
+    groups: list  # (grid, [row], row indices on the device) per image size
+
+    @classmethod
+    def build(cls, model: "HunyuanImage3Model", caches: list[KVCache], grids: list[tuple[int, int]]) -> "ImageRows":
+        device = model.model.wte.weight.device
+        counts = [h * w for h, w in grids]
+        R, Q = len(caches), 1 + max(counts)
+        padded = PaddedCaches.of(caches)
+        index = torch.arange(Q, device=device)
+        query = index[None] <= to_device(counts, device)[:, None]  # [R, Q] real
+        # <timestep> sees the prompt and itself; image tokens see the prompt, <timestep> and every image token.
+        within = query[:, None, :] & ((index[:, None] > 0) | (index[None, :] == 0))[None]
+        mask = torch.cat([padded.valid[:, None, :].expand(R, Q, -1), within], dim=2)[:, None]
+        positions = torch.zeros(R, Q, 2, dtype=torch.long)  # on the host
+        for r, (cache, grid) in enumerate(zip(caches, grids)):
+            start = cache.length
+            positions[r, :1 + counts[r]] = torch.cat([text_positions(start, start + 1), image_positions(start + 1, grid)])
+        cos, sin = model.rope(to_device(positions, device))
+        tokens = to_device([r * Q + q for r, n in enumerate(counts) for q in range(n + 1)], device)
+        groups = [(grid, members, to_device(members, device)) for grid, members in group_indices(grids).items()]
+        return cls(padded, Q, tokens, mask, cos, sin, groups)
 
 
 def read_config(model_path: Path) -> dict:

@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, HunyuanImage3Model, read_config, read_weights
+from engine_lib.pipelines.hunyuan_image3.model import (HunyuanConfig, HunyuanImage3Model, ImageRows, read_config,
+                                                      read_weights)
 from engine_lib.pipelines.hunyuan_image3.vae import VAE
 from engine_lib.pipelines.prompt_cache import KVCache, shifted_schedule
 
@@ -146,17 +147,26 @@ class HunyuanImage3Pipeline:
     def sigmas(num_inference_steps: int, flow_shift: float) -> torch.Tensor:
         return shifted_schedule(num_inference_steps, flow_shift)
 
+    @staticmethod
+    def rows_of(contexts: Sequence[Context]) -> list[tuple[KVCache, tuple[int, int]]]:
+        """A forward's rows: every request's conditional row, then the unconditional ones of those with CFG."""
+        return ([(c.cond, c.grid) for c in contexts] +
+                [(c.uncond, c.grid) for c in contexts if c.uncond is not None])
+
+    def image_rows(self, contexts: Sequence[Context]) -> ImageRows:
+        """The forward's rows for `contexts`, as `predict` takes them (the same while the batch is)."""
+        caches, grids = zip(*self.rows_of(contexts))
+        return self.model.image_rows(list(caches), list(grids))
+
     @torch.no_grad()
     def predict(self, contexts: Sequence[Context], latents: Sequence[torch.Tensor], sigmas: Sequence[torch.Tensor],
-                scales: Sequence[float]) -> list[torch.Tensor]:
+                scales: Sequence[float], rows: Optional[ImageRows] = None) -> list[torch.Tensor]:
         """One forward over every request's conditional row and, with CFG, its unconditional row; the guided
-        prediction [C, h, w] per request."""
+        prediction [C, h, w] per request. `rows`: `image_rows(contexts)`, made here if not given."""
         cfg = [i for i, c in enumerate(contexts) if c.uncond is not None]
-        caches = [c.cond for c in contexts] + [contexts[i].uncond for i in cfg]
-        grids = [c.grid for c in contexts] + [contexts[i].grid for i in cfg]
-        rows = list(latents) + [latents[i] for i in cfg]
+        rows = rows or self.image_rows(contexts)
         t = torch.stack([sigmas[i] for i in list(range(len(contexts))) + cfg]).to(self.device) * 1000
-        raw = self.model.predict(caches, grids, rows, t.float())
+        raw = self.model.predict(rows, list(latents) + [latents[i] for i in cfg], t.float())
         out = raw[:len(contexts)]
         for k, i in enumerate(cfg):
             uncond = raw[len(contexts) + k]
@@ -164,10 +174,10 @@ class HunyuanImage3Pipeline:
         return out
 
     @torch.no_grad()
-    def decode(self, latents: Sequence[torch.Tensor]) -> np.ndarray:
-        """Latents [C, h, w] of one size -> float images [B, H, W, 3] in [0, 1]."""
+    def decode(self, latents: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Latents [C, h, w] of one size -> float images [B, H, W, 3] in [0, 1], on the device."""
         images = self.vae.decode(torch.stack(list(latents)))
-        return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+        return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
 
     # -- the reference's loop, for one request --------------------------------------------------
     def __call__(self, prompt: str, height: int = 1024, width: int = 1024, num_inference_steps: Optional[int] = None,
@@ -184,4 +194,4 @@ class HunyuanImage3Pipeline:
         for i in range(steps):
             [pred] = self.predict([context], [x], [sigmas[i]], [scale])
             x = x + pred * (sigmas[i + 1] - sigmas[i])
-        return SimpleNamespace(images=self.decode([x]))
+        return SimpleNamespace(images=self.decode([x]).cpu().numpy())
