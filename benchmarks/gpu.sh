@@ -10,7 +10,7 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu.sh: torch sees no CUDA device")'
 # The "gpu" preset if engine_lib.tiny_models has one, else "bench" (override with GPU_PRESET).
 PRESET=${GPU_PRESET:-$("$PY" -c 'from engine_lib.tiny_models import available; print("gpu" if "gpu" in available()["qwen_image"] else "bench")')}
-# Host synchronisations per engine tick first (a minute): benchmarks/results/gpu_sync.json.
+# Host synchronisations per engine tick first, every pipeline (a few minutes): benchmarks/results/gpu_sync.json.
 "$PY" -m benchmarks.gpu_sync --preset "$PRESET" --size "${GPU_SIZE:-512}"
 exec "$PY" -m benchmarks.run --device cuda --dtype bfloat16 --preset "$PRESET" \
   --size "${GPU_SIZE:-512}" --steps "${GPU_STEPS:-20}" --max-wait 0 \

@@ -319,6 +319,15 @@ class DiffusersAdapter(PipelineAdapter):
     def counters(self) -> dict[str, float]:
         return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses}
 
+    def video_vae_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's VAE de-normalisation constants `latents_mean` and `1 / latents_std` [1, z, 1, 1, 1],
+        made as the pipeline makes them, for the device once: made per decode, each would be a host-to-device
+        copy that waits."""
+        vae = self.pipe.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device, vae.dtype)
+        return mean, 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(self.device, vae.dtype)
+
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
              options: Optional[dict] = None) -> "DiffusersAdapter":

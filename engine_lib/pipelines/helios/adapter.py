@@ -111,6 +111,10 @@ class HeliosAdapter(DiffusersAdapter):
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
     supports_previews = True  # progress responses (no frames: a chunk is the preview)
 
+    def __init__(self, pipe, device, dtype, options=None):
+        super().__init__(pipe, device, dtype, options)
+        self._latents_mean, self._latents_std = self.video_vae_stats()
+
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property
     def size_multiple(self) -> int:
@@ -248,10 +252,8 @@ class HeliosAdapter(DiffusersAdapter):
             return None
         state.chunk_done = False
         vae = self.pipe.vae
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(self.device, vae.dtype)
         chunk_latents = state.history_latents[:, :, -LATENT_FRAMES_PER_CHUNK:]
-        video = vae.decode(chunk_latents.to(vae.dtype) / std + mean, return_dict=False)[0]
+        video = vae.decode(chunk_latents.to(vae.dtype) / self._latents_std + self._latents_mean, return_dict=False)[0]
         offset = sum(f.shape[1] for f in state.frames)
         frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[:, :state.num_frames_out - offset]
         state.frames.append(frames)

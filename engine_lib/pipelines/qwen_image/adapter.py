@@ -58,11 +58,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
         pipe.transformer.set_attn_processor(MixedSizeAttnProcessor())
-        # The pipeline's de-normalisation constants, on the device once: made per decode, each would be
-        # a host-to-device copy that waits (the pipeline's own operations, so the same values).
-        vae, z_dim = pipe.vae, pipe.vae.config.z_dim
-        self._latents_mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
-        self._latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
+        self._latents_mean, self._latents_std = self.video_vae_stats()
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:
