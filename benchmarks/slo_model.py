@@ -1,0 +1,215 @@
+"""`python -m benchmarks.slo_model`: how much of the Poisson mixed-steps load any admission policy could
+bring within its SLO on a machine where batching does not make a step cheaper.
+
+The model: one server runs one denoise step at a time and may switch requests between steps (on this
+CPU a batched step of n rows costs about n solo steps, `make bench`: 8 rows 7.6x one, so sharing a
+step gains nothing). A request costs `fixed + steps * per_step` seconds, half of `fixed` (encode) in
+its first step and half (decode) in its last; `per_step` and `fixed` are fitted to the solo latencies
+`make bench` measured (benchmarks/results/full.json). Its deadline is arrival + SLO factor x its solo
+latency, as the benchmark counts it. The model replays the benchmark's own sequence (the workload's
+and the arrivals' seeds) and random sequences of the same length and load, under each policy:
+
+* arrival: first come, first served (each request runs to its end);
+* srpt: the fewest seconds of work left first, switching between steps;
+* edf: the earliest deadline first;
+* srpt_hopeless_last, edf_hopeless_last: the same among requests that can still make their deadline
+  if they run alone from now; the others only when none can (they are late anyway);
+* moore_hodgson: earliest deadline first over the largest set of requests that can all still make
+  their deadlines (the Moore-Hodgson rule), recomputed between steps; the rest when that set is empty.
+
+`most_on_time` bounds them all: the most requests of the benchmark's sequence that any schedule could finish
+on time, even one preempting at any instant (earliest-deadline-first decides whether a set can all make it).
+It bounds what scheduling can do here; it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results" / "full.json"
+
+
+@dataclass
+class Job:
+    arrival: float
+    steps: int
+    deadline: float
+    steps_left: int = 0
+    done: Optional[float] = None
+
+    def __post_init__(self):
+        self.steps_left = self.steps
+
+
+class Costs:
+    """Seconds per step and fixed seconds per request, from solo latencies {steps: seconds}."""
+
+    def __init__(self, solo_by_steps: dict[int, float]):
+        xs, ys = list(solo_by_steps), list(solo_by_steps.values())
+        self.per_step, self.fixed = statistics.linear_regression(xs, ys)
+        self.solo = solo_by_steps
+
+    def work_left(self, job: Job) -> float:
+        started = job.steps_left < job.steps
+        return job.steps_left * self.per_step + self.fixed * (0.5 if started else 1.0)
+
+    def step_cost(self, job: Job) -> float:
+        first, last = job.steps_left == job.steps, job.steps_left == 1
+        return self.per_step + self.fixed * (0.5 * first + 0.5 * last)
+
+
+def moore_hodgson(jobs: list[Job], now: float, costs: Costs) -> list[Job]:
+    """The largest set of `jobs` that all make their deadlines in deadline order (drop the longest on a miss)."""
+    kept, clock = [], now
+    for job in sorted(jobs, key=lambda j: j.deadline):
+        kept.append(job)
+        clock += costs.work_left(job)
+        if clock > job.deadline:
+            longest = max(kept, key=costs.work_left)
+            kept.remove(longest)
+            clock -= costs.work_left(longest)
+    return kept
+
+
+def pick(policy: str, active: list[Job], now: float, costs: Costs, running: Optional[Job]) -> Job:
+    if policy == "arrival":
+        return running if running in active else min(active, key=lambda j: j.arrival)
+    if policy == "moore_hodgson":
+        kept = moore_hodgson(active, now, costs)
+        return min(kept, key=lambda j: j.deadline) if kept else min(active, key=costs.work_left)
+    order: Callable[[Job], float] = costs.work_left if policy.startswith("srpt") else (lambda j: j.deadline)
+    if policy.endswith("_hopeless_last"):
+        feasible = [j for j in active if now + costs.work_left(j) <= j.deadline]
+        if feasible:
+            return min(feasible, key=order)
+        return min(active, key=costs.work_left)
+    return min(active, key=order)
+
+
+def edf_feasible(jobs: Sequence[tuple[float, float, float]]) -> bool:
+    """Whether jobs (release, work, deadline) all finish by their deadlines when any job may be preempted at
+    any instant: earliest-deadline-first is optimal there, so it decides."""
+    pending = sorted(jobs)
+    ready: list[list[float]] = []  # [deadline, work left]
+    now, i = 0.0, 0
+    while i < len(pending) or ready:
+        if not ready:
+            now = max(now, pending[i][0])
+        while i < len(pending) and pending[i][0] <= now:
+            ready.append([pending[i][2], pending[i][1]])
+            i += 1
+        ready.sort()
+        until = pending[i][0] if i < len(pending) else float("inf")
+        job = ready[0]
+        run_for = min(job[1], until - now)
+        now += run_for
+        job[1] -= run_for
+        if job[1] <= 1e-12:
+            if now > job[0] + 1e-9:
+                return False
+            ready.pop(0)
+    return True
+
+
+def most_on_time(arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float, max_late: int = 4) -> Optional[int]:
+    """The most requests any schedule could finish by their deadlines, even preempting at any instant (an upper
+    bound for every policy above): n - k for the fewest k late requests that leave the rest feasible, trying
+    every set of k up to `max_late`; None if more must be late."""
+    from itertools import combinations
+
+    jobs = [(t, costs.fixed + s * costs.per_step, t + slo_factor * costs.solo[s]) for t, s in arrivals]
+    for late in range(max_late + 1):
+        for dropped in combinations(range(len(jobs)), late):
+            if edf_feasible([j for i, j in enumerate(jobs) if i not in dropped]):
+                return len(jobs) - late
+    return None
+
+
+POLICIES = ("arrival", "srpt", "edf", "srpt_hopeless_last", "edf_hopeless_last", "moore_hodgson")
+
+
+def attainment(policy: str, arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float) -> float:
+    """The share of requests done by their deadline when `policy` schedules `arrivals` [(time, steps)]."""
+    jobs = [Job(t, s, t + slo_factor * costs.solo[s]) for t, s in sorted(arrivals)]
+    now, arrived, running = 0.0, 0, None
+    active: list[Job] = []
+    while arrived < len(jobs) or active:
+        while arrived < len(jobs) and jobs[arrived].arrival <= now:
+            active.append(jobs[arrived])
+            arrived += 1
+        if not active:
+            now = jobs[arrived].arrival
+            continue
+        running = pick(policy, active, now, costs, running)
+        now += costs.step_cost(running)
+        running.steps_left -= 1
+        if running.steps_left == 0:
+            running.done = now
+            active.remove(running)
+    return sum(j.done <= j.deadline for j in jobs) / len(jobs)
+
+
+def random_sequence(rng: random.Random, n: int, rate: float, step_choices: Sequence[int]) -> list[tuple[float, int]]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append((t, rng.choice(list(step_choices))))
+    return out
+
+
+def run(results_path: Path = RESULTS, sequences: int = 300) -> dict:
+    from benchmarks import loadgen, workloads
+    from benchmarks.run import poisson_rate
+
+    results = json.loads(results_path.read_text())
+    plan, solo = results["plan"], results["solo_latency_s"]
+    size = plan["size"]
+    specs = workloads.mixed_steps(plan["poisson_requests"], size, plan["mixed_step_choices"], plan["preview_interval"],
+                                  seed=3)  # the benchmark's seeds (benchmarks/run.py)
+    rate = poisson_rate(solo, specs, plan["poisson_load"])
+    bench_sequence = list(zip(loadgen.poisson_arrivals(len(specs), rate, seed=11), (s.steps for s in specs)))
+    costs = Costs({s: solo[f"{size}x{size}/{s}"] for s in plan["mixed_step_choices"]})
+    rng = random.Random(0)
+    randoms = [random_sequence(rng, len(specs), rate, plan["mixed_step_choices"]) for _ in range(sequences)]
+    out = {"source": str(results_path.name), "started": results["started"], "rate": rate,
+           "per_step_s": costs.per_step, "fixed_s": costs.fixed, "slo_factor": plan["slo_factor"],
+           "sequences": sequences, "policies": {}}
+    for policy in POLICIES:
+        shares = [attainment(policy, seq, costs, plan["slo_factor"]) for seq in randoms]
+        out["policies"][policy] = {"benchmark_sequence": attainment(policy, bench_sequence, costs, plan["slo_factor"]),
+                                   "random_mean": statistics.mean(shares),
+                                   "random_p10": sorted(shares)[len(shares) // 10],
+                                   "random_share_at_least_95": sum(s >= 0.95 for s in shares) / len(shares)}
+    best = most_on_time(bench_sequence, costs, plan["slo_factor"])
+    out["most_on_time"] = {"requests": len(specs), "on_time": best}
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--sequences", type=int, default=300)
+    args = parser.parse_args(argv)
+    out = run(args.results, args.sequences)
+    print(f"Poisson mixed steps at {out['rate']:.3f}/s ({out['source']}, {out['started']}): "
+          f"{out['per_step_s'] * 1000:.1f} ms per step + {out['fixed_s'] * 1000:.1f} ms per request; SLO "
+          f"{out['slo_factor']}x solo")
+    print(f"| policy | the benchmark's sequence | {out['sequences']} random sequences: mean | p10 | share >= 95 % |")
+    print("|---|---|---|---|---|")
+    for policy, p in out["policies"].items():
+        print(f"| {policy} | {p['benchmark_sequence']:.0%} | {p['random_mean']:.1%} | {p['random_p10']:.0%} | "
+              f"{p['random_share_at_least_95']:.0%} |")
+    best, n = out["most_on_time"]["on_time"], out["most_on_time"]["requests"]
+    print("Any schedule of the benchmark's sequence, even preempting at any instant: at most "
+          + (f"{best} of {n} on time ({best / n:.1%})" if best is not None else f"fewer than {n - 4} of {n} on time"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

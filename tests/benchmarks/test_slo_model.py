@@ -1,0 +1,28 @@
+"""benchmarks/slo_model.py: the queue model that bounds what scheduling can do for the Poisson SLO."""
+
+from __future__ import annotations
+
+from benchmarks import slo_model
+
+COSTS = slo_model.Costs({4: 0.16, 8: 0.30, 16: 0.58})  # about the bench preset's solo latencies here
+
+
+def test_costs_fit_a_step_and_a_fixed_part():
+    assert abs(COSTS.per_step - 0.035) < 0.002 and abs(COSTS.fixed - 0.02) < 0.01
+
+
+def test_edf_feasibility_is_exact_on_small_cases():
+    assert slo_model.edf_feasible([(0.0, 1.0, 1.0), (0.0, 1.0, 2.0)])
+    assert not slo_model.edf_feasible([(0.0, 1.0, 1.0), (0.0, 1.0, 1.5)])
+    # a later, more urgent job preempts: feasible only with preemption at any instant
+    assert slo_model.edf_feasible([(0.0, 2.0, 3.0), (0.5, 0.5, 1.0)])
+
+
+def test_no_policy_beats_the_bound_and_hopeless_last_helps_when_overloaded():
+    """A burst of requests at once: more than the server can finish within their SLOs."""
+    burst = [(0.0, 16)] * 3 + [(0.01, 4)] * 6
+    best = slo_model.most_on_time(burst, COSTS, 3.0, max_late=len(burst))
+    shares = {p: slo_model.attainment(p, burst, COSTS, 3.0) for p in slo_model.POLICIES}
+    assert all(share <= best / len(burst) + 1e-9 for share in shares.values()), (best, shares)
+    assert shares["edf_hopeless_last"] > shares["edf"] and shares["srpt"] >= shares["arrival"]
+    assert best < len(burst)  # the burst is more than any schedule can serve on time
