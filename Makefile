@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-own bench-efficiency bench-video clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-slo bench-own bench-efficiency bench-video clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -39,6 +39,9 @@ bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and
 
 bench-priority: models  ## an urgent request alone and under a full background load, side by side (a few minutes)
 	@$(PY) -m benchmarks.priority
+
+bench-slo: models  ## the Poisson mixed-steps load with SLOs sent as deadlines: shortest remaining vs deadline order (5 minutes)
+	@$(PY) -m benchmarks.slo
 
 bench-own: models  ## our own model code (BAGEL, HunyuanImage-3.0): step batching at concurrency 4 vs serial (a minute)
 	@$(PY) -m benchmarks.own_models

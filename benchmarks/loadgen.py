@@ -45,6 +45,7 @@ class RequestRecord:
     late_responses: int = 0  # responses that arrived after the FINAL flag
     image_shape: Optional[tuple] = None
     error: Optional[str] = None
+    deadline: Optional[float] = None  # sent as Triton's request timeout (the time left at the send; gRPC streams)
 
     @property
     def ok(self) -> bool:
@@ -153,8 +154,10 @@ class StreamingSession:
         self._previous = record
         record.sent = time.perf_counter()
         try:
+            timeout = {} if record.deadline is None else {
+                "timeout": max(1, int((record.deadline - record.sent) * 1e6))}  # microseconds
             self._client.async_stream_infer(self.model, infer_inputs(record.spec, streaming=True),
-                                            request_id=record.request_id, enable_empty_final_response=True)
+                                            request_id=record.request_id, enable_empty_final_response=True, **timeout)
         except Exception as exc:  # noqa: BLE001 - any client failure is this request's error
             record.error = f"send failed: {exc}"
             self._restart_stream()
@@ -307,11 +310,13 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, seed: int = 0,
-                  max_outstanding: int = 32, tag: str = "p") -> RunResult:
+                  max_outstanding: int = 32, tag: str = "p", slo_s: Optional[dict] = None) -> RunResult:
     """Poisson arrivals at `rate` requests/s; latency counts from the arrival, not the send.
 
     A pool of `max_outstanding` sessions carries the requests; if all are busy a
     request waits (and that wait is part of its latency, as it would be for users).
+    `slo_s` (shape key -> seconds): each request's deadline is its arrival plus its SLO,
+    sent as Triton's request timeout.
     """
     offsets = poisson_arrivals(len(specs), rate, seed)
     sessions = [target.open() for _ in range(min(max_outstanding, len(specs)))]
@@ -322,6 +327,8 @@ def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, see
         start = time.perf_counter() + 0.05
         for record, offset in zip(records, offsets):
             record.scheduled = start + offset
+            if slo_s is not None:
+                record.deadline = record.scheduled + slo_s[record.spec.shape_key]
             delay = record.scheduled - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
@@ -392,6 +399,7 @@ def summarize(run: RunResult, solo_latency: Optional[dict] = None, slo_factor: f
         "requests": len(run.records),
         "completed": len(ok),
         "errors": len(errors),
+        "timed_out": sum(1 for r in errors if "timed out" in (r.error or "")),  # deadline passed before it started
         "error_examples": sorted({r.check_error() for r in errors})[:3],
         "duration_s": span,
         "requests_per_s": (len(ok) / span) if span else None,

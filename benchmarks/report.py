@@ -326,7 +326,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + priority_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + priority_section() + slo_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -715,6 +715,36 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def slo_section(path: Optional[Path] = None) -> list[str]:
+    """The Poisson mixed-steps load with SLOs sent as deadlines (`make bench-slo`: slo.json)."""
+    results = side_results(path, "slo")
+    if results is None:
+        return []
+    w, model = results["workload"], results["model"]
+    best = model["most_on_time"]
+    lines = ["", "## Deadlines: the Poisson mixed-steps load with each SLO sent as Triton's timeout", "",
+             f"`make bench-slo`, started {results['started']}: `make bench`'s Poisson point ({w['requests']} requests, "
+             f"{w['size']}x{w['size']}, steps from {', '.join(map(str, w['steps']))}, {w['load']:.0%} of REQUEST_BATCH "
+             f"serial capacity: {results['poisson_rate']:.3f}/s, the same seeds); SLO {w['slo_factor']:g}x the solo "
+             "latency of the request's shape, calibrated on REQUEST_BATCH serial in the same run; where sent, each "
+             "request's timeout is its SLO. A request that times out before it starts counts as a miss. "
+             f"{w['repeats']} rounds (median, min-max).", "",
+             "| system | SLO attainment | p99 latency s | timed out | errors |", "|---|---|---|---|---|"]
+    for entry in results["systems"].values():
+        points = entry["points"]
+        lines.append(f"| {entry['label']} | {fmt_spread(spread([100 * p['slo_attainment'] for p in points]), 0)} % | "
+                     f"{fmt_spread(spread([p['latency_p99_s'] for p in points]))} | "
+                     f"{', '.join(str(p.get('timed_out', 0)) for p in points)} | "
+                     f"{', '.join(str(p['errors']) for p in points)} |")
+    bound = (f"at most {best} of {model['requests']} ({best / model['requests']:.0%})" if best is not None
+             else f"fewer than {model['requests'] - 4} of {model['requests']}")
+    lines += ["", f"`python -m benchmarks.slo_model` at this run's solo latencies: any schedule of this arrival sequence, "
+              f"even one preempting at any instant, finishes {bound} within their SLOs on a machine where a step "
+              "shared by n requests costs n solo steps (this CPU: 8 rows cost 7.6x one). The goal of issue #13, 95 %, "
+              "needs steps that batching makes cheaper: a GPU."]
+    return lines
+
+
 def priority_section(path: Optional[Path] = None) -> list[str]:
     """An urgent request alone and under a full background load (`make bench-priority`: priority.json)."""
     results = side_results(path, "priority")
@@ -836,6 +866,8 @@ def reproduce_section() -> list[str]:
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
+            "make bench-slo          # the Poisson load with SLOs sent as deadlines: shortest remaining vs deadline order",
+            "python -m benchmarks.slo_model         # what any schedule could do for that load on this machine (a second)",
             "make bench-own          # BAGEL and HunyuanImage-3.0: step batching at concurrency 4 vs serial (a minute)",
             "make bench-efficiency   # served and in-process engine vs the offline limit, per-phase split (5 minutes)",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",

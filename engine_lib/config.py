@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
     max_head_bypass: int = 16  # later requests that may pass a waiting one (0: FIFO within a priority level)
-    admission_order: str = "arrival"  # within a priority level: "arrival" or "shortest_remaining" (fewest steps left)
+    admission_order: str = "arrival"  # within a priority level: "arrival", "shortest_remaining" or "deadline"
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
     default_priority_level: int = 2  # a request without `priority` (or with 0)
     max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)

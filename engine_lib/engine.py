@@ -314,6 +314,7 @@ class DiffusionEngine:
             self.runner.free([r.request_id for r in new + running])
         seconds = time.monotonic() - start
         with self._cond, self.clock.phase("schedule"):
+            self.scheduler.observe_tick(seconds, sched_out)
             ended = self.scheduler.update_from_output(sched_out, result.output)
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import Callable, Hashable, Iterable, Optional
 
 from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, RequestTimedOutError, SamplingParams
 
-ADMISSION_ORDERS = ("arrival", "shortest_remaining")
+ADMISSION_ORDERS = ("arrival", "shortest_remaining", "deadline")
 KeyFn = Callable[[SamplingParams], Hashable]
 CostFn = Callable[[SamplingParams], int]  # latent tokens x rows a request adds to one forward
 
@@ -88,6 +89,8 @@ class Scheduler(ABC):
         self._costs: dict[str, int] = {}
         self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
         self.num_preempted = 0  # pauses so far (metrics)
+        self.clock: Callable[[], float] = time.monotonic  # deadlines are on this clock (tests replace it)
+        self.seconds_per_cost = 0.0  # a tick's seconds per unit of its requests' cost (moving average; 0: unknown)
 
     def add_request(self, request: DiffusionRequest) -> None:
         """Queue a request; a duplicate active request id (or a request not WAITING) raises ValueError."""
@@ -101,15 +104,44 @@ class Scheduler(ABC):
         self._requests[request.request_id] = request
         self._enqueue(request)
 
-    def urgency(self, request: DiffusionRequest) -> tuple[int, int]:
-        """(priority, steps left), smaller first; steps count only under `shortest_remaining`.
+    def urgency(self, request: DiffusionRequest) -> tuple:
+        """(priority, rank within it), smaller first. The rank: 0 under `arrival`; steps left under
+        `shortest_remaining`; under `deadline`, `deadline_rank`.
 
-        A request that `max_head_bypass` later requests of its priority have passed counts
-        as having no steps left, so shorter arrivals cannot starve it.
+        A request that `max_head_bypass` later requests of its priority have passed goes first
+        within its priority, so shorter (or more pressing) arrivals cannot starve it.
         """
-        if self.admission_order == "arrival" or request.num_passed >= self.max_head_bypass:
+        starved = request.num_passed >= self.max_head_bypass
+        if self.admission_order == "deadline":
+            return request.priority, (-1, request.arrival_time) if starved else self.deadline_rank(request)
+        if self.admission_order == "arrival" or starved:
             return request.priority, 0
         return request.priority, request.num_steps - request.step_index
+
+    def deadline_rank(self, request: DiffusionRequest) -> tuple[int, float]:
+        """Earliest deadline first among requests that can still finish by theirs, then requests without one
+        (oldest first), then those that cannot make it any more (least work left first): they are late
+        anyway, and running them first would make others late too. "Can make it": now plus its steps left
+        at the measured seconds per step of its cost (`observe_tick`) is not past its deadline."""
+        if request.deadline is None:
+            return 1, request.arrival_time
+        work = self.work_left_s(request)
+        if self.clock() + work <= request.deadline:
+            return 0, request.deadline
+        return 2, work
+
+    def work_left_s(self, request: DiffusionRequest) -> float:
+        """Seconds of denoising left at the measured rate (0 before the first tick)."""
+        cost = max(1, self._costs[request.request_id])  # an adapter without costs: every request costs 1
+        return (request.num_steps - request.step_index) * cost * self.seconds_per_cost
+
+    def observe_tick(self, seconds: float, sched_out: "SchedulerOutput") -> None:
+        """A tick of `sched_out` took `seconds`: update the seconds per unit of cost (a moving average), from
+        which the `deadline` order estimates work left. Call before `update_from_output` ends requests."""
+        cost = sum(max(1, self._costs.get(i, 0)) for i in sched_out.scheduled_ids if i in self._costs)
+        if cost > 0 and seconds > 0:
+            rate = seconds / cost
+            self.seconds_per_cost = rate if not self.seconds_per_cost else 0.8 * self.seconds_per_cost + 0.2 * rate
 
     def _queue_order(self, request: DiffusionRequest) -> tuple:
         return (*self.urgency(request), request.arrival_time)
@@ -121,7 +153,8 @@ class Scheduler(ABC):
         self._sort_waiting()
 
     def _sort_waiting(self) -> None:
-        """Passes change a waiting request's place under `shortest_remaining`; the sort is stable."""
+        """Passes change a waiting request's place under `shortest_remaining`, and time under `deadline`;
+        the sort is stable."""
         self._waiting = deque(sorted(self._waiting, key=self._queue_order))
 
     def expire(self, now: float) -> list[DiffusionRequest]:

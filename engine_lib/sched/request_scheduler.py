@@ -1,7 +1,8 @@
 """RequestScheduler: request mode, where a wave of compatible requests runs to completion together.
 
 A wave is admitted when nothing is running: the head of the queue (the most
-urgent, then the oldest, or the shortest with `admission_order=shortest_remaining`)
+urgent, then the oldest, or the shortest with `admission_order=shortest_remaining`,
+or the earliest deadline still reachable with `admission_order=deadline`)
 plus the requests right behind it that share its key (which includes the step
 count), up to `max_num_seqs` and `max_batch_tokens`. An incompatible request
 stops the wave (head-of-line blocking, the seed's conservative policy). Waves

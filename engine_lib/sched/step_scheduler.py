@@ -5,12 +5,15 @@ compute budget (`max_batch_tokens`). Between ticks, waiting requests join in
 queue order while they fit and their key matches the running set's (any key
 when it is empty). The queue order (`Scheduler.urgency`): most urgent
 `priority` first (1 is the most urgent); within a level the oldest first, or
-with `admission_order=shortest_remaining` the fewest steps left first.
+with `admission_order=shortest_remaining` the fewest steps left first, or with
+`admission_order=deadline` the earliest deadline that can still be made first
+(`Scheduler.deadline_rank`).
 
 - **Preemption.** When the head of the queue cannot join and is more urgent
   than running requests (a better priority, or under shortest_remaining also
-  fewer steps left), those pause between two steps (least urgent first, the
-  latest admitted first among equals) until it can: a compatible head
+  fewer steps left, or under deadline a more pressing deadline), those pause
+  between two steps (least urgent first, the latest admitted first among
+  equals) until it can: a compatible head
   needs a seat and room in the budget, an incompatible one needs the whole set
   to pause, or nothing pauses. A paused request keeps its runner state and
   waits at its place in the queue; it resumes where it stopped. Each

@@ -1,0 +1,90 @@
+"""`make bench-slo`: the Poisson mixed-steps load with each request's SLO sent as its deadline, side by side.
+
+The workload of `make bench`'s Poisson point (bench Qwen-Image at 128x128, steps drawn from 4, 8 and
+16, 40 requests, Poisson arrivals at 80 % of REQUEST_BATCH serial capacity, the same seeds); the SLO
+is 3x the solo latency of the request's shape, calibrated on REQUEST_BATCH serial first. Every
+request carries its SLO as Triton's request timeout (what a client that has a deadline sends):
+a request not started by then ends with a timeout error, and `admission_order=deadline` orders by
+it. Systems, each its own tritonserver, one after the other, `repeats` rounds:
+
+- step_srpt: STEP_BATCH x2, shortest remaining first (`make bench`'s best), without deadlines;
+- step_srpt_timeouts: the same with deadlines sent (late requests that never started are dropped);
+- step_deadline: STEP_BATCH x2, `admission_order=deadline` (earliest deadline first among requests
+  that can still make theirs, the rest after), deadlines sent.
+
+Also `benchmarks/slo_model.py`'s bound for the sequence at the calibrated costs. Results:
+benchmarks/results/slo.json; docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks import loadgen, slo_model, systems, workloads
+from benchmarks.run import FULL, calibrate_solo, log, machine_info, measure, poisson_rate, side_main, warm_up
+
+SYSTEMS = (("step_srpt", "shortest_remaining", False), ("step_srpt_timeouts", "shortest_remaining", True),
+           ("step_deadline", "deadline", True))
+
+
+def slo_systems() -> list[systems.System]:
+    engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs="2",
+                  max_preemptions="1")
+    return [systems.System(name, f"STEP_BATCH x2, admission_order={order}" + (", deadlines sent" if sent else ""),
+                           systems.MODEL_REPOSITORY, "qwen_image", parameters={**engine, "admission_order": order})
+            for name, order, sent in SYSTEMS]
+
+
+def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
+    from engine_lib.tiny_models import ensure_model
+
+    plan = FULL
+    model_path = ensure_model("qwen_image", plan.preset)
+    specs = workloads.mixed_steps(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval,
+                                  seed=3)  # `make bench`'s seeds
+    results = {"kind": "slo", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+               "workload": {"requests": len(specs), "size": plan.size, "steps": list(plan.mixed_step_choices),
+                            "load": plan.poisson_load, "slo_factor": plan.slo_factor, "repeats": repeats},
+               "systems": {}}
+    serial = next(s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, "cpu", "float32")
+                  if s.name == "rb_serial")
+    with systems.serve(serial, model_path, log_dir=log_dir) as rs:
+        warm_up(rs, plan)
+        solo = calibrate_solo(rs, specs)
+    rate = poisson_rate(solo, specs, plan.poisson_load)
+    slo_s = {key: plan.slo_factor * seconds for key, seconds in solo.items()}
+    results.update(solo_latency_s=solo, poisson_rate=rate)
+    log(f"solo latencies {solo}; Poisson rate {rate:.3f}/s")
+    sent = {name: with_deadlines for name, _, with_deadlines in SYSTEMS}
+    with contextlib.ExitStack() as stack:
+        running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir)) for s in slo_systems()}
+        for rs in running.values():
+            warm_up(rs, plan)
+        for r in range(repeats):
+            for name, rs in running.items():
+                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=11, tag=f"{name}{r}",
+                                                                  slo_s=slo_s if sent[name] else None),
+                                solo, plan.slo_factor)
+                entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
+                entry["points"].append(point)
+                log(f"{name} repeat {r}: SLO {point.get('slo_attainment')}, errors {point['errors']}")
+    for entry in results["systems"].values():
+        entry["slo_attainment_median"] = statistics.median(p["slo_attainment"] for p in entry["points"])
+    costs = slo_model.Costs({s: solo[f"{plan.size}x{plan.size}/{s}"] for s in plan.mixed_step_choices})
+    sequence = list(zip(loadgen.poisson_arrivals(len(specs), rate, seed=11), (s.steps for s in specs)))
+    results["model"] = {"most_on_time": slo_model.most_on_time(sequence, costs, plan.slo_factor),
+                        "requests": len(specs)}
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return side_main(__doc__, "slo", run, lambda r: "SLO attainment: " + ", ".join(
+        f"{name} {e['slo_attainment_median']:.0%}" for name, e in r["systems"].items()), argv, option=("repeats", 2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
