@@ -19,10 +19,10 @@ from benchmarks.perf_analyzer import EXPLANATION as PERF_ANALYZER_NOTE
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DOC_PATH = REPO_ROOT / "docs" / "benchmarks.md"
-STEP, SERIAL, NAIVE, SRPT = "step", "rb_serial", "naive", "step_srpt"
+STEP, SERIAL, NAIVE, SRPT, DEADLINE = "step", "rb_serial", "naive", "step_srpt", "step_deadline"
 # One colour per system in every plot.
 COLORS = {"rb_serial": "tab:blue", "rb_fused": "tab:orange", "rb_fused_wait": "tab:green", "step": "tab:red",
-          "naive": "tab:purple", "step_srpt": "tab:brown"}
+          "naive": "tab:purple", "step_srpt": "tab:brown", "step_deadline": "tab:pink"}
 
 
 # ---------------------------------------------------------------------------
@@ -90,9 +90,10 @@ def targets(results: dict) -> list[dict]:
         ratio(step_p.get("latency_p99_s"), serial_p.get("latency_p99_s")), 0.5, False)
     add("Poisson mixed steps: STEP_BATCH SLO attainment (3x solo latency)", step_p.get("slo_attainment"), 0.95, True,
         unit="%")
-    if S.get(SRPT, {}).get("poisson"):
-        add(f"Poisson mixed steps: {S[SRPT]['label']} SLO attainment", S[SRPT]["poisson"].get("slo_attainment"),
-            0.95, True, unit="%")
+    for name in (SRPT, DEADLINE):
+        if S.get(name, {}).get("poisson"):
+            add(f"Poisson mixed steps: {S[name]['label']} SLO attainment", S[name]["poisson"].get("slo_attainment"),
+                0.95, True, unit="%")
     add(f"STEP_BATCH / naive baseline, requests/s at concurrency {c}", ratio(rps(STEP), rps(NAIVE)), 2.5, True)
     return out
 

@@ -21,25 +21,24 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import loadgen, slo_model, systems, workloads
 from benchmarks.run import FULL, calibrate_solo, log, machine_info, measure, poisson_rate, side_main, warm_up
 
-# (name, admission_order, max_preemptions, deadlines sent). Earliest deadline first preempts more often than
-# shortest remaining (a more pressing arrival pauses a running request). Medians of 3 rounds here, deadline
-# order: x2 with 3 preemptions 92.5 % (6 rounds, 87.5-95), with 1 90 %, with 8 90 %; x1 with 8 90 %; x3 with 1 87.5 %.
-SYSTEMS = (("step_srpt", "shortest_remaining", 1, False), ("step_srpt_timeouts", "shortest_remaining", 1, True),
-           ("step_deadline", "deadline", 3, True))
+# Earliest deadline first preempts more often than shortest remaining (a more pressing arrival pauses a running
+# request): `step_deadline` (benchmarks/systems.py) has max_preemptions=3. Medians of 3 rounds here, deadline order:
+# x2 with 3 preemptions 92.5 % (6 rounds, 87.5-95), with 1 90 %, with 8 90 %; x1 with 8 90 %; x3 with 1 87.5 %.
+SENT = {"step_srpt_timeouts", "step_deadline"}  # the systems whose requests carry their SLO as a timeout
 
 
 def slo_systems() -> list[systems.System]:
-    engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs="2")
-    return [systems.System(name, f"STEP_BATCH x2, admission_order={order}, max_preemptions={preemptions}"
-                           + (", deadlines sent" if sent else ""), systems.MODEL_REPOSITORY, "qwen_image",
-                           parameters={**engine, "admission_order": order, "max_preemptions": str(preemptions)})
-            for name, order, preemptions, sent in SYSTEMS]
+    by_name = {s.name: s for s in systems.default_systems(device="cpu", dtype="float32")}
+    srpt = by_name["step_srpt"]
+    return [srpt, replace(srpt, name="step_srpt_timeouts", label=srpt.label + ", SLOs sent as timeouts"),
+            by_name["step_deadline"]]
 
 
 def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
@@ -62,7 +61,6 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
     slo_s = {key: plan.slo_factor * seconds for key, seconds in solo.items()}
     results.update(solo_latency_s=solo, poisson_rate=rate)
     log(f"solo latencies {solo}; Poisson rate {rate:.3f}/s")
-    sent = {name: with_deadlines for name, _, _, with_deadlines in SYSTEMS}
     with contextlib.ExitStack() as stack:
         running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir)) for s in slo_systems()}
         for rs in running.values():
@@ -70,7 +68,7 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
         for r in range(repeats):
             for name, rs in running.items():
                 point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=11, tag=f"{name}{r}",
-                                                                  slo_s=slo_s if sent[name] else None),
+                                                                  slo_s=slo_s if name in SENT else None),
                                 solo, plan.slo_factor)
                 entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
                 entry["points"].append(point)

@@ -43,7 +43,8 @@ class System:
 def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = "cpu",
                     dtype: str = "float32") -> list[System]:
     """(a) serial, (b) fused with and without admission wait, (c) continuous step batching (and, for
-    latency under Poisson load, two seats in shortest-remaining order), (d) naive baseline."""
+    latency under Poisson load, two seats in shortest-remaining order, and two in deadline order, which
+    the Poisson load sends its SLOs as Triton timeouts), (d) naive baseline."""
     engine = dict(device=device, dtype=dtype, warmup="true")
     return [
         System("rb_serial", "REQUEST_BATCH serial", MODEL_REPOSITORY, "qwen_image",
@@ -59,6 +60,9 @@ def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = 
         System("step_srpt", "STEP_BATCH x2, shortest remaining first", MODEL_REPOSITORY, "qwen_image",
                parameters={**engine, "step_execution": "true", "max_num_seqs": "2",
                            "admission_order": "shortest_remaining", "max_preemptions": "1"}),
+        System("step_deadline", "STEP_BATCH x2, deadline order (SLOs sent as timeouts)", MODEL_REPOSITORY,
+               "qwen_image", parameters={**engine, "step_execution": "true", "max_num_seqs": "2",
+                                         "admission_order": "deadline", "max_preemptions": "3"}),
         System("naive", "naive baseline (pipe() per request, dynamic batcher)", BASELINE_REPOSITORY,
                "qwen_image_naive", streaming=False, parameters={"device": device}),
     ]
