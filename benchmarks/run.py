@@ -184,10 +184,11 @@ def warm_up(running: systems.RunningSystem, plan: Plan) -> None:
 def poisson_point(running: systems.RunningSystem, ctx: dict, plan: Plan) -> dict:
     """The Poisson load; a system in deadline order gets each request's SLO as its Triton timeout (the others
     none, as before it existed; `make bench-slo` compares both ways)."""
-    slo_s = ({key: plan.slo_factor * seconds for key, seconds in ctx["solo"].items()}
+    slo_s = (slo_budgets(ctx["solo"], plan.slo_factor)
              if running.system.parameters.get("admission_order") == "deadline" else None)
     return measure(running, lambda: loadgen.run_open_loop(running.target, ctx["poisson_specs"], ctx["poisson_rate"],
-                                                          seed=11, slo_s=slo_s), ctx["solo"], plan.slo_factor)
+                                                          seed=POISSON_ARRIVAL_SEED, slo_s=slo_s),
+                   ctx["solo"], plan.slo_factor)
 
 
 def run_perf_analyzer(running: systems.RunningSystem, plan: Plan) -> dict:
@@ -263,8 +264,7 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
     model_path = ensure_model("qwen_image", plan.preset)
     load_before = wait_for_quiet(max_load, max_wait_s)
     log(f"plan {plan.name}; load {load_before}; model {model_path}")
-    mixed = workloads.mixed_steps(plan.poisson_requests, plan.size, plan.mixed_step_choices,
-                                  plan.preview_interval, seed=3)
+    mixed = poisson_specs(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval)
     sizes = workloads.mixed_sizes(plan.rounds * max(plan.concurrencies), plan.mixed_sizes, plan.steps,
                                   plan.preview_interval, seed=7)
     all_specs = workloads.uniform(1, plan.size, plan.steps, plan.preview_interval) + mixed + sizes
@@ -343,6 +343,19 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
     save(results, out_path)
     log(f"done in {results['wall_s'] / 60:.1f} min; results {out_path}")
     return results
+
+
+POISSON_ARRIVAL_SEED = 11  # the Poisson point's arrival times (`make bench`, `make bench-slo`, slo_model)
+
+
+def poisson_specs(requests: int, size: int, step_choices: Sequence[int], preview_interval: int) -> list:
+    """The Poisson point's mixed-steps requests (the same seed wherever that load is run or modelled)."""
+    return workloads.mixed_steps(requests, size, step_choices, preview_interval, seed=3)
+
+
+def slo_budgets(solo: dict, slo_factor: float) -> dict:
+    """shape key -> its SLO in seconds (slo_factor x its solo latency), as loadgen.summarize counts it."""
+    return {key: slo_factor * seconds for key, seconds in solo.items()}
 
 
 def poisson_rate(solo: dict, specs: Sequence, load: float) -> float:

@@ -25,8 +25,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks import loadgen, slo_model, systems, workloads
-from benchmarks.run import FULL, calibrate_solo, log, machine_info, measure, poisson_rate, side_main, warm_up
+from benchmarks import loadgen, slo_model, systems
+from benchmarks.run import (FULL, POISSON_ARRIVAL_SEED, calibrate_solo, log, machine_info, measure, poisson_rate,
+                            poisson_specs, side_main, slo_budgets, warm_up)
 
 # Earliest deadline first preempts more often than shortest remaining (a more pressing arrival pauses a running
 # request): `step_deadline` (benchmarks/systems.py) has max_preemptions=3. Medians of 3 rounds here, deadline order:
@@ -46,8 +47,7 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
 
     plan = FULL
     model_path = ensure_model("qwen_image", plan.preset)
-    specs = workloads.mixed_steps(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval,
-                                  seed=3)  # `make bench`'s seeds
+    specs = poisson_specs(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval)
     results = {"kind": "slo", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
                "workload": {"requests": len(specs), "size": plan.size, "steps": list(plan.mixed_step_choices),
                             "load": plan.poisson_load, "slo_factor": plan.slo_factor, "repeats": repeats},
@@ -58,7 +58,7 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
         warm_up(rs, plan)
         solo = calibrate_solo(rs, specs)
     rate = poisson_rate(solo, specs, plan.poisson_load)
-    slo_s = {key: plan.slo_factor * seconds for key, seconds in solo.items()}
+    slo_s = slo_budgets(solo, plan.slo_factor)
     results.update(solo_latency_s=solo, poisson_rate=rate)
     log(f"solo latencies {solo}; Poisson rate {rate:.3f}/s")
     with contextlib.ExitStack() as stack:
@@ -67,7 +67,7 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
             warm_up(rs, plan)
         for r in range(repeats):
             for name, rs in running.items():
-                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=11, tag=f"{name}{r}",
+                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=POISSON_ARRIVAL_SEED, tag=f"{name}{r}",
                                                                   slo_s=slo_s if name in SENT else None),
                                 solo, plan.slo_factor)
                 entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
@@ -75,8 +75,7 @@ def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
                 log(f"{name} repeat {r}: SLO {point.get('slo_attainment')}, errors {point['errors']}")
     for entry in results["systems"].values():
         entry["slo_attainment_median"] = statistics.median(p["slo_attainment"] for p in entry["points"])
-    costs = slo_model.Costs({s: solo[f"{plan.size}x{plan.size}/{s}"] for s in plan.mixed_step_choices})
-    sequence = list(zip(loadgen.poisson_arrivals(len(specs), rate, seed=11), (s.steps for s in specs)))
+    sequence, costs = slo_model.benchmark_case(specs, rate, solo)
     results["model"] = {"most_on_time": slo_model.most_on_time(sequence, costs, plan.slo_factor),
                         "requests": len(specs)}
     return results

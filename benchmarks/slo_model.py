@@ -165,18 +165,26 @@ def random_sequence(rng: random.Random, n: int, rate: float, step_choices: Seque
     return out
 
 
+def benchmark_case(specs: Sequence, rate: float, solo: dict) -> tuple[list[tuple[float, int]], Costs]:
+    """The Poisson point's arrival sequence [(time, steps)] for `specs` at `rate` (its seed), and the costs
+    fitted to the solo latencies of their shapes."""
+    from benchmarks import loadgen
+    from benchmarks.run import POISSON_ARRIVAL_SEED
+
+    sequence = list(zip(loadgen.poisson_arrivals(len(specs), rate, seed=POISSON_ARRIVAL_SEED),
+                        (s.steps for s in specs)))
+    shapes = {s.steps: s.shape_key for s in specs}
+    return sequence, Costs({steps: solo[shapes[steps]] for steps in sorted(shapes)})
+
+
 def run(results_path: Path = RESULTS, sequences: int = 300) -> dict:
-    from benchmarks import loadgen, workloads
-    from benchmarks.run import poisson_rate
+    from benchmarks.run import poisson_rate, poisson_specs
 
     results = json.loads(results_path.read_text())
     plan, solo = results["plan"], results["solo_latency_s"]
-    size = plan["size"]
-    specs = workloads.mixed_steps(plan["poisson_requests"], size, plan["mixed_step_choices"], plan["preview_interval"],
-                                  seed=3)  # the benchmark's seeds (benchmarks/run.py)
+    specs = poisson_specs(plan["poisson_requests"], plan["size"], plan["mixed_step_choices"], plan["preview_interval"])
     rate = poisson_rate(solo, specs, plan["poisson_load"])
-    bench_sequence = list(zip(loadgen.poisson_arrivals(len(specs), rate, seed=11), (s.steps for s in specs)))
-    costs = Costs({s: solo[f"{size}x{size}/{s}"] for s in plan["mixed_step_choices"]})
+    bench_sequence, costs = benchmark_case(specs, rate, solo)
     rng = random.Random(0)
     randoms = [random_sequence(rng, len(specs), rate, plan["mixed_step_choices"]) for _ in range(sequences)]
     out = {"source": str(results_path.name), "started": results["started"], "rate": rate,

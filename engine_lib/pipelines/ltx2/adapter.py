@@ -257,7 +257,8 @@ class LTX2Adapter(DiffusersAdapter):
         request); request id -> its (video, audio) predictions, float32, one row per text row."""
         if not members:
             return {}
-        # rows as slices: a list index is a host-to-device copy that waits, on CUDA
+        # rows as slices: a list index is a host-to-device copy that waits, on CUDA ([r:][:1], not [r:r + 1]:
+        # the guidance passes ask for row -1, the last)
         text = {k: torch.cat([s.text["rows"][k][r:][:1] for s, rows in members for r in rows])
                 for k in ("video", "audio", "mask")}
         dtype = text["video"].dtype
