@@ -56,6 +56,8 @@ class LoraLibrary:
         self._ids = itertools.count(1)
         self._hooked: set[int] = set()
         self._plan: Optional[list[RowLora]] = None
+        self._token_plan: Optional[list[RowLora]] = None  # within `packed`: each packed token's row's LoRA
+        self._token_indices: Optional[dict] = None
         self._indices: dict[tuple, dict] = {}  # (plan, rows, device) -> _row_indices (engine thread)
 
     # -- names (admission) ---------------------------------------------------------------
@@ -153,15 +155,40 @@ class LoraLibrary:
         finally:
             self._plan = None
 
+    @contextmanager
+    def packed(self, token_rows: Sequence[int]) -> Iterator[None]:
+        """Within `rows`, around a forward whose image stream packs the rows' tokens into one sequence
+        [1, T, ...] (Qwen-Image's mixed sizes): a layer that sees that sequence adds each token its own
+        row's LoRA (`token_rows[t]` is token t's row; a multiple of the plan's rows repeats the plan)."""
+        plan = self._plan
+        if plan is None:
+            yield
+            return
+        self._token_plan, self._token_indices = [plan[row % len(plan)] for row in token_rows], None
+        try:
+            yield
+        finally:
+            self._token_plan = self._token_indices = None
+
     def _add_deltas(self, module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
         plan = self._plan
         if plan is None:
             return output
         x = args[0]
+        if self._token_plan is not None and x.dim() == 3 and x.shape[0] == 1:  # the packed stream: a row per token
+            if x.shape[1] != len(self._token_plan):
+                raise RuntimeError(f"a LoRA layer saw {x.shape[1]} packed tokens for a plan of {len(self._token_plan)}")
+            if self._token_indices is None:
+                self._token_indices = self._row_indices(self._token_plan, x.shape[1], x.device)
+            return self._add(module, x[0], output[0], self._token_indices).unsqueeze(0)
         rows = x.shape[0]
         if rows % len(plan):
             raise RuntimeError(f"a LoRA layer saw {rows} rows for a plan of {len(plan)}")
-        for (name, scale), index in self._row_indices(plan, rows, x.device).items():
+        return self._add(module, x, output, self._row_indices(plan, rows, x.device))
+
+    def _add(self, module: Any, x: torch.Tensor, output: torch.Tensor, indices: dict) -> torch.Tensor:
+        """`output` plus each LoRA's delta on its rows of `x` (`indices`: LoRA -> rows, None: every row)."""
+        for (name, scale), index in indices.items():
             adapter = self._loaded[name][0]
             if adapter not in module.lora_A:
                 continue  # this LoRA leaves this layer alone

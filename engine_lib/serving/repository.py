@@ -173,7 +173,7 @@ def inputs_table(adapter_cls) -> str:
     for spec in adapter_cls.inputs:
         batch = BATCH_TEXT[spec.batch]
         if spec.name in getattr(adapter_cls, "step_key_skips", ()):
-            batch = "equal values only (with `mixed_size_batching`: yes in step mode, padded)"
+            batch = "equal values only (with `mixed_size_batching`: yes in step mode)"
         datatype = spec.datatype + (f" [{spec.count}]" if spec.count > 1 else "")
         rows.append(f"| `{spec.name}` | {datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
     return "\n".join(rows)

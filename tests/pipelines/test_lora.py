@@ -75,6 +75,26 @@ def test_different_loras_share_one_step_batch_and_match_their_solo_runs(setup):
         assert_within_one_level(mixed.images[rid], solo_steps(adapter, inputs), rid)
 
 
+def test_loras_on_rows_of_different_sizes_share_a_forward(setup):
+    """With mixed_size_batching (Qwen-Image packs the rows' image tokens into one sequence, Flux pads
+    them) each row still gets its own LoRA, and each image matches its solo run."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
+
+    adapter, lora_dir, model_dir = setup
+    if not adapter.step_key_skips:
+        pytest.skip(f"{adapter.name} keeps one image size per forward")
+    mixed = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu", dtype="float32",
+                                      lora_dir=str(lora_dir), mixed_size_batching=True))
+    cases = {"a-32": {**BASE, "lora_name": "toy_a"}, "none-64x48": {**BASE, "height": 64, "width": 48},
+             "b-64": {**BASE, "lora_name": "toy_b", "height": 64, "width": 64, "seed": 6},
+             "a_half-32x64": {**BASE, "lora_name": "toy_a", "lora_scale": 0.5, "height": 32, "width": 64}}
+    together = drive_steps(mixed, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=4)
+    assert max(together.batch_sizes) == 4, "all four sizes shared a forward"
+    for rid, inputs in cases.items():
+        assert_within_one_level(together.images[rid], solo_steps(adapter, inputs), rid)
+
+
 def test_request_mode_keys_one_lora_per_wave(setup):
     adapter, _, _ = setup
     a, b = parse(adapter, {**BASE, "lora_name": "toy_a"}), parse(adapter, {**BASE, "lora_name": "toy_b"})

@@ -23,7 +23,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
-from engine_lib.pipelines.qwen_image.mixed_sizes import MixedSizeAttnProcessor, row_rope, text_rope
+from engine_lib.pipelines.qwen_image.mixed_sizes import Packing, packed_forward
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -57,7 +57,6 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
-        pipe.transformer.set_attn_processor(MixedSizeAttnProcessor())
         self._latents_mean, self._latents_std = self.video_vae_stats()
 
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -97,19 +96,16 @@ class QwenImageAdapter(FlowMatchAdapter):
     def _row_inputs(self, states: list[QwenImageState]) -> dict:
         shapes = [s.img_shape for s in states for _ in range(s.num_rows)]
         rows = {"img_shapes": [[shape] for shape in shapes], "guidance": self._guidance_rows(states)}
-        if len(set(shapes)) > 1:  # a ragged batch: each row's own RoPE and its padding masked
-            longest = max(f * h * w for f, h, w in shapes)
-            rows["rope_freqs"], rows["rope_start"], rows["image_mask"] = row_rope(
-                self.pipe.transformer.pos_embed, shapes, longest, self.device)
-            rows["img_shapes"] = [[shapes[0]]] * len(shapes)  # diffusers' shared RoPE is not used then
+        if len(set(shapes)) > 1:  # a ragged batch: image tokens packed, each row its own RoPE
+            rows["packing"] = Packing(self.pipe.transformer.pos_embed, shapes, self.device)
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        attention_kwargs = {}
-        if "image_mask" in rows:
-            pos_embed = self.pipe.transformer.pos_embed
-            txt_freqs = text_rope(pos_embed, rows["rope_start"], text["embeds"].shape[1], self.device)
-            attention_kwargs = {"row_rotary_emb": (rows["rope_freqs"], txt_freqs), "image_mask": rows["image_mask"]}
+        packing = rows.get("packing")
+        if packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["embeds"],
+                                      text["mask"], packing)
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -117,7 +113,6 @@ class QwenImageAdapter(FlowMatchAdapter):
             encoder_hidden_states_mask=text["mask"],
             encoder_hidden_states=text["embeds"],
             img_shapes=rows["img_shapes"],
-            attention_kwargs=attention_kwargs,
             return_dict=False,
         )[0]
 

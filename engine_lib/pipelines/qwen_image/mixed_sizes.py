@@ -1,12 +1,20 @@
-"""Qwen-Image requests of different image sizes in one denoise forward (beyond diffusers).
+"""Qwen-Image requests of different image sizes in one denoise forward, packed (beyond diffusers).
 
 diffusers' transformer takes one RoPE for the whole batch (`img_shapes[0]`) and
-attends to every image token. Rows of different sizes are right-padded to the
-longest image sequence (`InputBatch.gather`); this module gives each row its own
-rotary frequencies (image positions from its own `(frames, h, w)`, text positions
-after its own largest image index, as `QwenEmbedRope` computes them for a solo
-request) and a key mask that hides the padding. A batch of one size runs
-diffusers' processor unchanged, so solo requests stay bitwise the pipeline's.
+modulates every token of a row with that row's timestep embedding. Padding rows to
+the longest image (as the engine's `InputBatch.gather` does) would make a 64x64 row
+cost what a 128x128 one costs: 4x its tokens in every projection and MLP. So a
+ragged batch runs `packed_forward` instead: the image stream is packed, every row's
+own tokens one after another in one sequence [1, T, D], and each per-token layer
+runs once per real token, modulated by its own row's timestep embedding and
+rotated by its own row's RoPE (image positions from its own `(frames, h, w)`, text
+positions after its own largest image index, as `QwenEmbedRope` computes them for
+a solo request). Only the joint attention sees rows: there the packed tokens are
+scattered into a padded [R, longest] layout beside each row's text, with a key
+mask that hides the padding. The text stream stays one padded row per request, as
+in diffusers. A batch of one size runs diffusers' own forward, so solo requests
+stay bitwise the pipeline's; this module mirrors `QwenImageTransformer2DModel.forward`,
+its blocks and `QwenDoubleStreamAttnProcessor2_0` operation for operation otherwise.
 """
 
 from __future__ import annotations
@@ -15,80 +23,149 @@ from typing import Optional
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+from engine_lib.host_copy import to_device
 
 
-def row_rope(pos_embed, img_shapes: list[tuple[int, int, int]], longest: int,
-             device: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Per row: image frequencies [R, longest, D/2] (padding: 1, no rotation), the row's text start
-    index (its largest image index; host ints, which slicing needs without reading the device), and
-    the image-token mask [R, longest]."""
-    freqs, starts, masks = [], [], []
-    for frames, height, width in img_shapes:
-        video = pos_embed._compute_video_freqs(frames, height, width, 0, device)
-        pad = longest - video.shape[0]
-        freqs.append(torch.cat([video, video.new_ones(pad, video.shape[1])]) if pad else video)
-        starts.append(max(height // 2, width // 2) if pos_embed.scale_rope else max(height, width))
-        masks.append(torch.arange(longest, device=device) < video.shape[0])
-    return torch.stack(freqs), starts, torch.stack(masks)
+class Packing:
+    """Where each row's image tokens sit in the packed sequence, and their rotary frequencies.
 
+    Built once per batch membership (kept with the batch's row inputs) from host ints, so a
+    tick reads nothing from the device: `token_index` places token t of the packed sequence in
+    the padded [R * longest] layout, `token_row` names its row.
+    """
 
-def text_rope(pos_embed, starts: list[int], text_len: int, device: torch.device) -> torch.Tensor:
-    """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
-    pos_freqs, _ = pos_embed._get_device_freqs(device)
-    return torch.stack([pos_freqs[start:start + text_len] for start in starts])
+    def __init__(self, pos_embed, img_shapes: list[tuple[int, int, int]], device: torch.device) -> None:
+        self.pos_embed, self.img_shapes, self.device = pos_embed, list(img_shapes), device
+        self._repeats: dict[int, Packing] = {}
+        lengths = [f * h * w for f, h, w in self.img_shapes]
+        self.rows, self.longest = len(lengths), max(lengths)
+        self.token_rows = [r for r, n in enumerate(lengths) for _ in range(n)]  # host: LoRA's token plan
+        self.token_index = to_device([r * self.longest + i for r, n in enumerate(lengths) for i in range(n)], device)
+        self.token_row = to_device(self.token_rows, device)
+        self.image_mask = to_device([[i < n for i in range(self.longest)] for n in lengths], device, torch.bool)
+        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(f, h, w, 0, device) for f, h, w in self.img_shapes])
+        # each row's text starts after its own largest image index (host ints: slicing needs no device read)
+        self.text_starts = [max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in self.img_shapes]
+
+    def repeated(self, times: int) -> "Packing":
+        """The packing of a forward that holds every row `times` over (batched CFG), made once."""
+        if times not in self._repeats:
+            self._repeats[times] = Packing(self.pos_embed, self.img_shapes * times, self.device)
+        return self._repeats[times]
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """[R, longest, ...] -> [1, T, ...]: every row's own tokens, padding dropped."""
+        return padded.flatten(0, 1).index_select(0, self.token_index).unsqueeze(0)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [R, longest, ...], the padding zeros."""
+        flat = packed.new_zeros(self.rows * self.longest, *packed.shape[2:]).index_copy_(0, self.token_index, packed[0])
+        return flat.unflatten(0, (self.rows, self.longest))
+
+    def per_token(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[R, D] -> [1, T, D]: each token its own row's value (modulation, gates)."""
+        return per_row.index_select(0, self.token_row).unsqueeze(0)
+
+    def text_freqs(self, text_len: int) -> torch.Tensor:
+        """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
+        pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)
+        return torch.stack([pos_freqs[start:start + text_len] for start in self.text_starts])
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary_emb_qwen(use_real=False)` with one frequency table per row: x [B, S, H, D], freqs [B, S, D/2]."""
+    """`apply_rotary_emb_qwen(use_real=False)` with its own frequencies per position: x [B, S, H, D], freqs [B, S, D/2]."""
     rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(rotated * freqs.unsqueeze(2)).flatten(3).type_as(x)
 
 
-class MixedSizeAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
-    """diffusers' joint text-image attention; with `row_rotary_emb` and `image_mask` (a ragged batch),
-    per-row RoPE and the padded image tokens masked out as keys."""
+def _modulate(x: torch.Tensor, mod_params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QwenImageTransformerBlock._modulate` with shift, scale and gate already per token ([1, T, 3D])."""
+    shift, scale, gate = mod_params.chunk(3, dim=-1)
+    return x * (1 + scale) + shift, gate
 
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
-                 encoder_hidden_states_mask: Optional[torch.Tensor] = None, attention_mask=None,
-                 image_rotary_emb=None, row_rotary_emb: Optional[tuple] = None,
-                 image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if row_rotary_emb is None:
-            return super().__call__(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                                    attention_mask, image_rotary_emb)
-        head_dim = attn.inner_dim // attn.heads
 
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
+def _attention(attn, processor, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor],
+               txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
+    attention per row over [its text, its image tokens padded and masked out as keys]."""
+    head_dim = attn.inner_dim // attn.heads
 
-        img_q, img_k, img_v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), \
-            heads(attn.to_v(hidden_states))
-        txt_q, txt_k, txt_v = heads(attn.add_q_proj(encoder_hidden_states)), \
-            heads(attn.add_k_proj(encoder_hidden_states)), heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_q is not None:
-            img_q = attn.norm_q(img_q)
-        if attn.norm_k is not None:
-            img_k = attn.norm_k(img_k)
-        if attn.norm_added_q is not None:
-            txt_q = attn.norm_added_q(txt_q)
-        if attn.norm_added_k is not None:
-            txt_k = attn.norm_added_k(txt_k)
-        img_freqs, txt_freqs = row_rotary_emb
-        img_q, img_k = _rotate(img_q, img_freqs), _rotate(img_k, img_freqs)
-        txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, head_dim))
 
-        text_mask = encoder_hidden_states_mask
-        if text_mask is None:
-            text_mask = torch.ones(encoder_hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-        mask = torch.cat([text_mask.to(torch.bool), image_mask], dim=1)[:, None, None, :]
-        joint = dispatch_attention_fn(torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1),
-                                      torch.cat([txt_v, img_v], dim=1), attn_mask=mask, dropout_p=0.0,
-                                      is_causal=False, backend=self._attention_backend,
-                                      parallel_config=self._parallel_config)
-        joint = joint.flatten(2, 3).to(txt_q.dtype)
-        seq_txt = encoder_hidden_states.shape[1]
-        img_out = attn.to_out[0](joint[:, seq_txt:].contiguous())
-        if len(attn.to_out) > 1:
-            img_out = attn.to_out[1](img_out)
-        return img_out, attn.to_add_out(joint[:, :seq_txt].contiguous())
+    img_q, img_k, img_v = heads(attn.to_q(img)), heads(attn.to_k(img)), heads(attn.to_v(img))
+    txt_q, txt_k, txt_v = heads(attn.add_q_proj(txt)), heads(attn.add_k_proj(txt)), heads(attn.add_v_proj(txt))
+    if attn.norm_q is not None:
+        img_q = attn.norm_q(img_q)
+    if attn.norm_k is not None:
+        img_k = attn.norm_k(img_k)
+    if attn.norm_added_q is not None:
+        txt_q = attn.norm_added_q(txt_q)
+    if attn.norm_added_k is not None:
+        txt_k = attn.norm_added_k(txt_k)
+    img_freqs = packing.img_freqs.unsqueeze(0)
+    img_q, img_k = _rotate(img_q, img_freqs), _rotate(img_k, img_freqs)
+    txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
 
+    if txt_mask is None:
+        txt_mask = torch.ones(txt.shape[:2], dtype=torch.bool, device=txt.device)
+    mask = torch.cat([txt_mask, packing.image_mask], dim=1)[:, None, None, :]
+    joint = dispatch_attention_fn(torch.cat([txt_q, packing.unpack(img_q)], dim=1),
+                                  torch.cat([txt_k, packing.unpack(img_k)], dim=1),
+                                  torch.cat([txt_v, packing.unpack(img_v)], dim=1), attn_mask=mask, dropout_p=0.0,
+                                  is_causal=False, backend=processor._attention_backend,
+                                  parallel_config=processor._parallel_config)
+    joint = joint.flatten(2, 3).to(txt_q.dtype)
+    seq_txt = txt.shape[1]
+    img_out = attn.to_out[0](packing.pack(joint[:, seq_txt:]))
+    if len(attn.to_out) > 1:
+        img_out = attn.to_out[1](img_out)
+    return img_out, attn.to_add_out(joint[:, :seq_txt].contiguous())
+
+
+def _block(block, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor], temb: torch.Tensor,
+           txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QwenImageTransformerBlock.forward` on a packed image stream (img [1, T, D]; txt [R, L, D]; temb [R, D])."""
+    img_mod1, img_mod2 = packing.per_token(block.img_mod(temb)).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
+    img_modulated, img_gate1 = _modulate(block.img_norm1(img), img_mod1)
+    txt_modulated, txt_gate1 = block._modulate(block.txt_norm1(txt), txt_mod1)
+    img_attn, txt_attn = _attention(block.attn, block.attn.processor, img_modulated, txt_modulated, txt_mask,
+                                    txt_freqs, packing)
+    img = img + img_gate1 * img_attn
+    txt = txt + txt_gate1 * txt_attn
+    img_modulated2, img_gate2 = _modulate(block.img_norm2(img), img_mod2)
+    img = img + img_gate2 * block.img_mlp(img_modulated2)
+    txt_modulated2, txt_gate2 = block._modulate(block.txt_norm2(txt), txt_mod2)
+    txt = txt + txt_gate2 * block.txt_mlp(txt_modulated2)
+    if txt.dtype == torch.float16:
+        txt = txt.clip(-65504, 65504)
+    if img.dtype == torch.float16:
+        img = img.clip(-65504, 65504)
+    return img, txt
+
+
+@torch.inference_mode()
+def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
+                   text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], packing: Packing) -> torch.Tensor:
+    """`QwenImageTransformer2DModel.forward` over rows of different image sizes: latents [R, longest, C]
+    (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding."""
+    if transformer.zero_cond_t:
+        raise NotImplementedError("mixed sizes with zero_cond_t (edit checkpoints) are not supported")
+    img = transformer.img_in(packing.pack(latents))
+    timestep = timestep.to(img.dtype)
+    txt = transformer.txt_in(transformer.txt_norm(text_embeds))
+    text_len, _, txt_mask = compute_text_seq_len_from_mask(txt, text_mask)
+    if guidance is not None:
+        guidance = guidance.to(img.dtype) * 1000
+    temb = (transformer.time_text_embed(timestep, img) if guidance is None
+            else transformer.time_text_embed(timestep, guidance, img))
+    txt_freqs = packing.text_freqs(text_len)
+    for block in transformer.transformer_blocks:
+        img, txt = _block(block, img, txt, txt_mask, temb, txt_freqs, packing)
+    norm_out = transformer.norm_out  # AdaLayerNormContinuous with its scale and shift per token
+    scale, shift = norm_out.linear(norm_out.silu(temb).to(img.dtype)).chunk(2, dim=1)
+    img = norm_out.norm(img) * (1 + packing.per_token(scale)) + packing.per_token(shift)
+    return packing.unpack(transformer.proj_out(img))
