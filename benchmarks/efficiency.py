@@ -53,9 +53,9 @@ def _worker(kind: str, preset: str, size: int, requests: int) -> dict:
     from engine_lib.runner import ModelRunner
     from engine_lib.tiny_models import ensure_model
 
-    adapter = load_adapter(ensure_model("qwen_image", preset), device="cpu", dtype="float32")
     prompts = [workloads.PROMPTS[i % len(workloads.PROMPTS)] for i in range(requests)]
     if kind in ("offline", "runner"):
+        adapter = load_adapter(ensure_model("qwen_image", preset), device="cpu", dtype="float32")
         def call():
             if kind == "offline":
                 adapter.pipe(prompt=prompts[:BATCH], height=size, width=size, num_inference_steps=STEPS,
@@ -75,9 +75,10 @@ def _worker(kind: str, preset: str, size: int, requests: int) -> dict:
     from engine_lib.config import EngineConfig
     from engine_lib.engine import DiffusionEngine
 
-    config = EngineConfig(pipeline="qwen_image", step_execution=True, max_num_seqs=BATCH, device="cpu",
-                          dtype="float32", warmup=True, max_queue=4 * requests)
-    engine = DiffusionEngine.make_engine(config, adapter=adapter)
+    config = EngineConfig(pipeline="qwen_image", model_path=str(ensure_model("qwen_image", preset)),
+                          step_execution=True, max_num_seqs=BATCH, device="cpu", dtype="float32", warmup=True,
+                          max_queue=4 * requests)
+    engine = DiffusionEngine.make_engine(config)  # loads the pipeline as tritonserver's model does
     try:
         def run(n: int) -> float:
             ids = iter(range(n))

@@ -289,6 +289,31 @@ def test_make_engine_cleans_up_when_warmup_fails(adapter):
     assert wait_until(lambda: set(threading.enumerate()) <= before), set(threading.enumerate()) - before
 
 
+def test_make_engine_loads_the_pipeline_on_a_thread_that_ends(adapter, monkeypatch):
+    """Not on the caller's thread (Triton's stub main thread), so no OpenMP team stays there (make_engine)."""
+    from engine_lib.pipelines import registry
+
+    loaded_on = []
+    monkeypatch.setattr(registry, "load_adapter", lambda config: loaded_on.append(threading.current_thread()) or adapter)
+    engine = DiffusionEngine.make_engine(EngineConfig(warmup=False))
+    try:
+        assert engine.adapter is adapter
+        assert loaded_on[0] is not threading.current_thread() and not loaded_on[0].is_alive()
+    finally:
+        engine.close()
+
+
+def test_make_engine_raises_the_loading_error_itself(monkeypatch):
+    from engine_lib.pipelines import registry
+
+    def broken(config):
+        raise ConfigError("parameter 'model_path': no such folder")
+
+    monkeypatch.setattr(registry, "load_adapter", broken)
+    with pytest.raises(ConfigError, match="model_path"):
+        DiffusionEngine.make_engine(EngineConfig(warmup=False))
+
+
 def test_admission_wait_is_asked_before_a_new_wave(adapter, monkeypatch):
     """The engine asks `wait_for_admission` (unit-tested with a fake clock in tests/sched) before a new wave,
     with its capacity and max wait; arrivals during the wait join the wave."""
