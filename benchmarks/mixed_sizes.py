@@ -4,7 +4,7 @@
 Workload: the `bench` Qwen-Image preset, sizes drawn from 64 and 128, 8 steps, closed loop at
 concurrency 16, `max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait
 (waves of one size), STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
-`mixed_size_batching=true` (any sizes share a forward, padded). Repeats are interleaved between the
+`mixed_size_batching=true` (any sizes share a forward, image tokens packed). Repeats are interleaved between the
 servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8 of one size,
 at each size in fresh processes (benchmarks/efficiency.py), combined over the workload's sizes: no
 server, no waiting, no size switches: the ceiling for a server running batches of 8 on this machine.
