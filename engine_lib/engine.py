@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -134,13 +135,14 @@ class DiffusionEngine:
         libgomp every thread that runs torch CPU work keeps its own OpenMP team: one left on the
         caller's thread (Triton's stub runs `initialize` on its main thread) makes the process hold
         more OpenMP threads than cores, and then libgomp stops spinning between parallel regions,
-        which slows every forward of the engine thread (measured on 2 CPUs: docs/benchmarks.md,
-        "Engine efficiency"). If loading or warm-up fails the error is re-raised (the engine closed).
+        which slows every forward of the engine thread (docs/architecture.md). If loading or warm-up
+        fails the error is re-raised (the engine closed).
         """
         if adapter is None:
             from engine_lib.pipelines.registry import load_adapter
 
-            adapter = _on_own_thread(load_adapter, config)
+            with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:  # its thread ends on exit
+                adapter = loader.submit(load_adapter, config).result()
         engine = cls(adapter, config, tick_listener=tick_listener)
         try:
             if config.warmup:
@@ -365,24 +367,6 @@ class DiffusionEngine:
             sink(output)
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
             logger.exception("output sink for %s failed", output.request_id)
-
-
-def _on_own_thread(function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` run on a new thread that ends with it (see `make_engine`); its exception re-raised here."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function(*args)
-        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="engine-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def write_atomically(path: str, text: str) -> None:

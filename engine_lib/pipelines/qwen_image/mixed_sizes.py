@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen, compute_text_seq_len_from_mask
 
 from engine_lib.host_copy import to_device
 
@@ -75,7 +75,7 @@ class Packing:
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary_emb_qwen(use_real=False)` with its own frequencies per position: x [B, S, H, D], freqs [B, S, D/2]."""
+    """`apply_rotary_emb_qwen(use_real=False)` with one frequency table per row: x [B, S, H, D], freqs [B, S, D/2]."""
     rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(rotated * freqs.unsqueeze(2)).flatten(3).type_as(x)
 
@@ -86,7 +86,7 @@ def _modulate(x: torch.Tensor, mod_params: torch.Tensor) -> tuple[torch.Tensor, 
     return x * (1 + scale) + shift, gate
 
 
-def _attention(attn, processor, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor],
+def _attention(attn, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor],
                txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
     attention per row over [its text, its image tokens padded and masked out as keys]."""
@@ -105,8 +105,8 @@ def _attention(attn, processor, img: torch.Tensor, txt: torch.Tensor, txt_mask: 
         txt_q = attn.norm_added_q(txt_q)
     if attn.norm_added_k is not None:
         txt_k = attn.norm_added_k(txt_k)
-    img_freqs = packing.img_freqs.unsqueeze(0)
-    img_q, img_k = _rotate(img_q, img_freqs), _rotate(img_k, img_freqs)
+    img_q = apply_rotary_emb_qwen(img_q, packing.img_freqs, use_real=False)  # one sequence: diffusers' own
+    img_k = apply_rotary_emb_qwen(img_k, packing.img_freqs, use_real=False)
     txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
 
     if txt_mask is None:
@@ -115,8 +115,8 @@ def _attention(attn, processor, img: torch.Tensor, txt: torch.Tensor, txt_mask: 
     joint = dispatch_attention_fn(torch.cat([txt_q, packing.unpack(img_q)], dim=1),
                                   torch.cat([txt_k, packing.unpack(img_k)], dim=1),
                                   torch.cat([txt_v, packing.unpack(img_v)], dim=1), attn_mask=mask, dropout_p=0.0,
-                                  is_causal=False, backend=processor._attention_backend,
-                                  parallel_config=processor._parallel_config)
+                                  is_causal=False, backend=attn.processor._attention_backend,
+                                  parallel_config=attn.processor._parallel_config)
     joint = joint.flatten(2, 3).to(txt_q.dtype)
     seq_txt = txt.shape[1]
     img_out = attn.to_out[0](packing.pack(joint[:, seq_txt:]))
@@ -132,8 +132,7 @@ def _block(block, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
     img_modulated, img_gate1 = _modulate(block.img_norm1(img), img_mod1)
     txt_modulated, txt_gate1 = block._modulate(block.txt_norm1(txt), txt_mod1)
-    img_attn, txt_attn = _attention(block.attn, block.attn.processor, img_modulated, txt_modulated, txt_mask,
-                                    txt_freqs, packing)
+    img_attn, txt_attn = _attention(block.attn, img_modulated, txt_modulated, txt_mask, txt_freqs, packing)
     img = img + img_gate1 * img_attn
     txt = txt + txt_gate1 * txt_attn
     img_modulated2, img_gate2 = _modulate(block.img_norm2(img), img_mod2)
