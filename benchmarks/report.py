@@ -701,8 +701,8 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
         lines.append(f"| {entry['label']} | {fmt_spread(rates, 3)} | {fmt_spread(p99, 2)} | {fmt_spread(batches)} | "
                      f"{f(ratio, 2, 'x') if ratio else '-'} |")
     lines += ["", "Goal (issue #13): step >= 1.3x fused. With `mixed_size_batching` Qwen-Image packs the rows' image "
-              "tokens into one sequence (docs/pipelines.md): projections and MLPs run on real tokens only, and only "
-              "the joint attention pads each row to the longest. On this CPU a forward's cost grows about linearly "
+              "tokens into one sequence (docs/pipelines.md): projections and MLPs run on real tokens only, and the "
+              "joint attention runs once per group of rows of one token count, unpadded. On this CPU a forward's cost grows about linearly "
               "with its tokens, so a fuller forward saves little work; mixing sizes removes the wait for a batch of "
               "another size. Both step variants are listed so the trade-off is visible."]
     offline = results.get("offline")

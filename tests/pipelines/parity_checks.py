@@ -298,7 +298,9 @@ class FlowMatchParitySuite:
     # -- mixed sizes in one step batch (adapters with `step_key_skips`: Qwen-Image, Flux) ----------
 
     MIXED = {"padded": [("square-64", 64, 64), ("small-32", 32, 32), ("wide", 32, 64), ("tall", 64, 48)],
-             "transposed": [("wide", 32, 64), ("tall", 64, 32)]}  # one token count: no padding, other positions
+             "transposed": [("wide", 32, 64), ("tall", 64, 32)],  # one token count: no padding, other positions
+             # token counts repeated and interleaved: rows of one count attend together, out of row order
+             "grouped": [("square-64", 64, 64), ("small-32", 32, 32), ("wide", 32, 64), ("tall", 64, 32)]}
 
     @staticmethod
     def mixed_size_adapter(adapter: PipelineAdapter) -> PipelineAdapter:
@@ -314,12 +316,14 @@ class FlowMatchParitySuite:
         assert mixed.request_key(small) != mixed.request_key(large)
         assert adapter.step_key(small) != adapter.step_key(large)  # the default keeps one size per batch
 
-    @pytest.mark.parametrize("sizes, cfg", [("padded", False), ("padded", True), ("transposed", False)],
-                             ids=["padded-no-cfg", "padded-cfg", "transposed"])
+    @pytest.mark.parametrize("sizes, cfg", [("padded", False), ("padded", True), ("transposed", False),
+                                            ("grouped", True)],
+                             ids=["padded-no-cfg", "padded-cfg", "transposed", "grouped-cfg"])
     def test_different_sizes_share_a_forward_and_each_matches_its_solo_run(self, adapter, sizes, cfg):
-        """Rows padded to the longest image sequence, each with its own RoPE and its padding masked: every
-        image within the batched tolerance of its solo run (which is bitwise diffusers'), staggered joins
-        too. Transposed sizes have one token count (nothing to pad) but not the same positions."""
+        """Rows of different sizes in one forward, each with its own RoPE (packed or padded, per adapter):
+        every image within the batched tolerance of its solo run (which is bitwise diffusers'), staggered
+        joins too. Transposed sizes have one token count (nothing to pad) but not the same positions;
+        grouped ones repeat token counts out of order."""
         mixed = self.mixed_size_adapter(adapter)
         inputs = {name: self.params(PROMPTS[i], cfg=cfg, height=h, width=w, steps=4, seed=i)
                   for i, (name, h, w) in enumerate(self.MIXED[sizes])}

@@ -7,7 +7,7 @@ what is Qwen-Image's own, each piece calling the pipeline's helpers:
 * text: `encode_prompt` (and the negative prompt for true CFG); prompts of
   different lengths share a forward, right-padded with a mask;
 * latents: `prepare_latents` (packed 2x2), the RoPE `img_shapes` per row; rows of
-  different sizes share a step batch, padded, with their own RoPE and a mask (mixed_sizes.py);
+  different sizes share a step batch, their image tokens packed, each row its own RoPE (mixed_sizes.py);
 * timesteps: `calculate_shift` on the packed sequence length, sigmas `linspace(1, 1/n, n)`;
 * transformer: timestep `/ 1000`, true CFG with diffusers' norm rescale;
 * decode: `_unpack_latents`, the VAE's `latents_mean`/`latents_std` de-normalisation.

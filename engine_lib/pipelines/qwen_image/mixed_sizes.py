@@ -9,16 +9,18 @@ own tokens one after another in one sequence [1, T, D], and each per-token layer
 runs once per real token, modulated by its own row's timestep embedding and
 rotated by its own row's RoPE (image positions from its own `(frames, h, w)`, text
 positions after its own largest image index, as `QwenEmbedRope` computes them for
-a solo request). Only the joint attention sees rows: there the packed tokens are
-scattered into a padded [R, longest] layout beside each row's text, with a key
-mask that hides the padding. The text stream stays one padded row per request, as
-in diffusers. A batch of one size runs diffusers' own forward, so solo requests
-stay bitwise the pipeline's; this module mirrors `QwenImageTransformer2DModel.forward`,
-its blocks and `QwenDoubleStreamAttnProcessor2_0` operation for operation otherwise.
+a solo request). Only the joint attention sees rows: rows are packed in groups of
+one image token count, and each group attends as diffusers' processor would for a
+batch of just those rows: [their text, their image tokens], no image padding. The
+text stream stays one padded row per request, as in diffusers. A batch of one size
+runs diffusers' own forward, so solo requests stay bitwise the pipeline's; this
+module mirrors `QwenImageTransformer2DModel.forward`, its blocks and
+`QwenDoubleStreamAttnProcessor2_0` operation for operation otherwise.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,8 +34,11 @@ class Packing:
     """Where each row's image tokens sit in the packed sequence, and their rotary frequencies.
 
     Built once per batch membership (kept with the batch's row inputs) from host ints, so a
-    tick reads nothing from the device: `token_index` places token t of the packed sequence in
-    the padded [R * longest] layout, `token_row` names its row.
+    tick reads nothing from the device. Rows are grouped by image token count, groups in order
+    of first appearance: the packed sequence holds group after group, each group's rows one
+    after another, so a group is one contiguous slice that views as [rows, n, ...] for the
+    joint attention. `token_index` places packed token t in the padded [R * longest] layout of
+    the engine's latents, `token_row` names its row.
     """
 
     def __init__(self, pos_embed, img_shapes: list[tuple[int, int, int]], device: torch.device) -> None:
@@ -41,11 +46,21 @@ class Packing:
         self._repeats: dict[int, Packing] = {}
         lengths = [f * h * w for f, h, w in self.img_shapes]
         self.rows, self.longest = len(lengths), max(lengths)
-        self.token_rows = [r for r, n in enumerate(lengths) for _ in range(n)]  # host: LoRA's token plan
-        self.token_index = to_device([r * self.longest + i for r, n in enumerate(lengths) for i in range(n)], device)
+        by_length: dict[int, list[int]] = {}
+        for row, n in enumerate(lengths):
+            by_length.setdefault(n, []).append(row)
+        order = [row for rows in by_length.values() for row in rows]  # packed order of the rows
+        self.groups, start = [], 0
+        for n, rows in by_length.items():
+            self.groups.append(TokenGroup(rows, to_device(rows, device), start, n))
+            start += n * len(rows)
+        self.token_rows = [r for r in order for _ in range(lengths[r])]  # host: LoRA's token plan
+        self.token_index = to_device([r * self.longest + i for r in order for i in range(lengths[r])], device)
         self.token_row = to_device(self.token_rows, device)
-        self.image_mask = to_device([[i < n for i in range(self.longest)] for n in lengths], device, torch.bool)
-        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(f, h, w, 0, device) for f, h, w in self.img_shapes])
+        # the text outputs come back group by group; this puts them in row order again (None: already)
+        self.row_order = None if order == sorted(order) else to_device(
+            sorted(range(len(order)), key=order.__getitem__), device)
+        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(*self.img_shapes[r], 0, device) for r in order])
         # each row's text starts after its own largest image index (host ints: slicing needs no device read)
         self.text_starts = [max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in self.img_shapes]
 
@@ -73,6 +88,28 @@ class Packing:
         pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)
         return torch.stack([pos_freqs[start:start + text_len] for start in self.text_starts])
 
+    def attention_masks(self, txt_mask: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """Per group, the joint mask diffusers' processor builds for a batch of its rows: [its rows'
+        text mask, all image tokens], or None where the text has no mask."""
+        if txt_mask is None:
+            return [None] * len(self.groups)
+        return [torch.cat([txt_mask.index_select(0, g.rows_on_device),
+                           txt_mask.new_ones(len(g.rows), g.length)], dim=1)[:, None, None, :] for g in self.groups]
+
+
+@dataclass(frozen=True)
+class TokenGroup:
+    """Rows of one image token count: packed tokens [start, start + len(rows) * length)."""
+
+    rows: list[int]
+    rows_on_device: torch.Tensor
+    start: int
+    length: int
+
+    def of(self, packed: torch.Tensor) -> torch.Tensor:
+        """This group's tokens of a packed [1, T, ...] sequence, as [rows, length, ...]."""
+        return packed[0, self.start:self.start + len(self.rows) * self.length].unflatten(0, (len(self.rows), -1))
+
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """`apply_rotary_emb_qwen(use_real=False)` with one frequency table per row: x [B, S, H, D], freqs [B, S, D/2]."""
@@ -86,10 +123,10 @@ def _modulate(x: torch.Tensor, mod_params: torch.Tensor) -> tuple[torch.Tensor, 
     return x * (1 + scale) + shift, gate
 
 
-def _attention(attn, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor],
+def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[torch.Tensor]],
                txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
-    attention per row over [its text, its image tokens padded and masked out as keys]."""
+    attention once per group of rows with one image token count, over [their text, their image tokens]."""
     head_dim = attn.inner_dim // attn.heads
 
     def heads(x: torch.Tensor) -> torch.Tensor:
@@ -109,30 +146,36 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[to
     img_k = apply_rotary_emb_qwen(img_k, packing.img_freqs, use_real=False)
     txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
 
-    if txt_mask is None:
-        txt_mask = torch.ones(txt.shape[:2], dtype=torch.bool, device=txt.device)
-    mask = torch.cat([txt_mask, packing.image_mask], dim=1)[:, None, None, :]
-    joint = dispatch_attention_fn(torch.cat([txt_q, packing.unpack(img_q)], dim=1),
-                                  torch.cat([txt_k, packing.unpack(img_k)], dim=1),
-                                  torch.cat([txt_v, packing.unpack(img_v)], dim=1), attn_mask=mask, dropout_p=0.0,
-                                  is_causal=False, backend=attn.processor._attention_backend,
-                                  parallel_config=attn.processor._parallel_config)
-    joint = joint.flatten(2, 3).to(txt_q.dtype)
     seq_txt = txt.shape[1]
-    img_out = attn.to_out[0](packing.pack(joint[:, seq_txt:]))
+    txt_parts, img_parts = [], []
+    for group, mask in zip(packing.groups, masks):
+        rows = group.rows_on_device
+        joint = dispatch_attention_fn(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
+                                      torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
+                                      torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
+                                      attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                      backend=attn.processor._attention_backend,
+                                      parallel_config=attn.processor._parallel_config)
+        joint = joint.flatten(2, 3).to(txt_q.dtype)
+        txt_parts.append(joint[:, :seq_txt])
+        img_parts.append(joint[:, seq_txt:].flatten(0, 1))
+    txt_joint = torch.cat(txt_parts)
+    if packing.row_order is not None:
+        txt_joint = txt_joint.index_select(0, packing.row_order)
+    img_out = attn.to_out[0](torch.cat(img_parts).unsqueeze(0))
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)
-    return img_out, attn.to_add_out(joint[:, :seq_txt].contiguous())
+    return img_out, attn.to_add_out(txt_joint.contiguous())
 
 
-def _block(block, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor], temb: torch.Tensor,
+def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[torch.Tensor]], temb: torch.Tensor,
            txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenImageTransformerBlock.forward` on a packed image stream (img [1, T, D]; txt [R, L, D]; temb [R, D])."""
     img_mod1, img_mod2 = packing.per_token(block.img_mod(temb)).chunk(2, dim=-1)
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
     img_modulated, img_gate1 = _modulate(block.img_norm1(img), img_mod1)
     txt_modulated, txt_gate1 = block._modulate(block.txt_norm1(txt), txt_mod1)
-    img_attn, txt_attn = _attention(block.attn, img_modulated, txt_modulated, txt_mask, txt_freqs, packing)
+    img_attn, txt_attn = _attention(block.attn, img_modulated, txt_modulated, masks, txt_freqs, packing)
     img = img + img_gate1 * img_attn
     txt = txt + txt_gate1 * txt_attn
     img_modulated2, img_gate2 = _modulate(block.img_norm2(img), img_mod2)
@@ -161,9 +204,9 @@ def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, g
         guidance = guidance.to(img.dtype) * 1000
     temb = (transformer.time_text_embed(timestep, img) if guidance is None
             else transformer.time_text_embed(timestep, guidance, img))
-    txt_freqs = packing.text_freqs(text_len)
+    txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(txt_mask)
     for block in transformer.transformer_blocks:
-        img, txt = _block(block, img, txt, txt_mask, temb, txt_freqs, packing)
+        img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
     norm_out = transformer.norm_out  # AdaLayerNormContinuous with its scale and shift per token
     scale, shift = norm_out.linear(norm_out.silu(temb).to(img.dtype)).chunk(2, dim=1)
     img = norm_out.norm(img) * (1 + packing.per_token(scale)) + packing.per_token(shift)
