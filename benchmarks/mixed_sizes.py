@@ -1,13 +1,15 @@
 """`make bench-sizes`: mixed image sizes, fused request batching vs step batching with and without
 `mixed_size_batching`, side by side in one run.
 
-Workload: the `bench` Qwen-Image preset, sizes drawn from 64 and 128, 8 steps, closed loop at
-concurrency 16, `max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait
+Workload: Qwen-Image, sizes drawn from 64 and 128, 8 steps, closed loop at concurrency 16, `max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait
 (waves of one size), STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
 `mixed_size_batching=true` (any sizes share a forward, image tokens packed). Repeats are interleaved between the
 servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8 of one size,
 at each size in fresh processes (benchmarks/efficiency.py), combined over the workload's sizes: no
 server, no waiting, no size switches: the ceiling for a server running batches of 8 on this machine.
+Two presets, one after the other: `tiny`, where a forward costs little more for 8 rows than for
+one, so what a batching policy saves shows; and `bench`, where on this CPU a forward's cost grows
+with its rows, so the offline limit is close to what any policy reaches.
 Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
 """
 
@@ -31,16 +33,27 @@ def size_systems(max_num_seqs: int) -> list[systems.System]:
     return [by_name["rb_fused_wait"], step, mixed]
 
 
+# Closed-loop rounds of `concurrency` requests per point: a tiny point takes seconds, so it runs more of them.
+ROUNDS = {"tiny": 12, "bench": 3}
+
+
+def run_presets(repeats: int = 3, log_dir: Optional[Path] = None) -> dict:
+    """`run` on each preset of ROUNDS, one after the other."""
+    return {"kind": "mixed_sizes", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+            "presets": {preset: run(preset=preset, rounds=rounds, repeats=repeats, log_dir=log_dir)
+                        for preset, rounds in ROUNDS.items()}}
+
+
 def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds: int = 3, repeats: int = 3,
-        max_num_seqs: int = 8, log_dir: Optional[Path] = None) -> dict:
+        max_num_seqs: int = 8, preset: str = FULL.preset, log_dir: Optional[Path] = None) -> dict:
     from engine_lib.tiny_models import ensure_model
 
-    model_path = ensure_model("qwen_image", FULL.preset)
+    model_path = ensure_model("qwen_image", preset)
     results = {"kind": "mixed_sizes", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-               "workload": {"preset": FULL.preset, "concurrency": concurrency, "sizes": list(sizes), "steps": steps,
+               "workload": {"preset": preset, "concurrency": concurrency, "sizes": list(sizes), "steps": steps,
                             "requests_per_point": rounds * concurrency, "repeats": repeats,
                             "max_num_seqs": max_num_seqs}}
-    plan = replace(FULL, steps=steps, max_num_seqs=max_num_seqs, preview_interval=0)
+    plan = replace(FULL, preset=preset, steps=steps, max_num_seqs=max_num_seqs, preview_interval=0)
 
     def specs_for(r: int) -> list:
         return workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r)
@@ -51,7 +64,7 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
     results["step_over_fused"] = {name: entry["requests_per_s_median"] / fused
                                   for name, entry in results["systems"].items() if name != "rb_fused_wait"}
     if (steps, max_num_seqs) == (efficiency.STEPS, efficiency.BATCH):
-        offline = {size: [efficiency.offline_images_per_s(FULL.preset, size, 6 * efficiency.BATCH)
+        offline = {size: [efficiency.offline_images_per_s(preset, size, 6 * efficiency.BATCH)
                           for _ in range(repeats)] for size in sizes}
         rate = {size: statistics.median(values) for size, values in offline.items()}
         specs = [spec for r in range(repeats) for spec in specs_for(r)]
@@ -63,8 +76,9 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return side_main(__doc__, "mixed_sizes", run, lambda r: "step / fused requests/s: " + ", ".join(
-        f"{name} {ratio:.2f}x" for name, ratio in r["step_over_fused"].items()), argv)
+    return side_main(__doc__, "mixed_sizes", run_presets, lambda r: "step / fused requests/s: " + "; ".join(
+        f"{preset}: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in one["step_over_fused"].items())
+        for preset, one in r["presets"].items()), argv)
 
 
 if __name__ == "__main__":

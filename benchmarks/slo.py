@@ -42,14 +42,14 @@ def slo_systems() -> list[systems.System]:
             by_name["step_deadline"]]
 
 
-def run(repeats: int = 2, log_dir: Optional[Path] = None) -> dict:
+def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = None) -> dict:
     from engine_lib.tiny_models import ensure_model
 
-    plan = FULL
+    plan = replace(FULL, preset=preset)
     model_path = ensure_model("qwen_image", plan.preset)
     specs = poisson_specs(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval)
     results = {"kind": "slo", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-               "workload": {"requests": len(specs), "size": plan.size, "steps": list(plan.mixed_step_choices),
+               "workload": {"preset": preset, "requests": len(specs), "size": plan.size, "steps": list(plan.mixed_step_choices),
                             "load": plan.poisson_load, "slo_factor": plan.slo_factor, "repeats": repeats},
                "systems": {}}
     serial = next(s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, "cpu", "float32")
