@@ -7,6 +7,7 @@ still be running when a test acts are held by the engine's tick budget.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -72,38 +73,47 @@ class Launcher:
             time.sleep(0.2)
         raise AssertionError(f"not serving after {timeout_s} s:\n{self.log()[-3000:]}")
 
-    def stub(self) -> tuple[int, str]:
-        """The qwen_image stub's pid and its shared-memory region name (its argv[2])."""
-        model_py = str(self.repo / MODEL / "1" / "model.py")
+    def stubs(self) -> dict[int, list[str]]:
+        """The Python stubs serving this repository's models: pid -> argv (argv[1] its model.py, argv[2] its
+        shared-memory region)."""
+        found = {}
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             try:
-                argv = cmdline.read_bytes().split(b"\0")
+                argv = cmdline.read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode() == model_py:
-                return int(cmdline.parent.name), argv[2].decode()
+            if argv[0].endswith("triton_python_backend_stub") and len(argv) > 2 and argv[1].startswith(f"{self.repo}/"):
+                found[int(cmdline.parent.name)] = argv
+        return found
+
+    def stub(self) -> tuple[int, str]:
+        """The qwen_image stub's pid and its shared-memory region name."""
+        model_py = str(self.repo / MODEL / "1" / "model.py")
+        for pid, argv in self.stubs().items():
+            if argv[1] == model_py:
+                return pid, argv[2]
         raise AssertionError("no stub process")
 
     def shm_regions(self) -> set[str]:
         return {p.name for p in Path("/dev/shm").glob(f"dtriton{self.process.pid}-*")}
 
     def kill(self) -> None:
-        """SIGKILL the launcher (its servers die with it) and remove the shared memory they leave."""
+        """SIGKILL the launcher (its servers die with it), then any stub still alive 10 s later, and remove
+        the shared memory they leave. A stub can hang after its tritonserver dies and would outlive the
+        test run: in one such orphan (tritonserver 2.51), gdb showed the stub's parent-death handler
+        blocked on a mutex in TerminateStubToParentQueueMonitor while our metrics thread waited in
+        Metric::SendSetValueRequest for a reply that never comes."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and self.stub_pids_alive():
+        while time.monotonic() < deadline and self.stubs():
             time.sleep(0.1)
+        for pid in self.stubs():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for name in self.shm_regions():
             Path("/dev/shm", name).unlink(missing_ok=True)
-
-    def stub_pids_alive(self) -> bool:
-        try:
-            self.stub()
-            return True
-        except AssertionError:
-            return False
 
 
 def http_status(url: str) -> int:
