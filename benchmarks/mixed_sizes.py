@@ -27,10 +27,7 @@ from benchmarks.run import FULL, interleaved_points, machine_info, side_main
 
 def size_systems(max_num_seqs: int) -> list[systems.System]:
     by_name = {s.name: s for s in systems.default_systems(max_num_seqs)}
-    step = by_name["step"]
-    mixed = replace(step, name="step_mixed", label=f"{step.label}, mixed_size_batching",
-                    parameters={**step.parameters, "mixed_size_batching": "true"})
-    return [by_name["rb_fused_wait"], step, mixed]
+    return [by_name[name] for name in ("rb_fused_wait", "step", "step_mixed")]
 
 
 # Closed-loop rounds of `concurrency` requests per point: a tiny point takes seconds, so it runs more of them.

@@ -445,8 +445,8 @@ def mixed_sizes_section(results: dict) -> list[str]:
     plan = results["plan"]
     lines = ["", f"## Mixed sizes {plan['mixed_sizes']} (closed loop, concurrency {max(plan['concurrencies'])})", "",
              "With the default `mixed_size_batching=false`, requests of different sizes never share a batch (their "
-             "shapes are in the compatibility key); the section \"Mixed image sizes\" below adds step batching with "
-             "it on.", "",
+             "shapes are in the compatibility key); with it on (Qwen-Image packs their image tokens), any sizes "
+             "share a step. The section \"Mixed image sizes\" below has both presets and the offline limit.", "",
              "| system | requests/s | mean | p99 | SLO attainment | mean batch | errors |", "|---|---|---|---|---|---|---|"]
     for label, p in rows:
         slo = p.get("slo_attainment")

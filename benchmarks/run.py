@@ -63,7 +63,7 @@ class Plan:
     poisson_requests: int = 40
     poisson_load: float = 0.8  # fraction of REQUEST_BATCH serial capacity
     poisson_systems: tuple = ("rb_serial", "rb_fused_wait", "step", "step_srpt", "step_deadline")
-    mixed_sizes_systems: tuple = ("rb_fused_wait", "step")
+    mixed_sizes_systems: tuple = ("rb_fused_wait", "step", "step_mixed")
     systems: tuple = ("rb_serial", "rb_fused", "rb_fused_wait", "step", "naive")
     perf_analyzer_concurrency: int = 4
     perf_analyzer_requests: int = 24

@@ -43,7 +43,7 @@ class System:
 def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = "cpu",
                     dtype: str = "float32") -> list[System]:
     """(a) serial, (b) fused with and without admission wait, (c) continuous step batching (and, for
-    latency under Poisson load, two seats in shortest-remaining order, and two in deadline order, which
+    mixed sizes, with `mixed_size_batching`; for latency under Poisson load, two seats in shortest-remaining order, and two in deadline order, which
     the Poisson load sends its SLOs as Triton timeouts), (d) naive baseline."""
     engine = dict(device=device, dtype=dtype, warmup="true")
     return [
@@ -57,6 +57,9 @@ def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = 
                                          "request_batch_max_wait_ms": f"{wait_ms:g}"}),
         System("step", f"STEP_BATCH continuous x{max_num_seqs}", MODEL_REPOSITORY, "qwen_image",
                parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs)}),
+        System("step_mixed", f"STEP_BATCH continuous x{max_num_seqs}, mixed_size_batching", MODEL_REPOSITORY,
+               "qwen_image", parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs),
+                                         "mixed_size_batching": "true"}),
         System("step_srpt", "STEP_BATCH x2, shortest remaining first", MODEL_REPOSITORY, "qwen_image",
                parameters={**engine, "step_execution": "true", "max_num_seqs": "2",
                            "admission_order": "shortest_remaining", "max_preemptions": "1"}),
