@@ -178,6 +178,7 @@ def canned_results() -> dict:
             "rb_serial": _system("REQUEST_BATCH serial", 1.0, 1.0, poisson_p99=10.0, slo=0.5),
             "step": _system("STEP_BATCH continuous x8", 1.0, 3.0, poisson_p99=4.0, slo=0.9),
             "naive": _system("naive baseline", 0.9, 0.9),
+            "rb_fused_wait": {"label": "REQUEST_BATCH fused x8 + 20 ms wait", "mixed_sizes": {"requests_per_s": 2.0}},
         },
         "offline": {"limit": {"1": {"pipe": {"images_per_s": 1.0}, "runner": {"images_per_s": 1.1},
                                     "best_images_per_s": 1.1},
@@ -198,6 +199,16 @@ def test_targets_compare_medians_and_say_met_or_by_how_much_missed():
     assert p99["value"] == pytest.approx(0.4) and p99["met"]
     slo = by_name["STEP_BATCH SLO attainment (3x solo latency)"]
     assert slo["met"] is False and report.fmt_met(slo) == "missed (95% of the goal)"
+
+
+def test_the_mixed_sizes_target_compares_each_step_system_with_fused_waves():
+    results = canned_results()
+    results["systems"]["step"]["mixed_sizes"] = {"requests_per_s": 2.4}
+    results["systems"]["step_mixed"] = {"label": "STEP_BATCH x8, mixed_size_batching", "closed": {},
+                                        "mixed_sizes": {"requests_per_s": 3.0}}
+    sizes = [t for t in report.targets(results) if t["target"].startswith("Mixed sizes")]
+    assert [(round(t["value"], 3), t["met"]) for t in sizes] == [(1.2, False), (1.5, True)]
+    assert "STEP_BATCH x8, mixed_size_batching / REQUEST_BATCH fused x8 + 20 ms wait" in sizes[1]["target"]
 
 
 def test_report_writes_markdown_and_two_pngs_from_a_results_file(tmp_path):
