@@ -1,16 +1,15 @@
 """`make bench-sizes`: mixed image sizes, fused request batching vs step batching with and without
 `mixed_size_batching`, side by side in one run.
 
-Workload: Qwen-Image, sizes drawn from 64 and 128, 8 steps, closed loop at concurrency 16, `max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait
-(waves of one size), STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
-`mixed_size_batching=true` (any sizes share a forward, image tokens packed). Repeats are interleaved between the
-servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8 of one size,
-at each size in fresh processes (benchmarks/efficiency.py), combined over the workload's sizes: no
-server, no waiting, no size switches: the ceiling for a server running batches of 8 on this machine.
-Two presets, one after the other: `tiny`, where a forward costs little more for 8 rows than for
-one, so what a batching policy saves shows; and `bench`, where on this CPU a forward's cost grows
-with its rows, so the offline limit is close to what any policy reaches.
-Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
+Workload: Qwen-Image, sizes drawn from 64 and 128, 8 steps, closed loop at concurrency 16,
+`max_num_seqs` 8 everywhere: REQUEST_BATCH fused with a 20 ms admission wait (waves of one size),
+STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
+`mixed_size_batching=true` (any sizes share a forward, image tokens packed). Repeats are interleaved
+between the servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8
+of one size, at each size in fresh processes (benchmarks/efficiency.py), combined over the
+workload's sizes: no server, no waiting, no size switches. It is measured after the served points,
+not between them, so on a noisy machine a server can come out above it. The `tiny` and then the
+`bench` preset (ROUNDS). Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
 """
 
 from __future__ import annotations

@@ -695,7 +695,7 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     results = side_results(path, "mixed_sizes")
     if results is None:
         return []
-    by_preset = results.get("presets") or {results["workload"]["preset"]: results}
+    by_preset = results["presets"]
     w = next(iter(by_preset.values()))["workload"]
     lines = ["", "## Mixed image sizes: fused waves vs step batching", "",
              f"`make bench-sizes`, started {results['started']}: Qwen-Image, sizes drawn from "

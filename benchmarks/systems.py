@@ -43,8 +43,9 @@ class System:
 def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = "cpu",
                     dtype: str = "float32") -> list[System]:
     """(a) serial, (b) fused with and without admission wait, (c) continuous step batching (and, for
-    mixed sizes, with `mixed_size_batching`; for latency under Poisson load, two seats in shortest-remaining order, and two in deadline order, which
-    the Poisson load sends its SLOs as Triton timeouts), (d) naive baseline."""
+    mixed sizes, with `mixed_size_batching`; for latency under Poisson load, two seats in
+    shortest-remaining order, and two in deadline order, which the Poisson load sends its SLOs as
+    Triton timeouts), (d) naive baseline."""
     engine = dict(device=device, dtype=dtype, warmup="true")
     return [
         System("rb_serial", "REQUEST_BATCH serial", MODEL_REPOSITORY, "qwen_image",
