@@ -43,7 +43,15 @@ _QWEN_PRESETS = {
 }
 
 
-PRESETS = {name: {"transformer": tr, "vae": _QWEN_VAE, "text": _QWEN_TEXT} for name, tr in _QWEN_PRESETS.items()}
+# Random init leaves a tiny Qwen-Image almost blind to its prompt and its VAE almost gray: swapping the whole prompt
+# moved a 64x64 image by 1e-3 (a new seed by 0.07), so a bug that gave one row another row's text moved images by
+# less than the tests' float bound (1e-4). Scaling the text values in every attention block and the VAE's output
+# layer makes a prompt swap move the image by about 0.05 (a new seed by 0.5), which the parity suite checks
+# (`test_changing_one_request_changes_only_its_image`). Weights only: speed is unchanged.
+_QWEN_GAINS = {"text_values": 10.0, "vae_out": 6.0}
+
+PRESETS = {name: {"transformer": tr, "vae": _QWEN_VAE, "text": _QWEN_TEXT, "gains": _QWEN_GAINS}
+           for name, tr in _QWEN_PRESETS.items()}
 
 
 def build(preset: Mapping[str, Any], seed: int):
@@ -107,7 +115,20 @@ def build(preset: Mapping[str, Any], seed: int):
         video_token_id=vision_ids[3],
     )
     text_encoder = seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config))
+    _apply_gains(transformer, vae, preset["gains"])
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
     return QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
+
+
+def _apply_gains(transformer, vae, gains: Mapping[str, float]) -> None:
+    """Scale the text value projections and the VAE's output conv (see _QWEN_GAINS for why)."""
+    import torch
+
+    layers = [block.attn.add_v_proj for block in transformer.transformer_blocks] + [vae.decoder.conv_out]
+    factors = [gains["text_values"]] * len(transformer.transformer_blocks) + [gains["vae_out"]]
+    with torch.no_grad():
+        for layer, factor in zip(layers, factors):
+            layer.weight.mul_(factor)
+            layer.bias.mul_(factor)
