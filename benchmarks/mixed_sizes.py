@@ -7,8 +7,8 @@ STEP_BATCH with the size in the step key (head bypass on), and STEP_BATCH with
 `mixed_size_batching=true` (any sizes share a forward, image tokens packed). Repeats are interleaved
 between the servers. Then the offline limit of the same size mix: diffusers `pipe()` in batches of 8
 of one size, at each size in fresh processes (benchmarks/efficiency.py), combined over the
-workload's sizes: no server, no waiting, no size switches. It is measured after the served points,
-not between them, so on a noisy machine a server can come out above it. The `tiny` and then the
+workload's sizes: no server, no waiting, no size switches. It is measured after each repeat's
+served points (the servers idle meanwhile), so it sees the machine they saw. The `tiny` and then the
 `bench` preset (ROUNDS). Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
 """
 
@@ -54,14 +54,19 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
     def specs_for(r: int) -> list:
         return workloads.mixed_sizes(rounds * concurrency, sizes, steps, 0, seed=500 + r)
 
+    offline: dict[int, list[float]] = {size: [] for size in sizes}
+
+    def measure_offline(r: int) -> None:
+        for size in sizes:
+            offline[size].append(efficiency.offline_images_per_s(preset, size, 6 * efficiency.BATCH))
+
+    with_offline = (steps, max_num_seqs) == (efficiency.STEPS, efficiency.BATCH)
     results["systems"] = interleaved_points(size_systems(max_num_seqs), model_path, plan, concurrency, repeats,
-                                            specs_for, "sizes", log_dir)
+                                            specs_for, "sizes", log_dir, measure_offline if with_offline else None)
     fused = results["systems"]["rb_fused_wait"]["requests_per_s_median"]
     results["step_over_fused"] = {name: entry["requests_per_s_median"] / fused
                                   for name, entry in results["systems"].items() if name != "rb_fused_wait"}
-    if (steps, max_num_seqs) == (efficiency.STEPS, efficiency.BATCH):
-        offline = {size: [efficiency.offline_images_per_s(preset, size, 6 * efficiency.BATCH)
-                          for _ in range(repeats)] for size in sizes}
+    if with_offline:
         rate = {size: statistics.median(values) for size, values in offline.items()}
         specs = [spec for r in range(repeats) for spec in specs_for(r)]
         limit = len(specs) / sum(1 / rate[spec.height] for spec in specs)

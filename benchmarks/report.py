@@ -727,8 +727,8 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
               "joint attention runs once per group of rows of one token count, unpadded. A fused wave ends at the "
               "first waiting request of another size (about 2 requests per wave here), so what step batching can "
               "gain over fused waves is what fuller forwards save: about 1 / (the share of the offline limit "
-              "fused waves reach). The offline limit is measured in fresh processes after the served points, not "
-              "interleaved with them, so on a noisy machine a share can exceed 100 %."]
+              "fused waves reach). The offline limit is measured in fresh processes after each repeat's served "
+              "points (medians of the repeats), so it sees the machine load they saw."]
     return lines
 
 

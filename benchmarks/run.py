@@ -366,9 +366,10 @@ def poisson_rate(solo: dict, specs: Sequence, load: float) -> float:
 
 def interleaved_points(system_list: Sequence[systems.System], model_path: Path, plan: Plan, concurrency: int,
                        repeats: int, specs_for: Callable[[int], list], tag: str,
-                       log_dir: Optional[Path] = None) -> dict:
+                       log_dir: Optional[Path] = None, after_repeat: Optional[Callable[[int], None]] = None) -> dict:
     """A side benchmark's systems side by side: start and warm each, then for every repeat run the same
-    closed-loop requests (`specs_for(repeat)`) on each back to back. {name: {"label", "points", medians}}."""
+    closed-loop requests (`specs_for(repeat)`) on each back to back, then `after_repeat(repeat)` (a measurement
+    that should see the same machine load, such as an offline limit). {name: {"label", "points", medians}}."""
     out: dict = {}
     with contextlib.ExitStack() as stack:
         running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir)) for s in system_list}
@@ -382,6 +383,8 @@ def interleaved_points(system_list: Sequence[systems.System], model_path: Path, 
                 out[name]["points"].append(point)
                 log(f"repeat {r} {name}: {point['requests_per_s']:.3f} req/s, mean batch "
                     f"{point['server'].get('mean_batch_size', 0):.2f}, errors {point['errors']}")
+            if after_repeat is not None:
+                after_repeat(r)
     for entry in out.values():
         entry["requests_per_s_median"] = statistics.median(p["requests_per_s"] or 0 for p in entry["points"])
         entry["mean_batch_size_median"] = statistics.median(p["server"].get("mean_batch_size", 0)
