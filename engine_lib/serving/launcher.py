@@ -178,6 +178,7 @@ class TritonServer:
         self.shm_prefix = f"dtriton{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.leaked_shm: list[str] = []  # regions the stopped server left in /dev/shm (removed by stop())
         self.process: Optional[subprocess.Popen] = None
+        self._reaper: Optional[subprocess.Popen] = None  # cleans up if we die without stop() (start_reaper)
         self._log_file = None
 
     # -- addresses ---------------------------------------------------------------
@@ -244,6 +245,7 @@ class TritonServer:
             preexec_fn=die_with_parent,
         )
         try:
+            self._reaper = start_reaper(self.process.pid, self.shm_prefix)
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
@@ -368,6 +370,8 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             pass
         _wait_group_gone(process.pid, timeout_s=5.0)
+        release_reaper(self._reaper)
+        self._reaper = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -486,6 +490,48 @@ def die_with_parent() -> None:
     import ctypes  # noqa: PLC0415
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+# The reaper's program: it waits for its stdin to close. `release_reaper` writes a word first; a bare EOF
+# means the process that started the server died without stopping it.
+_REAPER = """
+import os, signal, sys
+from pathlib import Path
+if not sys.stdin.buffer.read():
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except OSError:
+        pass
+    for path in Path("/dev/shm").glob(sys.argv[2] + "*"):
+        path.unlink(missing_ok=True)
+"""
+
+
+def start_reaper(group: int, shm_prefix: str) -> subprocess.Popen:
+    """A small process, in its own session, that SIGKILLs process group `group` (a server and its
+    stubs) and removes its shared memory if we die, even by SIGKILL, without `release_reaper`: its
+    stdin is a pipe only we hold, so our death is EOF to it. `die_with_parent` ends the server
+    itself, but a stub can hang once its server is gone and live on holding its memory (seen with
+    tritonserver 2.51: its parent-death handler blocked on a mutex while a metrics call waited for
+    the dead server's reply)."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), shm_prefix], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def release_reaper(reaper: Optional[subprocess.Popen]) -> None:
+    """Tell a reaper that the group was stopped (nothing for it to do) and let it exit."""
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.write(b"stopped")
+        reaper.stdin.close()
+    except OSError:
+        pass  # it is gone already
+    try:
+        reaper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
 
 
 def _signal_group(pid: int, sig: int, only_leader: bool = False) -> None:

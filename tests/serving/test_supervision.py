@@ -1,7 +1,7 @@
 """`make serve`'s launcher as a hostile client finds it (issue 19), each case through a real tritonserver.
 
 One launcher process (supervisor, tritonserver, front door) serves the qwen_image tiny model for the
-whole module; the tests run in file order and the last one stops it with SIGTERM. Requests that must
+module; the tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL. Requests that must
 still be running when a test acts are held by the engine's tick budget.
 """
 
@@ -98,11 +98,9 @@ class Launcher:
         return {p.name for p in Path("/dev/shm").glob(f"dtriton{self.process.pid}-*")}
 
     def kill(self) -> None:
-        """SIGKILL the launcher (its servers die with it), then any stub still alive 10 s later, and remove
-        the shared memory they leave. A stub can hang after its tritonserver dies and would outlive the
-        test run: in one such orphan (tritonserver 2.51), gdb showed the stub's parent-death handler
-        blocked on a mutex in TerminateStubToParentQueueMonitor while our metrics thread waited in
-        Metric::SendSetValueRequest for a reply that never comes."""
+        """SIGKILL the launcher: its servers die with it, and their reapers (launcher.start_reaper) kill their
+        stubs and remove their shared memory. Whatever is still there 10 s later is removed here, so that
+        a failing reaper fails its test (the last one in this module) rather than leaving stubs behind."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
@@ -114,6 +112,14 @@ class Launcher:
                 os.kill(pid, signal.SIGKILL)
         for name in self.shm_regions():
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie lasts until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def http_status(url: str) -> int:
@@ -282,7 +288,7 @@ def test_an_abandoned_http_stream_stops_costing_compute(launcher):
 
 
 def test_sigterm_with_open_keep_alive_connections_exits_0(launcher):
-    """Last: stops the module's launcher."""
+    """Stops the module's launcher."""
     keep_alive = []
     for port in (launcher.http, launcher.front):
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -306,3 +312,31 @@ def test_sigterm_with_open_keep_alive_connections_exits_0(launcher):
     assert "Exiting immediately" not in triton_log
     assert not launcher.shm_regions()
     print(f"stopped in {took:.1f} s")
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, request):
+    """`kill -9` of the launcher while its stub hangs (stopped here with SIGSTOP, as the deadlocked stubs
+    we have seen after a dead server): the server, the stub and their shared memory are gone within
+    seconds (launcher.start_reaper), not left holding memory forever."""
+    launched = Launcher(tmp_path, model_path(request))
+    try:
+        launched.wait_serving(300)
+        stub_pid, _ = launched.stub()
+        server_pid = int(Path(f"/proc/{stub_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert launched.shm_regions()
+        os.kill(stub_pid, signal.SIGSTOP)
+        os.kill(launched.process.pid, signal.SIGKILL)
+        launched.process.wait(10)
+        killed = time.monotonic()
+
+        def left() -> list[str]:
+            return ([f"stub {pid}" for pid in launched.stubs()] + sorted(launched.shm_regions())
+                    + [f"tritonserver {server_pid}"] * running(server_pid))
+
+        while time.monotonic() - killed < 15 and left():
+            time.sleep(0.1)
+        assert not left(), f"left behind by the killed launcher: {left()}"
+        print(f"cleaned up {time.monotonic() - killed:.1f} s after the kill")
+    finally:
+        launched.budget.release()
+        launched.kill()
