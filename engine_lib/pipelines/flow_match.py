@@ -435,7 +435,7 @@ def _repeat_rows(rows: dict) -> dict:
             doubled[name] = None
         elif isinstance(value, torch.Tensor):
             doubled[name] = torch.cat([value, value])
-        elif hasattr(value, "repeated"):  # a structure over the rows (Qwen-Image's Packing)
+        elif hasattr(value, "repeated"):  # a structure over the rows (a Packing: mixed sizes)
             doubled[name] = value.repeated(2)
         else:
             doubled[name] = list(value) + list(value)

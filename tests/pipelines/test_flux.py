@@ -9,9 +9,11 @@ adds what is Flux's own: per-row embedded guidance and the text length in the ke
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapter
+from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
@@ -108,3 +110,32 @@ def test_registry_and_flags():
     assert get_adapter_class("flux") is FluxAdapter
     assert FluxAdapter.supports_request_batch and FluxAdapter.supports_step_execution and FluxAdapter.supports_previews
     assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.input_spec("guidance_scale").batch == "row"
+
+
+def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
+    """The packed forward over rows whose token counts repeat out of row order (several attention groups;
+    2x4 and 4x2 share a count but not their positions), each with its own timestep and guidance, gives every
+    row diffusers' forward of that row alone, and zeros on its padding: through the double-stream block,
+    where text and image have their own layers, and the single-stream one, where they share them."""
+    pipe = adapter.pipe
+    transformer = pipe.transformer
+    shapes = [(4, 4), (2, 2), (2, 4), (4, 2), (4, 4)]
+    img_ids = [pipe._prepare_latent_image_ids(1, h, w, "cpu", torch.float32) for h, w in shapes]
+    lengths = [ids.shape[0] for ids in img_ids]
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(len(shapes), max(lengths), transformer.config.in_channels, generator=gen)
+    timestep, guidance = torch.rand(len(shapes), generator=gen), 1 + 4 * torch.rand(len(shapes), generator=gen)
+    text = torch.randn(len(shapes), 7, transformer.config.joint_attention_dim, generator=gen)
+    pooled = torch.randn(len(shapes), transformer.config.pooled_projection_dim, generator=gen)
+    txt_ids = torch.zeros(7, 3)
+    packing = FluxPacking(transformer.pos_embed, txt_ids, img_ids, torch.device("cpu"))
+    assert [group.rows for group in packing.groups] == [[0, 4], [1], [2, 3]]
+    together = packed_forward(transformer, latents, timestep, guidance, pooled, text, packing)
+    for row, n in enumerate(lengths):
+        with torch.inference_mode():
+            alone = transformer(hidden_states=latents[row:row + 1, :n], timestep=timestep[row:row + 1],
+                                guidance=guidance[row:row + 1], pooled_projections=pooled[row:row + 1],
+                                encoder_hidden_states=text[row:row + 1], txt_ids=txt_ids, img_ids=img_ids[row],
+                                return_dict=False)[0]
+        torch.testing.assert_close(together[row:row + 1, :n], alone, rtol=1e-4, atol=1e-5)
+        assert not together[row, n:].any()

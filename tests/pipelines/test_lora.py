@@ -76,8 +76,8 @@ def test_different_loras_share_one_step_batch_and_match_their_solo_runs(setup):
 
 
 def test_loras_on_rows_of_different_sizes_share_a_forward(setup):
-    """With mixed_size_batching (Qwen-Image packs the rows' image tokens into one sequence, Flux pads
-    them) each row still gets its own LoRA, and each image matches its solo run."""
+    """With mixed_size_batching (the rows' image tokens packed into one sequence) each row still gets its
+    own LoRA, and each image matches its solo run."""
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter
 

@@ -14,7 +14,7 @@ import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.pipelines.qwen_image.mixed_sizes import Packing, packed_forward
+from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.request import InvalidInputError
 from parity_checks import FlowMatchParitySuite, load_tiny_adapter, parse, pipe_reference, with_cfg_batching
 
@@ -117,7 +117,7 @@ def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
     text = torch.randn(len(shapes), 7, transformer.config.joint_attention_dim, generator=gen)
     mask = torch.ones(len(shapes), 7, dtype=torch.long)
     mask[1, 5:] = 0
-    packing = Packing(transformer.pos_embed, shapes, torch.device("cpu"))
+    packing = QwenPacking(transformer.pos_embed, shapes, torch.device("cpu"))
     assert [group.rows for group in packing.groups] == [[0, 4], [1], [2, 3]]
     together = packed_forward(transformer, latents, timestep, None, text, mask, packing)
     for row, (shape, n) in enumerate(zip(shapes, lengths)):

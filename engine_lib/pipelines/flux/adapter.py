@@ -6,8 +6,8 @@ each piece calling the pipeline's helpers:
 * text: `encode_prompt` (CLIP pooled + T5 padded to `max_sequence_length`, and
   the negative prompt for true CFG); `txt_ids` are shared by the whole batch;
 * latents: `prepare_latents` (packed 2x2) with `img_ids`, shared by the batch; with
-  `mixed_size_batching`, rows of different sizes share a step batch, padded, each with
-  the RoPE of its own ids and a mask (mixed_sizes.py);
+  `mixed_size_batching`, rows of different sizes share a step batch, their image tokens
+  packed, each with the RoPE of its own ids (mixed_sizes.py);
 * timesteps: sigmas `linspace(1, 1/n, n)`, `calculate_shift` on the packed sequence length;
 * transformer: timestep in the latents' dtype `/ 1000`, embedded guidance per
   row (float32, as the pipeline builds it), true CFG without a rescale;
@@ -28,7 +28,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
-from engine_lib.pipelines.flux.mixed_sizes import MixedSizeFluxAttnProcessor, row_rope
+from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
@@ -60,10 +60,6 @@ class FluxAdapter(FlowMatchAdapter):
     )
     state_class = FluxState
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
-
-    def __init__(self, pipe, device, dtype, options=None):
-        super().__init__(pipe, device, dtype, options)
-        pipe.transformer.set_attn_processor(MixedSizeFluxAttnProcessor())
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:
@@ -105,15 +101,17 @@ class FluxAdapter(FlowMatchAdapter):
 
     def _row_inputs(self, states: list[FluxState]) -> dict:
         rows = {"guidance": self._guidance_rows(states)}
-        if len({(s.params.height, s.params.width) for s in states}) > 1:  # each row's own RoPE, padding masked
-            rows.update(row_rope(self.pipe.transformer.pos_embed, states[0].txt_ids,
-                                 [s.img_ids for s in states for _ in range(s.num_rows)]))
+        if len({(s.params.height, s.params.width) for s in states}) > 1:  # a ragged batch: image tokens packed
+            rows["packing"] = FluxPacking(self.pipe.transformer.pos_embed, states[0].txt_ids,
+                                          [s.img_ids for s in states for _ in range(s.num_rows)], self.device)
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        ragged = {name: rows[name] for name in ("rope_cos", "rope_sin", "attention_mask") if name in rows}
-        # diffusers still builds its shared table from these ids; the row tables replace it in a ragged batch
-        img_ids = max((s.img_ids for s in states), key=len)
+        packing = rows.get("packing")
+        if packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],
+                                      text["embeds"], packing)
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -121,8 +119,7 @@ class FluxAdapter(FlowMatchAdapter):
             pooled_projections=text["pooled"],
             encoder_hidden_states=text["embeds"],
             txt_ids=states[0].txt_ids,
-            img_ids=img_ids,
-            joint_attention_kwargs=ragged,
+            img_ids=states[0].img_ids,
             return_dict=False,
         )[0]
 

@@ -23,7 +23,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
-from engine_lib.pipelines.qwen_image.mixed_sizes import Packing, packed_forward
+from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -97,7 +97,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         shapes = [s.img_shape for s in states for _ in range(s.num_rows)]
         rows = {"img_shapes": [[shape] for shape in shapes], "guidance": self._guidance_rows(states)}
         if len(set(shapes)) > 1:  # a ragged batch: image tokens packed, each row its own RoPE
-            rows["packing"] = Packing(self.pipe.transformer.pos_embed, shapes, self.device)
+            rows["packing"] = QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device)
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:

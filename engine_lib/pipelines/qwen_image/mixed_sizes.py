@@ -1,114 +1,54 @@
 """Qwen-Image requests of different image sizes in one denoise forward, packed (beyond diffusers).
 
-diffusers' transformer takes one RoPE for the whole batch (`img_shapes[0]`) and
-modulates every token of a row with that row's timestep embedding. Padding rows to
-the longest image (as the engine's `InputBatch.gather` does) would make a 64x64 row
-cost what a 128x128 one costs: 4x its tokens in every projection and MLP. So a
-ragged batch runs `packed_forward` instead: the image stream is packed, every row's
-own tokens one after another in one sequence [1, T, D], and each per-token layer
-runs once per real token, modulated by its own row's timestep embedding and
-rotated by its own row's RoPE (image positions from its own `(frames, h, w)`, text
-positions after its own largest image index, as `QwenEmbedRope` computes them for
-a solo request). Only the joint attention sees rows: rows are packed in groups of
-one image token count, and each group attends as diffusers' processor would for a
-batch of just those rows: [their text, their image tokens], no image padding. The
-text stream stays one padded row per request, as in diffusers. A batch of one size
-runs diffusers' own forward, so solo requests stay bitwise the pipeline's; this
+diffusers' transformer takes one RoPE for the whole batch (`img_shapes[0]`). A ragged
+batch runs `packed_forward` instead (the packing: engine_lib/pipelines/packing.py): the
+image stream packed into one sequence, each token modulated by its own row's timestep
+embedding and rotated by its own row's RoPE (image positions from its own `(frames, h,
+w)`, text positions after its own largest image index, as `QwenEmbedRope` computes them
+for a solo request), the joint attention once per group of rows of one image token
+count. The text stream stays one padded row per request, as in diffusers. A batch of
+one size runs diffusers' own forward, so solo requests stay bitwise the pipeline's; this
 module mirrors `QwenImageTransformer2DModel.forward`, its blocks and
-`QwenDoubleStreamAttnProcessor2_0` operation for operation otherwise.
-"""
+`QwenDoubleStreamAttnProcessor2_0` operation for operation otherwise."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen, compute_text_seq_len_from_mask
 
-from engine_lib.host_copy import to_device
+from engine_lib.pipelines.packing import Packing
 
 
-class Packing:
-    """Where each row's image tokens sit in the packed sequence, and their rotary frequencies.
-
-    Built once per batch membership (kept with the batch's row inputs) from host ints, so a
-    tick reads nothing from the device. Rows are grouped by image token count, groups in order
-    of first appearance: the packed sequence holds group after group, each group's rows one
-    after another, so a group is one contiguous slice that views as [rows, n, ...] for the
-    joint attention. `token_index` places packed token t in the padded [R * longest] layout of
-    the engine's latents, `token_row` names its row.
-    """
+class QwenPacking(Packing):
+    """The packing (engine_lib/pipelines/packing.py) with Qwen-Image's rotary frequencies: each row's image
+    positions from its own `(frames, h, w)`, in packed order, and its text's start after its own largest
+    image index."""
 
     def __init__(self, pos_embed, img_shapes: list[tuple[int, int, int]], device: torch.device) -> None:
-        self.pos_embed, self.img_shapes, self.device = pos_embed, list(img_shapes), device
-        self._repeats: dict[int, Packing] = {}
-        lengths = [f * h * w for f, h, w in self.img_shapes]
-        self.rows, self.longest = len(lengths), max(lengths)
-        by_length: dict[int, list[int]] = {}
-        for row, n in enumerate(lengths):
-            by_length.setdefault(n, []).append(row)
-        order = [row for rows in by_length.values() for row in rows]  # packed order of the rows
-        self.groups, start = [], 0
-        for n, rows in by_length.items():
-            self.groups.append(TokenGroup(rows, to_device(rows, device), start, n))
-            start += n * len(rows)
-        self.token_rows = [r for r in order for _ in range(lengths[r])]  # host: LoRA's token plan
-        self.token_index = to_device([r * self.longest + i for r in order for i in range(lengths[r])], device)
-        self.token_row = to_device(self.token_rows, device)
-        # the text outputs come back group by group; this puts them in row order again (None: already)
-        self.row_order = None if order == sorted(order) else to_device(
-            sorted(range(len(order)), key=order.__getitem__), device)
-        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(*self.img_shapes[r], 0, device) for r in order])
+        super().__init__([f * h * w for f, h, w in img_shapes], device)
+        self.pos_embed, self.img_shapes = pos_embed, list(img_shapes)
+        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(*self.img_shapes[r], 0, device) for r in self.order])
         # each row's text starts after its own largest image index (host ints: slicing needs no device read)
         self.text_starts = [max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in self.img_shapes]
 
-    def repeated(self, times: int) -> "Packing":
-        """The packing of a forward that holds every row `times` over (batched CFG), made once."""
-        if times not in self._repeats:
-            self._repeats[times] = Packing(self.pos_embed, self.img_shapes * times, self.device)
-        return self._repeats[times]
-
-    def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """[R, longest, ...] -> [1, T, ...]: every row's own tokens, padding dropped."""
-        return padded.flatten(0, 1).index_select(0, self.token_index).unsqueeze(0)
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """[1, T, ...] -> [R, longest, ...], the padding zeros."""
-        flat = packed.new_zeros(self.rows * self.longest, *packed.shape[2:]).index_copy_(0, self.token_index, packed[0])
-        return flat.unflatten(0, (self.rows, self.longest))
-
-    def per_token(self, per_row: torch.Tensor) -> torch.Tensor:
-        """[R, D] -> [1, T, D]: each token its own row's value (modulation, gates)."""
-        return per_row.index_select(0, self.token_row).unsqueeze(0)
+    def _repeat(self, times: int) -> "QwenPacking":
+        return QwenPacking(self.pos_embed, self.img_shapes * times, self.device)
 
     def text_freqs(self, text_len: int) -> torch.Tensor:
         """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
         pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)
         return torch.stack([pos_freqs[start:start + text_len] for start in self.text_starts])
 
-    def attention_masks(self, txt_mask: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    def attention_masks(self, txt_mask: Optional[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """Per group, the joint mask diffusers' processor builds for a batch of its rows: [its rows'
-        text mask, all image tokens], or None where the text has no mask."""
+        text mask, all image tokens]; None where the text has no mask."""
         if txt_mask is None:
-            return [None] * len(self.groups)
+            return None
         return [torch.cat([txt_mask.index_select(0, g.rows_on_device),
                            txt_mask.new_ones(len(g.rows), g.length)], dim=1)[:, None, None, :] for g in self.groups]
-
-
-@dataclass(frozen=True)
-class TokenGroup:
-    """Rows of one image token count: packed tokens [start, start + len(rows) * length)."""
-
-    rows: list[int]
-    rows_on_device: torch.Tensor
-    start: int
-    length: int
-
-    def of(self, packed: torch.Tensor) -> torch.Tensor:
-        """This group's tokens of a packed [1, T, ...] sequence, as [rows, length, ...]."""
-        return packed[0, self.start:self.start + len(self.rows) * self.length].unflatten(0, (len(self.rows), -1))
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -123,8 +63,8 @@ def _modulate(x: torch.Tensor, mod_params: torch.Tensor) -> tuple[torch.Tensor, 
     return x * (1 + scale) + shift, gate
 
 
-def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[torch.Tensor]],
-               txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[torch.Tensor]],
+               txt_freqs: torch.Tensor, packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
     attention once per group of rows with one image token count, over [their text, their image tokens]."""
     head_dim = attn.inner_dim // attn.heads
@@ -146,30 +86,20 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[
     img_k = apply_rotary_emb_qwen(img_k, packing.img_freqs, use_real=False)
     txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
 
-    seq_txt = txt.shape[1]
-    txt_parts, img_parts = [], []
-    for group, mask in zip(packing.groups, masks):
-        rows = group.rows_on_device
-        joint = dispatch_attention_fn(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
-                                      torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
-                                      torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
-                                      attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                      backend=attn.processor._attention_backend,
-                                      parallel_config=attn.processor._parallel_config)
-        joint = joint.flatten(2, 3).to(txt_q.dtype)
-        txt_parts.append(joint[:, :seq_txt])
-        img_parts.append(joint[:, seq_txt:].flatten(0, 1))
-    txt_joint = torch.cat(txt_parts)
-    if packing.row_order is not None:
-        txt_joint = txt_joint.index_select(0, packing.row_order)
-    img_out = attn.to_out[0](torch.cat(img_parts).unsqueeze(0))
+    def attention(query, key, value, mask):
+        return dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                     backend=attn.processor._attention_backend,
+                                     parallel_config=attn.processor._parallel_config)
+
+    txt_joint, img_joint = packing.attend(attention, txt_q, txt_k, txt_v, img_q, img_k, img_v, masks)
+    img_out = attn.to_out[0](img_joint)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)
     return img_out, attn.to_add_out(txt_joint.contiguous())
 
 
-def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[torch.Tensor]], temb: torch.Tensor,
-           txt_freqs: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[torch.Tensor]], temb: torch.Tensor,
+           txt_freqs: torch.Tensor, packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenImageTransformerBlock.forward` on a packed image stream (img [1, T, D]; txt [R, L, D]; temb [R, D])."""
     img_mod1, img_mod2 = packing.per_token(block.img_mod(temb)).chunk(2, dim=-1)
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
@@ -191,7 +121,7 @@ def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: list[Optional[tor
 
 @torch.inference_mode()
 def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
-                   text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], packing: Packing) -> torch.Tensor:
+                   text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], packing: QwenPacking) -> torch.Tensor:
     """`QwenImageTransformer2DModel.forward` over rows of different image sizes: latents [R, longest, C]
     (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding."""
     if transformer.zero_cond_t:

@@ -1,0 +1,107 @@
+"""Rows of different image sizes packed into one token sequence, for one denoise forward (beyond diffusers).
+
+The engine's `InputBatch.gather` right-pads rows to the longest image sequence. Running a DiT over that
+padding would make a 64x64 row cost what a 128x128 one costs (4x its tokens) in every projection and MLP.
+A pipeline's packed forward (qwen_image/mixed_sizes.py, flux/mixed_sizes.py) instead runs every per-token
+layer on the real tokens only, one sequence [1, T, D], each token modulated by its own row's timestep
+embedding (`per_token`). Only the joint attention sees rows: `Packing` groups rows by image token count,
+and each group attends as a batch of just those rows would, with no image padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_lib.host_copy import to_device
+
+
+@dataclass(frozen=True)
+class TokenGroup:
+    """Rows of one image token count: packed tokens [start, start + len(rows) * length)."""
+
+    rows: list[int]
+    rows_on_device: torch.Tensor
+    start: int
+    length: int
+
+    def of(self, packed: torch.Tensor) -> torch.Tensor:
+        """This group's tokens of a packed [1, T, ...] sequence, as [rows, length, ...]."""
+        return packed[0, self.start:self.start + len(self.rows) * self.length].unflatten(0, (len(self.rows), -1))
+
+
+class Packing:
+    """Where each row's image tokens sit in the packed sequence.
+
+    Built once per batch membership (kept with the batch's row inputs) from host ints, so a
+    tick reads nothing from the device. Rows are grouped by image token count, groups in order
+    of first appearance: the packed sequence holds group after group, each group's rows one
+    after another (`order`), so a group is one contiguous slice that views as [rows, n, ...] for
+    the joint attention. `token_index` places packed token t in the padded [R * longest] layout
+    of the engine's latents, `token_row` names its row. A pipeline's subclass adds its positions.
+    """
+
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
+        self.device = device
+        self._repeats: dict[int, Packing] = {}
+        self.rows, self.longest = len(lengths), max(lengths)
+        by_length: dict[int, list[int]] = {}
+        for row, n in enumerate(lengths):
+            by_length.setdefault(n, []).append(row)
+        self.order = [row for rows in by_length.values() for row in rows]  # packed order of the rows
+        self.groups, start = [], 0
+        for n, rows in by_length.items():
+            self.groups.append(TokenGroup(rows, to_device(rows, device), start, n))
+            start += n * len(rows)
+        self.token_rows = [r for r in self.order for _ in range(lengths[r])]  # host: LoRA's token plan
+        self.token_index = to_device([r * self.longest + i for r in self.order for i in range(lengths[r])], device)
+        self.token_row = to_device(self.token_rows, device)
+        # per-row outputs come back group by group; this puts them in row order again (None: already)
+        self.row_order = None if self.order == sorted(self.order) else to_device(
+            sorted(range(len(self.order)), key=self.order.__getitem__), device)
+
+    def repeated(self, times: int) -> "Packing":
+        """The packing of a forward that holds every row `times` over (batched CFG), made once."""
+        if times not in self._repeats:
+            self._repeats[times] = self._repeat(times)
+        return self._repeats[times]
+
+    def _repeat(self, times: int) -> "Packing":
+        raise NotImplementedError
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """[R, longest, ...] -> [1, T, ...]: every row's own tokens, padding dropped."""
+        return padded.flatten(0, 1).index_select(0, self.token_index).unsqueeze(0)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [R, longest, ...], the padding zeros."""
+        flat = packed.new_zeros(self.rows * self.longest, *packed.shape[2:]).index_copy_(0, self.token_index, packed[0])
+        return flat.unflatten(0, (self.rows, self.longest))
+
+    def per_token(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[R, D] -> [1, T, D]: each token its own row's value (modulation, gates)."""
+        return per_row.index_select(0, self.token_row).unsqueeze(0)
+
+    def in_row_order(self, grouped: torch.Tensor) -> torch.Tensor:
+        """[R, ...] in group order (the groups' outputs concatenated) -> [R, ...] in row order."""
+        return grouped if self.row_order is None else grouped.index_select(0, self.row_order)
+
+    def attend(self, attention, txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor, img_q: torch.Tensor,
+               img_k: torch.Tensor, img_v: torch.Tensor, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joint attention, once per group over [its rows' text, their image tokens]: text [R, L, H, D]
+        (one padded row per request), image packed [1, T, H, D]; `attention(q, k, v, mask)` is the pipeline's
+        own call, with `masks[g]` (None: no mask). Returns the text part [R, L, H * D] in row order and the
+        image part packed [1, T, H * D]."""
+        seq_txt = txt_q.shape[1]
+        txt_parts, img_parts = [], []
+        for index, group in enumerate(self.groups):
+            rows = group.rows_on_device
+            joint = attention(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
+                              torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
+                              torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
+                              None if masks is None else masks[index])
+            joint = joint.flatten(2, 3).to(txt_q.dtype)
+            txt_parts.append(joint[:, :seq_txt])
+            img_parts.append(joint[:, seq_txt:].flatten(0, 1))
+        return self.in_row_order(torch.cat(txt_parts)), torch.cat(img_parts).unsqueeze(0)
