@@ -111,6 +111,10 @@ class RequestStream:
         self.result.responses.append(result)
         return is_final_response(result)
 
+    def has_response(self) -> bool:
+        """Whether anything (a response or an error) has arrived, read or not."""
+        return bool(self.result.responses or self.result.errors) or not self._queue.empty()
+
     def wait_first(self, timeout: float = 60.0) -> StreamResult:
         """Wait for the first response (or error)."""
         self._take(timeout)

@@ -32,18 +32,24 @@ def test_counters_and_histograms_move(server):
 
 def test_gauges_show_running_and_waiting_requests_then_nothing(server, held):
     """With max_num_seqs 4 and the engine held after one step: 4 running (each with runner state and an open
-    stream), 2 waiting; once released and done, every gauge is back to 0."""
+    stream), 2 waiting; once released and done, every gauge is back to 0. Which 4 run is the order the
+    six streams reached the engine, not necessarily the order they were sent in."""
     held.hold()
     streams = [RequestStream(server.grpc_url).send(f"g{i}", prompt=f"gauge {i}", height=32, width=32,
                                                    num_inference_steps=3, preview_interval=1) for i in range(6)]
     try:
         run_held(server, waiting=6, ticks=1)
-        for stream in streams[:4]:
-            assert stream.wait_first(timeout=60).steps() == [1]
         expected = {"diffusion_requests_running": 4.0, "diffusion_requests_waiting": 2.0,
                     "diffusion_runner_states": 4.0, "diffusion_open_streams": 6.0}
         for gauge, value in expected.items():
             assert wait_for_metric(server.metrics_url, gauge, value, **LABELS) == value, gauge
+        deadline = time.monotonic() + 60
+        while sum(stream.has_response() for stream in streams) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = [stream for stream in streams if stream.has_response()]
+        assert len(started) == 4, [stream.request_id for stream in started]
+        for stream in started:
+            assert stream.wait_first(timeout=10).steps() == [1]
         held.release()
         assert all(stream.collect(timeout=120).num_final == 1 for stream in streams)
     finally:
