@@ -13,6 +13,8 @@ import os
 import threading
 from typing import Mapping, Optional
 
+from engine_lib.serving.launcher import proc_stat
+
 
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
@@ -20,12 +22,9 @@ def _children_map() -> dict[int, list[int]]:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
+            ppid = int(proc_stat(name)[1])
         except OSError:
             continue
-        # The command name may contain spaces; the fields after the last ')' are fixed.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(name))
     return children
 
@@ -94,8 +93,7 @@ class PeakRssSampler:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds one process has used so far (0 when it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = proc_stat(pid)
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -50,7 +50,8 @@ def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = N
     specs = poisson_specs(plan.poisson_requests, plan.size, plan.mixed_step_choices, plan.preview_interval)
     results = {"kind": "slo", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
                "workload": {"preset": preset, "requests": len(specs), "size": plan.size,
-                            "steps": list(plan.mixed_step_choices), "load": plan.poisson_load, "slo_factor": plan.slo_factor, "repeats": repeats},
+                            "steps": list(plan.mixed_step_choices), "load": plan.poisson_load,
+                            "slo_factor": plan.slo_factor, "repeats": repeats},
                "systems": {}}
     serial = next(s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, "cpu", "float32")
                   if s.name == "rb_serial")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from engine_lib.host_copy import to_device
 
@@ -87,20 +88,28 @@ class Packing:
         """[R, ...] in group order (the groups' outputs concatenated) -> [R, ...] in row order."""
         return grouped if self.row_order is None else grouped.index_select(0, self.row_order)
 
-    def attend(self, attention, txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor, img_q: torch.Tensor,
+    def norm_out(self, norm_out, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """A DiT's final `AdaLayerNormContinuous` on the packed tokens, each with its own row's scale and shift."""
+        scale, shift = norm_out.linear(norm_out.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return norm_out.norm(x) * (1 + self.per_token(scale)) + self.per_token(shift)
+
+    def attend(self, attn, txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor, img_q: torch.Tensor,
                img_k: torch.Tensor, img_v: torch.Tensor, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The joint attention, once per group over [its rows' text, their image tokens]: text [R, L, H, D]
-        (one padded row per request), image packed [1, T, H, D]; `attention(q, k, v, mask)` is the pipeline's
-        own call, with `masks[g]` (None: no mask). Returns the text part [R, L, H * D] in row order and the
-        image part packed [1, T, H * D]."""
+        """The joint attention of the module `attn`, once per group over [its rows' text, their image tokens]
+        (`dispatch_attention_fn` with its processor's backend, as diffusers' processors call it): text
+        [R, L, H, D] (one padded row per request), image packed [1, T, H, D], `masks[g]` the group's mask
+        (None: no masks). Returns the text part [R, L, H * D] in row order and the image part packed
+        [1, T, H * D]."""
         seq_txt = txt_q.shape[1]
         txt_parts, img_parts = [], []
         for index, group in enumerate(self.groups):
             rows = group.rows_on_device
-            joint = attention(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
-                              torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
-                              torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
-                              None if masks is None else masks[index])
+            joint = dispatch_attention_fn(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
+                                          torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
+                                          torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
+                                          attn_mask=None if masks is None else masks[index],
+                                          backend=attn.processor._attention_backend,
+                                          parallel_config=attn.processor._parallel_config)
             joint = joint.flatten(2, 3).to(txt_q.dtype)
             txt_parts.append(joint[:, :seq_txt])
             img_parts.append(joint[:, seq_txt:].flatten(0, 1))

@@ -329,8 +329,7 @@ class TritonServer:
             return stubs
         for status in Path("/proc").glob("[0-9]*/stat"):
             try:
-                ppid = int(status.read_text().rsplit(")", 1)[1].split()[1])
-                if ppid != self.process.pid:
+                if int(proc_stat(status.parent.name)[1]) != self.process.pid:
                     continue
                 argv = (status.parent / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
@@ -481,6 +480,12 @@ class OpenAIFrontDoor:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces): [0] the state, [1] the
+    parent's pid, [11] and [12] user and system CPU ticks. OSError once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def die_with_parent() -> None:

@@ -1,8 +1,8 @@
 """`make serve`'s launcher as a hostile client finds it (issue 19), each case through a real tritonserver.
 
 One launcher process (supervisor, tritonserver, front door) serves the qwen_image tiny model for the
-module; the tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL. Requests that must
-still be running when a test acts are held by the engine's tick budget.
+module; the tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL.
+Requests that must still be running when a test acts are held by the engine's tick budget.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_lib.serving.launcher import proc_stat
 from tests.conftest import TickBudget
 
 from .conftest import free_port, model_path, write_repository
@@ -117,7 +118,7 @@ class Launcher:
 def running(pid: int) -> bool:
     """The process exists and is not a zombie (an orphan's zombie lasts until init reaps it)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
 
@@ -322,7 +323,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, req
     try:
         launched.wait_serving(300)
         stub_pid, _ = launched.stub()
-        server_pid = int(Path(f"/proc/{stub_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        server_pid = int(proc_stat(stub_pid)[1])
         assert launched.shm_regions()
         os.kill(stub_pid, signal.SIGSTOP)
         os.kill(launched.process.pid, signal.SIGKILL)

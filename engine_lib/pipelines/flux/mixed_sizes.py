@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
 from engine_lib.pipelines.packing import Packing
@@ -58,12 +57,7 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: FluxPacking)
     img_k = apply_rotary_emb(img_k, packing.img_rope, sequence_dim=1)
     txt_q = apply_rotary_emb(txt_q, packing.txt_rope, sequence_dim=1)
     txt_k = apply_rotary_emb(txt_k, packing.txt_rope, sequence_dim=1)
-
-    def attention(query, key, value, mask):
-        return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=attn.processor._attention_backend,
-                                     parallel_config=attn.processor._parallel_config)
-
-    txt_out, img_out = packing.attend(attention, txt_q, txt_k, txt_v, img_q, img_k, img_v)
+    txt_out, img_out = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v)
     if attn.pre_only:
         return img_out, txt_out
     return attn.to_out[1](attn.to_out[0](img_out.contiguous())), attn.to_add_out(txt_out.contiguous())
@@ -128,7 +122,4 @@ def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, g
         img, txt = _double_block(block, img, txt, temb, packing)
     for block in transformer.single_transformer_blocks:
         img, txt = _single_block(block, img, txt, temb, packing)
-    norm_out = transformer.norm_out  # AdaLayerNormContinuous with its scale and shift per token
-    scale, shift = norm_out.linear(norm_out.silu(temb).to(img.dtype)).chunk(2, dim=1)
-    img = norm_out.norm(img) * (1 + packing.per_token(scale)) + packing.per_token(shift)
-    return packing.unpack(transformer.proj_out(img))
+    return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen, compute_text_seq_len_from_mask
 
 from engine_lib.pipelines.packing import Packing
@@ -85,13 +84,7 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[
     img_q = apply_rotary_emb_qwen(img_q, packing.img_freqs, use_real=False)  # one sequence: diffusers' own
     img_k = apply_rotary_emb_qwen(img_k, packing.img_freqs, use_real=False)
     txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
-
-    def attention(query, key, value, mask):
-        return dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                     backend=attn.processor._attention_backend,
-                                     parallel_config=attn.processor._parallel_config)
-
-    txt_joint, img_joint = packing.attend(attention, txt_q, txt_k, txt_v, img_q, img_k, img_v, masks)
+    txt_joint, img_joint = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, masks)
     img_out = attn.to_out[0](img_joint)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)
@@ -137,7 +130,4 @@ def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, g
     txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(txt_mask)
     for block in transformer.transformer_blocks:
         img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
-    norm_out = transformer.norm_out  # AdaLayerNormContinuous with its scale and shift per token
-    scale, shift = norm_out.linear(norm_out.silu(temb).to(img.dtype)).chunk(2, dim=1)
-    img = norm_out.norm(img) * (1 + packing.per_token(scale)) + packing.per_token(shift)
-    return packing.unpack(transformer.proj_out(img))
+    return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb)))

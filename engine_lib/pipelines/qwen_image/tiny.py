@@ -126,9 +126,8 @@ def _apply_gains(transformer, vae, gains: Mapping[str, float]) -> None:
     """Scale the text value projections and the VAE's output conv (see _QWEN_GAINS for why)."""
     import torch
 
-    layers = [block.attn.add_v_proj for block in transformer.transformer_blocks] + [vae.decoder.conv_out]
-    factors = [gains["text_values"]] * len(transformer.transformer_blocks) + [gains["vae_out"]]
+    scaled = [(block.attn.add_v_proj, gains["text_values"]) for block in transformer.transformer_blocks]
     with torch.no_grad():
-        for layer, factor in zip(layers, factors):
+        for layer, factor in scaled + [(vae.decoder.conv_out, gains["vae_out"])]:
             layer.weight.mul_(factor)
             layer.bias.mul_(factor)
