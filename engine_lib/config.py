@@ -52,7 +52,7 @@ class EngineConfig:
     lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
     max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
     lora_batching: str = "mixed"  # step mode: "mixed" (any LoRAs share a forward) or "homogeneous" (one per batch)
-    mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux: packed)
+    mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
     # limits, checked per request at the Triton edge
     max_height: int = 1024
     max_width: int = 1024

@@ -2,7 +2,7 @@
 
 The engine's `InputBatch.gather` right-pads rows to the longest image sequence. Running a DiT over that
 padding would make a 64x64 row cost what a 128x128 one costs (4x its tokens) in every projection and MLP.
-A pipeline's packed forward (qwen_image/mixed_sizes.py, flux/mixed_sizes.py) instead runs every per-token
+A pipeline's packed forward (qwen_image/, flux/ and sd3/mixed_sizes.py) instead runs every per-token
 layer on the real tokens only, one sequence [1, T, D], each token modulated by its own row's timestep
 embedding (`per_token`). Only the joint attention sees rows: `Packing` groups rows by image token count,
 and each group attends as a batch of just those rows would, with no image padding.
@@ -94,23 +94,35 @@ class Packing:
         return norm_out.norm(x) * (1 + self.per_token(scale)) + self.per_token(shift)
 
     def attend(self, attn, txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor, img_q: torch.Tensor,
-               img_k: torch.Tensor, img_v: torch.Tensor, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
+               img_k: torch.Tensor, img_v: torch.Tensor, masks=None,
+               image_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The joint attention of the module `attn`, once per group over [its rows' text, their image tokens]
-        (`dispatch_attention_fn` with its processor's backend, as diffusers' processors call it): text
-        [R, L, H, D] (one padded row per request), image packed [1, T, H, D], `masks[g]` the group's mask
-        (None: no masks). Returns the text part [R, L, H * D] in row order and the image part packed
-        [1, T, H * D]."""
+        ([image, text] if `image_first`, SD3's order) with `_attend`: text [R, L, H, D] (one padded row per
+        request), image packed [1, T, H, D], `masks[g]` the group's mask (None: no masks). Returns the text
+        part [R, L, H * D] in row order and the image part packed [1, T, H * D]."""
         seq_txt = txt_q.shape[1]
         txt_parts, img_parts = [], []
         for index, group in enumerate(self.groups):
             rows = group.rows_on_device
-            joint = dispatch_attention_fn(torch.cat([txt_q.index_select(0, rows), group.of(img_q)], dim=1),
-                                          torch.cat([txt_k.index_select(0, rows), group.of(img_k)], dim=1),
-                                          torch.cat([txt_v.index_select(0, rows), group.of(img_v)], dim=1),
-                                          attn_mask=None if masks is None else masks[index],
-                                          backend=attn.processor._attention_backend,
-                                          parallel_config=attn.processor._parallel_config)
-            joint = joint.flatten(2, 3).to(txt_q.dtype)
-            txt_parts.append(joint[:, :seq_txt])
-            img_parts.append(joint[:, seq_txt:].flatten(0, 1))
+            qkv = [(x.index_select(0, rows), group.of(y)) for x, y in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v))]
+            joint = _attend(attn, *(torch.cat(pair[::-1] if image_first else pair, dim=1) for pair in qkv),
+                            mask=None if masks is None else masks[index]).to(txt_q.dtype)
+            txt, img = (joint[:, group.length:], joint[:, :group.length]) if image_first else (
+                joint[:, :seq_txt], joint[:, seq_txt:])
+            txt_parts.append(txt)
+            img_parts.append(img.flatten(0, 1))
         return self.in_row_order(torch.cat(txt_parts)), torch.cat(img_parts).unsqueeze(0)
+
+    def self_attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of packed image tokens [1, T, H, D] each row over its own tokens only -> [1, T, H * D]."""
+        parts = [_attend(attn, group.of(q), group.of(k), group.of(v)).to(q.dtype).flatten(0, 1)
+                 for group in self.groups]
+        return torch.cat(parts).unsqueeze(0)
+
+
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """[B, S, H, D] -> [B, S, H * D]: `dispatch_attention_fn` as diffusers' processors call it, with the module's
+    processor backend (processors without one, SD3's `JointAttnProcessor2_0`, run plain SDPA)."""
+    processor = attn.processor
+    return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=getattr(processor, "_attention_backend", None),
+                                 parallel_config=getattr(processor, "_parallel_config", None)).flatten(2, 3)

@@ -9,10 +9,12 @@ adds what is SD3's own: CFG from `guidance_scale`, negative prompts, and its key
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.sd3.adapter import DEFAULT_GUIDANCE_SCALE, SD3Adapter
+from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
 from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
                            load_tiny_adapter, parse, pipe_reference)
@@ -91,3 +93,35 @@ def test_registry_and_flags():
     assert SD3Adapter.supports_request_batch and SD3Adapter.supports_step_execution and SD3Adapter.supports_previews
     assert SD3Adapter.cfg_kind == "cfg" and SD3Adapter.input_spec("guidance_scale").batch == "adapter"
     assert "true_cfg_scale" not in {s.name for s in SD3Adapter.inputs}
+
+
+@pytest.mark.parametrize("variant", ["sd3", "sd3.5"])
+def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter, variant):
+    """The packed forward over rows whose patch counts repeat out of row order (several attention groups;
+    4x8 and 8x4 share a count but not their crops of the position table), each with its own timestep, gives
+    every row diffusers' forward of that row alone, and zeros on its padding: through the joint blocks and the
+    last, `context_pre_only` one. SD3.5's layout (a second, image-only attention; RMS qk norms) too."""
+    transformer = adapter.pipe.transformer
+    if variant == "sd3.5":
+        from diffusers import SD3Transformer2DModel
+
+        transformer = SD3Transformer2DModel.from_config(
+            {**transformer.config, "dual_attention_layers": (0,), "qk_norm": "rms_norm"}).eval()
+        assert transformer.transformer_blocks[0].use_dual_attention and transformer.transformer_blocks[0].attn.norm_q
+    sizes = [(8, 8), (4, 4), (4, 8), (8, 4), (8, 8)]  # latent pixels; patch 2
+    longest, channels = max(h * w for h, w in sizes), transformer.config.in_channels
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(len(sizes), longest, channels, generator=gen)
+    timestep = 1000 * torch.rand(len(sizes), generator=gen)
+    text = torch.randn(len(sizes), 7, transformer.config.joint_attention_dim, generator=gen)
+    pooled = torch.randn(len(sizes), transformer.config.pooled_projection_dim, generator=gen)
+    packing = SD3Packing(sizes, transformer.config.patch_size, torch.device("cpu"))
+    assert [group.rows for group in packing.groups] == [[0, 4], [1], [2, 3]]
+    together = packed_forward(transformer, latents, timestep, pooled, text, packing)
+    for row, (h, w) in enumerate(sizes):
+        with torch.inference_mode():
+            alone = transformer(hidden_states=from_tokens(latents[row:row + 1, :h * w], h, w),
+                                timestep=timestep[row:row + 1], pooled_projections=pooled[row:row + 1],
+                                encoder_hidden_states=text[row:row + 1], return_dict=False)[0]
+        torch.testing.assert_close(together[row:row + 1, :h * w], to_tokens(alone), rtol=1e-4, atol=1e-5)
+        assert not together[row, h * w:].any()

@@ -1,7 +1,7 @@
 """Every registered pipeline besides qwen_image (which the session's server covers) behind a real
 tritonserver, from its generated repository entry: it loads, a served image is the diffusers image,
 HTTP generate_stream streams PNGs; and for Flux and SD3 gRPC streaming with previews and their own
-input rules. Flux runs with `mixed_size_batching=true` and a tick budget (held by one test only).
+input rules. Flux and SD3 run with `mixed_size_batching=true` and a tick budget (held by one test only).
 
 One server for the module, holding every such model on its tiny pipeline (`model_path`
 set per model: $DIFFUSION_MODEL_PATH is shared by every model of a server).
@@ -28,6 +28,7 @@ from .streaming import (RequestStream, close_all, metric, post_json, run_concurr
                         wait_for_metric)
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
+MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +40,24 @@ def model_dirs():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dirs):
-    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux
-    with mixed_size_batching on and a tick budget (`server.flux_budget`)."""
+    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
+    SD3 with mixed_size_batching on and a tick budget each (`server.budgets`)."""
     tmp = tmp_path_factory.mktemp("other_pipelines")
     repo = tmp / "repository"
-    flux_budget = TickBudget(tmp / "flux_tick_budget")
+    budgets = {name: TickBudget(tmp / f"{name}_tick_budget") for name in MIXED_SIZES}
     for name in MODELS:
         shutil.copytree(REPO_ROOT / "model_repository" / name, repo / name,
                         ignore=shutil.ignore_patterns("__pycache__"))
         config = repo / name / "config.pbtxt"
         text = set_parameter(config.read_text(), "model_path", str(model_dirs[name]))
-        if name == "flux":
+        if name in budgets:
             text = set_parameter(set_parameter(text, "mixed_size_batching", "true"),
-                                 "test_tick_budget_path", str(flux_budget.path))
+                                 "test_tick_budget_path", str(budgets[name].path))
         config.write_text(text)
     srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
                        env={"OMP_NUM_THREADS": "1"})  # two model processes share the CPU cores
-    srv.flux_budget = flux_budget
+    srv.budgets = budgets
     srv.start(timeout_s=300)
     yield srv
     srv.cleanup()
@@ -117,32 +118,33 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
                                       output.convert(getattr(expected, output.pipe_output)), err_msg=output.name)
 
 
-def test_flux_requests_of_different_sizes_share_every_forward_and_match_their_solo_images(server):
-    """mixed_size_batching: four Flux requests, held until all four wait, then run together, packed
-    (flux/mixed_sizes.py; token counts 64, 32, 32, 64: the packing reorders rows, and 32x64 and 64x32
+@pytest.mark.parametrize("model", MIXED_SIZES)
+def test_requests_of_different_sizes_share_every_forward_and_match_their_solo_images(server, model):
+    """mixed_size_batching: four requests, held until all four wait, then run together, packed
+    (*/mixed_sizes.py; token counts 64, 32, 32, 64: the packing reorders rows, and 32x64 and 64x32
     share a count but not their positions): each of their three ticks holds all four, and each image is
     within 1 level (in <= 0.1 % of values) of the same request served alone."""
     sizes = ((64, 64), (32, 64), (64, 32), (64, 64))
-    cases = {f"flux-{i}-{h}x{w}": dict(prompt=prompt, height=h, width=w, num_inference_steps=3, seed=i)
+    cases = {f"{model}-{i}-{h}x{w}": dict(prompt=prompt, height=h, width=w, num_inference_steps=3, seed=i)
              for i, (prompt, (h, w)) in enumerate(zip(("a red cube", "a green sphere", "a cat", "a boat"), sizes))}
     before = scrape(server.metrics_url)
-    budget = server.flux_budget.hold()
+    budget = server.budgets[model].hold()
     streams = []
     try:
-        streams = [RequestStream(server.grpc_url).send(rid, model="flux", **case) for rid, case in cases.items()]
-        assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", 4.0, model="flux") == 4
+        streams = [RequestStream(server.grpc_url).send(rid, model=model, **case) for rid, case in cases.items()]
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", 4.0, model=model) == 4
         budget.release()
         together = {stream.request_id: stream.collect(timeout=120) for stream in streams}
     finally:
         close_all(streams, budget)
-    ticks = metric(before, "diffusion_batch_size_count", model="flux") + 3
-    assert wait_for_metric(server.metrics_url, "diffusion_batch_size_count", ticks, model="flux") == ticks
-    rows = metric(scrape(server.metrics_url), "diffusion_batch_size_sum", model="flux")
-    assert rows - metric(before, "diffusion_batch_size_sum", model="flux") == 12, "not all four in every forward"
+    ticks = metric(before, "diffusion_batch_size_count", model=model) + 3
+    assert wait_for_metric(server.metrics_url, "diffusion_batch_size_count", ticks, model=model) == ticks
+    rows = metric(scrape(server.metrics_url), "diffusion_batch_size_sum", model=model)
+    assert rows - metric(before, "diffusion_batch_size_sum", model=model) == 12, "not all four in every forward"
     for rid, case in cases.items():
         assert not together[rid].errors and together[rid].num_final == 1, together[rid].errors
         image = together[rid].final.as_numpy("image")
-        alone = run_request(server.grpc_url, model="flux", request_id=f"{rid}-alone", **case)
+        alone = run_request(server.grpc_url, model=model, request_id=f"{rid}-alone", **case)
         assert not alone.errors, alone.errors
         levels = np.abs(image.astype(int) - alone.final.as_numpy("image").astype(int))
         assert image.shape == (1, case["height"], case["width"], 3)

@@ -5,7 +5,10 @@ each piece calling the pipeline's helpers:
 
 * text: one `encode_prompt` call (two CLIPs + T5 padded to `max_sequence_length`,
   and with CFG the negative prompt, "" when none is given);
-* latents: `prepare_latents` ([N, C, h, w], no packing);
+* latents: `prepare_latents` ([N, C, h, w]), kept as tokens [N, h * w, C] (a permutation, so the
+  values are diffusers'; `_unpack` restores [N, C, h, w] for the transformer and the VAE); with
+  `mixed_size_batching`, rows of different sizes share a step batch, their patch tokens packed,
+  each with its own crop of the position table (mixed_sizes.py);
 * timesteps: the scheduler's own (no sigmas), `calculate_shift` only with
   `use_dynamic_shifting`;
 * transformer: the scheduler's timestep as is (no `/ 1000`); classifier-free
@@ -14,7 +17,8 @@ each piece calling the pipeline's helpers:
 * decode: `/ scaling_factor + shift_factor`, `vae.decode`.
 
 The text length is shared by every row of a forward (no text mask), so it is in
-the keys, with whether CFG is on and its scale.
+the keys, with whether CFG is on and its scale; the image size is too, unless
+`mixed_size_batching` is on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
                                              TextParts, max_sequence_length)
+from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
 
 DEFAULT_GUIDANCE_SCALE = 7.0  # StableDiffusion3Pipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default
@@ -44,6 +49,7 @@ class SD3Adapter(FlowMatchAdapter):
     )
     cfg_kind = "cfg"
     cfg_order = ("uncond", "cond")  # torch.cat([negative_prompt_embeds, prompt_embeds]) in __call__
+    step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     @property
     def size_multiple(self) -> int:
@@ -72,28 +78,44 @@ class SD3Adapter(FlowMatchAdapter):
     def _initial_latents(self, state: FlowMatchState) -> torch.Tensor:
         p = state.params
         dtype = state.text["cond"]["embeds"].dtype
-        return self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels, p.height, p.width,
-                                         dtype, self.device, state.generator)
+        return to_tokens(self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels, p.height,
+                                                   p.width, dtype, self.device, state.generator))
 
     def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         if not self.pipe.scheduler.config.get("use_dynamic_shifting", None):
             return {}
-        _, _, height, width = state.latents.shape
-        patch = self.pipe.transformer.config.patch_size
-        return {"mu": self._shift((height // patch) * (width // patch), max_shift_default=1.16)}
+        p = state.params
+        return {"mu": self._shift(p.height // self.size_multiple * (p.width // self.size_multiple),
+                                  max_shift_default=1.16)}
 
     def _model_timestep(self, timesteps: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return timesteps  # SD3's transformer takes the scheduler's timesteps as they are
 
+    def _row_inputs(self, states: list[FlowMatchState]) -> dict:
+        if len({(s.params.height, s.params.width) for s in states}) == 1:
+            return {}
+        vae = self.pipe.vae_scale_factor  # a ragged batch: patch tokens packed
+        return {"packing": SD3Packing([(s.params.height // vae, s.params.width // vae) for s in states
+                                       for _ in range(s.num_rows)], self.pipe.patch_size, self.device)}
+
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        return self.pipe.transformer(
-            hidden_states=latents,
+        packing = rows.get("packing")
+        if packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],
+                                      packing)
+        return to_tokens(self.pipe.transformer(
+            hidden_states=self._unpack(latents, states[0].params.height, states[0].params.width),
             timestep=timestep,
             encoder_hidden_states=text["embeds"],
             pooled_projections=text["pooled"],
             joint_attention_kwargs=None,
             return_dict=False,
-        )[0]
+        )[0])
+
+    def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        vae = self.pipe.vae_scale_factor
+        return from_tokens(latents, height // vae, width // vae)
 
 
 ADAPTER = SD3Adapter

@@ -1,0 +1,142 @@
+"""SD3 requests of different image sizes in one denoise forward, packed (beyond diffusers).
+
+`SD3Transformer2DModel` patchifies 4-D latents of one size, adds a crop of its absolute
+position table for that size, and unpatchifies back to that size. A ragged batch runs
+`packed_forward` instead (the packing: engine_lib/pipelines/packing.py): each size's rows
+go through `pos_embed` (patchify and their own crop of the table) together, the patch tokens
+of every row are packed into one sequence, each token modulated by its own row's timestep
+embedding, the joint attention ([image; text], as `JointAttnProcessor2_0` orders it) once
+per group of rows of one patch count, and each size's rows are unpatchified again. A batch
+of one size runs diffusers' own forward, so solo requests stay bitwise the pipeline's; this
+module mirrors `SD3Transformer2DModel.forward`, `JointTransformerBlock` (SD3.5's dual
+attention and qk norms included) and `JointAttnProcessor2_0` operation for operation otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_lib.host_copy import to_device
+from engine_lib.pipelines.packing import Packing
+
+
+def to_tokens(latents: torch.Tensor) -> torch.Tensor:
+    """[N, C, h, w] -> [N, h * w, C]: the layout the engine keeps SD3 latents in, so rows of different sizes
+    pad and pack along one token axis as the other pipelines' latents do (a permutation: values exact)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def from_tokens(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[N, h * w, C] -> [N, C, h, w], contiguous (a conv on channels-last strides may round differently)."""
+    return tokens.transpose(1, 2).unflatten(2, (height, width)).contiguous()
+
+
+class SD3Packing(Packing):
+    """The packing of rows with latent sizes `sizes` [(h, w)]: one token per patch (the engine's token latents,
+    one per latent pixel, are patchified and unpatchified here, not `pack`ed)."""
+
+    def __init__(self, sizes: list[tuple[int, int]], patch_size: int, device: torch.device) -> None:
+        super().__init__([(h // patch_size) * (w // patch_size) for h, w in sizes], device)
+        self.sizes, self.patch_size = list(sizes), patch_size
+        by_size: dict[tuple[int, int], list[int]] = {}  # rows of one size share pos_embed and unpatchify
+        for row, size in enumerate(self.sizes):
+            by_size.setdefault(size, []).append(row)
+        self.by_size = {size: (rows, to_device(rows, device)) for size, rows in by_size.items()}
+        self.starts, start = {}, 0  # each row's first token in the packed sequence
+        for row in self.order:
+            self.starts[row] = start
+            start += (self.sizes[row][0] // patch_size) * (self.sizes[row][1] // patch_size)
+
+    def _repeat(self, times: int) -> "SD3Packing":
+        return SD3Packing(self.sizes * times, self.patch_size, self.device)
+
+    def patchify(self, pos_embed, latents: torch.Tensor) -> torch.Tensor:
+        """Token latents [R, longest, C] -> packed patch embeddings [1, T, D], each row with its size's crop."""
+        embedded: dict[int, torch.Tensor] = {}
+        for (h, w), (rows, rows_on_device) in self.by_size.items():
+            own = latents[:, :h * w].index_select(0, rows_on_device)
+            for row, tokens in zip(rows, pos_embed(from_tokens(own, h, w))):
+                embedded[row] = tokens
+        return torch.cat([embedded[row] for row in self.order]).unsqueeze(0)
+
+    def unpatchify(self, packed: torch.Tensor, out_channels: int) -> torch.Tensor:
+        """Packed patch outputs [1, T, p * p * C] -> token latents [R, longest, C], zeros on the padding."""
+        p = self.patch_size
+        out = packed.new_zeros(self.rows, max(h * w for h, w in self.sizes), out_channels)
+        for (h, w), (rows, rows_on_device) in self.by_size.items():
+            n = (h // p) * (w // p)
+            x = torch.stack([packed[0, self.starts[row]:self.starts[row] + n] for row in rows])
+            x = torch.einsum("nhwpqc->nchpwq", x.reshape(len(rows), h // p, w // p, p, p, out_channels))
+            out[:, :h * w].index_copy_(0, rows_on_device, to_tokens(x.reshape(len(rows), out_channels, h, w)))
+        return out
+
+
+def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: SD3Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    """`JointAttnProcessor2_0` with a packed image stream: projections per real token, the joint attention
+    once per group; the text part None after a `context_pre_only` block (its last)."""
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (attn.heads, -1))
+
+    def normed(norm, x: torch.Tensor) -> torch.Tensor:
+        return x if norm is None else norm(x)
+
+    img_q, img_k, img_v = heads(attn.to_q(img)), heads(attn.to_k(img)), heads(attn.to_v(img))
+    img_q, img_k = normed(attn.norm_q, img_q), normed(attn.norm_k, img_k)
+    txt_q, txt_k, txt_v = heads(attn.add_q_proj(txt)), heads(attn.add_k_proj(txt)), heads(attn.add_v_proj(txt))
+    txt_q, txt_k = normed(attn.norm_added_q, txt_q), normed(attn.norm_added_k, txt_k)
+    txt_out, img_out = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, image_first=True)
+    img_out = attn.to_out[1](attn.to_out[0](img_out))
+    return img_out, None if attn.context_pre_only else attn.to_add_out(txt_out)
+
+
+def _self_attention(attn, img: torch.Tensor, packing: SD3Packing) -> torch.Tensor:
+    """SD3.5's second (image-only) attention, each row over its own tokens."""
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (attn.heads, -1))
+
+    q, k, v = heads(attn.to_q(img)), heads(attn.to_k(img)), heads(attn.to_v(img))
+    if attn.norm_q is not None:
+        q, k = attn.norm_q(q), attn.norm_k(k)
+    return attn.to_out[1](attn.to_out[0](packing.self_attend(attn, q, k, v)))
+
+
+def _block(block, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, packing: SD3Packing):
+    """`JointTransformerBlock.forward` on a packed image stream (img [1, T, D]; txt [R, L, D]; temb [R, D])."""
+    assert block._chunk_size is None, "chunked feed-forward is not mirrored here"
+    norm1 = block.norm1  # AdaLayerNormZero (six parameters per token) or SD35AdaLayerNormZeroX (nine)
+    chunks = packing.per_token(norm1.linear(norm1.silu(temb))).chunk(9 if block.use_dual_attention else 6, dim=-1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks[:6]
+    normed = norm1.norm(img)
+    norm_img = normed * (1 + scale_msa) + shift_msa
+    if block.context_pre_only:
+        norm_txt = block.norm1_context(txt, temb)
+    else:
+        norm_txt, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(txt, emb=temb)
+    img_attn, txt_attn = _attention(block.attn, norm_img, norm_txt, packing)
+
+    img = img + gate_msa * img_attn
+    if block.use_dual_attention:
+        shift_msa2, scale_msa2, gate_msa2 = chunks[6:]
+        img = img + gate_msa2 * _self_attention(block.attn2, normed * (1 + scale_msa2) + shift_msa2, packing)
+    norm_img = block.norm2(img) * (1 + scale_mlp) + shift_mlp
+    img = img + gate_mlp * block.ff(norm_img)
+    if block.context_pre_only:
+        return img, None
+
+    txt = txt + c_gate_msa.unsqueeze(1) * txt_attn
+    norm_txt = block.norm2_context(txt) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    return img, txt + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_txt)
+
+
+@torch.inference_mode()
+def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, pooled: torch.Tensor,
+                   text_embeds: torch.Tensor, packing: SD3Packing) -> torch.Tensor:
+    """`SD3Transformer2DModel.forward` over rows of different image sizes: token latents [R, longest, C]
+    (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding."""
+    img = packing.patchify(transformer.pos_embed, latents)
+    temb = transformer.time_text_embed(timestep, pooled)
+    txt = transformer.context_embedder(text_embeds)
+    for block in transformer.transformer_blocks:
+        img, txt = _block(block, img, txt, temb, packing)
+    img = transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb))
+    return packing.unpatchify(img, transformer.out_channels)
