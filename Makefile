@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-priority bench-slo bench-own bench-efficiency bench-video clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-packing bench-priority bench-slo bench-own bench-efficiency bench-video clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -36,6 +36,9 @@ bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (abo
 
 bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (a few minutes)
 	@$(PY) -m benchmarks.mixed_sizes
+
+bench-packing: models  ## one forward over rows of two sizes: packed vs per size vs padded, per pipeline (a minute)
+	@$(PY) -m benchmarks.packing
 
 bench-priority: models  ## an urgent request alone and under a full background load, side by side (a few minutes)
 	@$(PY) -m benchmarks.priority

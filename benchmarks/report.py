@@ -337,7 +337,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + priority_section() + slo_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + packing_section() + priority_section() + slo_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -732,6 +732,32 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def packing_section(path: Optional[Path] = None) -> list[str]:
+    """One forward over two sizes: packed vs per size vs padded (`make bench-packing`: results/packing.json)."""
+    results = side_results(path, "packing")
+    if results is None:
+        return []
+    w = results["workload"]
+    small, large = ("x".join(map(str, w[key])) for key in ("small_tokens", "large_tokens"))
+    lines = ["", "## Mixed sizes in one forward: packed vs per size vs padded", "",
+             f"`make bench-packing`, started {results['started']}: one process, {w['threads']} thread, each "
+             f"pipeline's tiny transformer config widened to {w['heads']['num_attention_heads']} heads of "
+             f"{w['heads']['attention_head_dim']} (random weights), {w['rows_per_size']} rows of {small} patch tokens "
+             f"and {w['rows_per_size']} of {large} (64x64 and 128x128 images), {w['text_tokens']} text tokens; "
+             f"median of {w['repeats']} interleaved calls. Packed is `mixed_size_batching`'s forward; per size is "
+             "diffusers' forward once per size (size-keyed step batching); padded is diffusers' forward of every row "
+             "at the larger size (what padding computes).", "",
+             "| pipeline | packed ms | per size ms | padded ms | per size / packed | padded / packed |",
+             "|---|---|---|---|---|---|"]
+    for name, entry in results["pipelines"].items():
+        ms = entry["median_ms"]
+        lines.append(f"| {name} | {f(ms['packed'], 1)} | {f(ms['per_size'], 1)} | {f(ms['padded'], 1)} | "
+                     f"{f(entry['per_size_over_packed'], 2, 'x')} | {f(entry['padded_over_packed'], 2, 'x')} |")
+    lines += ["", "Packing costs what the separate forwards cost on this CPU, where a forward's price is its tokens; "
+              "what it buys is that rows of different sizes need not wait for forwards of their own size."]
+    return lines
+
+
 def slo_section(path: Optional[Path] = None) -> list[str]:
     """The Poisson mixed-steps load with SLOs sent as deadlines (`make bench-slo`: slo.json)."""
     results = side_results(path, "slo")
@@ -885,6 +911,7 @@ def reproduce_section() -> list[str]:
             "make bench              # the full run (20-30 minutes on 2 CPUs)",
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
+            "make bench-packing      # one forward over two sizes: packed vs per size vs padded, per pipeline (a minute)",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "make bench-slo          # the Poisson load with SLOs sent as deadlines: shortest remaining vs deadline order",
             "python -m benchmarks.slo_model         # what any schedule could do for that load on this machine (a second)",
