@@ -512,6 +512,24 @@ if not sys.stdin.buffer.read():
 """
 
 
+_REAPER_PIPES: set = set()  # the write ends of our live reapers' pipes
+
+
+def _close_reaper_pipes_in_child() -> None:
+    """After os.fork (multiprocessing's fork, say): the child must not hold our reapers' pipes, or our
+    death would not be EOF to them until the child exits too. (Exec'd children never get them:
+    Python's pipes are not inheritable.)"""
+    for pipe in list(_REAPER_PIPES):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+    _REAPER_PIPES.clear()
+
+
+os.register_at_fork(after_in_child=_close_reaper_pipes_in_child)
+
+
 def start_reaper(group: int, shm_prefix: str) -> subprocess.Popen:
     """A small process, in its own session, that SIGKILLs process group `group` (a server and its
     stubs) and removes its shared memory if we die, even by SIGKILL, without `release_reaper`: its
@@ -519,14 +537,17 @@ def start_reaper(group: int, shm_prefix: str) -> subprocess.Popen:
     itself, but a stub can hang once its server is gone and live on holding its memory (seen with
     tritonserver 2.51: its parent-death handler blocked on a mutex while a metrics call waited for
     the dead server's reply)."""
-    return subprocess.Popen([sys.executable, "-c", _REAPER, str(group), shm_prefix], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(group), shm_prefix], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _REAPER_PIPES.add(reaper.stdin)
+    return reaper
 
 
 def release_reaper(reaper: Optional[subprocess.Popen]) -> None:
     """Tell a reaper that the group was stopped (nothing for it to do) and let it exit."""
     if reaper is None:
         return
+    _REAPER_PIPES.discard(reaper.stdin)
     try:
         reaper.stdin.write(b"stopped")
         reaper.stdin.close()

@@ -169,3 +169,50 @@ def test_an_admin_key_protects_the_repository_api_of_an_explicit_mode_server():
     # The drain is the launcher's unload (up to 120 s); tritonserver's own exit timeout only covers idle connections.
     assert "--exit-timeout-secs=3" in command
     assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))
+
+
+@pytest.mark.parametrize("forks", [False, True], ids=["alone", "after-a-fork"])
+def test_a_reaper_ends_its_group_when_its_owner_is_killed(tmp_path, forks):
+    """The owner of a reaper (start_reaper) is SIGKILLed: its group (here a `sleep` in its own session) and
+    its shared memory are gone within seconds, also when the owner had forked a child that lives on (the
+    child must not hold the reaper's pipe, or the reaper would wait for it too)."""
+    prefix = f"reaper-test-{os.getpid()}-{forks}-"
+    script = textwrap.dedent(f"""
+        import os, signal, subprocess, time
+        from engine_lib.serving.launcher import start_reaper
+        group = subprocess.Popen(["sleep", "60"], start_new_session=True, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        open("/dev/shm/{prefix}region", "w").close()
+        start_reaper(group.pid, "{prefix}")
+        child = os.fork() if {forks} else 1
+        if child == 0:  # lets go of our stdout and stderr (the test reads them to EOF), keeps the rest
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            time.sleep(60)
+            os._exit(0)
+        print(group.pid, child, flush=True)
+        time.sleep(0.5)  # the reaper has started reading
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    owner = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert owner.returncode == -signal.SIGKILL, owner.stderr
+    group, child = map(int, owner.stdout.split())
+    try:
+        killed = time.monotonic()
+        while time.monotonic() - killed < 10 and (_alive(group) or (Path("/dev/shm") / f"{prefix}region").exists()):
+            time.sleep(0.1)
+        assert not _alive(group), "the reaper did not end the group"
+        assert not (Path("/dev/shm") / f"{prefix}region").exists(), "the reaper did not remove the shm region"
+    finally:
+        for pid in (group, child):
+            if pid > 1 and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie or a reaped pid is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
