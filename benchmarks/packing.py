@@ -1,21 +1,24 @@
 """`make bench-packing`: one denoise forward over rows of two sizes, packed vs per size vs padded, per pipeline.
 
-For Qwen-Image, Flux and SD3, in one process on one thread, a random-weight transformer of
-the tiny preset's config widened to 4 heads of 64 (Qwen-Image's bench preset width; speed
-does not depend on weight values) runs 4 rows of 8x8 patch tokens and 4 of 16x16 (64x64 and
-128x128 images at VAE factor 8, patch 2), 32 text tokens, each row its own timestep:
+For Qwen-Image, Flux and SD3, in one process (on the CPU: one thread), a random-weight
+transformer of the tiny preset's config widened to 4 heads of 64 (Qwen-Image's bench preset
+width; speed does not depend on weight values) runs 4 rows of 8x8 patch tokens and 4 of 16x16
+(128x128 and 256x256 images at VAE factor 8, patch 2; `--scale` multiplies the sides), 32 text
+tokens, each row its own timestep:
 
 * packed: the pipeline's `packed_forward` (`mixed_size_batching`), every row in one forward;
 * per size: diffusers' forward once per size, what size-keyed step batching runs;
 * padded: diffusers' forward of all 8 rows at the larger size, what right-padding the small
   rows would compute (without the masks that would make it correct).
 
-Timings interleaved, `repeats` rounds, medians. Results: benchmarks/results/packing.json;
-docs/benchmarks.md.
+Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised). Results:
+benchmarks/results/packing.json and docs/benchmarks.md; `bash benchmarks/gpu.sh` runs it on
+CUDA into benchmarks/results/packing-gpu.json and docs/benchmarks-gpu.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -23,123 +26,143 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from benchmarks.run import machine_info, side_main
+from benchmarks.run import machine_info, save_and_report
 
-SMALL, LARGE, ROWS_PER_SIZE, TEXT_TOKENS = (8, 8), (16, 16), 4, 32  # patch tokens per side; rows; text
+SMALL, LARGE, ROWS_PER_SIZE, TEXT_TOKENS = (8, 8), (16, 16), 4, 32  # patch tokens per side (x --scale); rows
 WIDE = dict(attention_head_dim=64, num_attention_heads=4)
 
 
-def _transformer(name: str, **overrides):
-    """The tiny preset's transformer config with `overrides`, random weights, in eval mode."""
-    from engine_lib.pipelines.registry import load_adapter
+class Setup:
+    """Where and at what scale one run builds its inputs."""
+
+    def __init__(self, device: str, dtype: str, scale: int) -> None:
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        self.small, self.large = (tuple(scale * n for n in side) for side in (SMALL, LARGE))
+        self.sizes = [self.small] * ROWS_PER_SIZE + [self.large] * ROWS_PER_SIZE
+        self.gen = torch.Generator().manual_seed(0)
+
+    def randn(self, *shape: int, dtype=None) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.device, dtype or self.dtype)
+
+
+def _transformer(name: str, setup: Setup, **overrides):
+    """The tiny preset's transformer config with `overrides`, random weights, in eval mode, on the setup's device."""
     from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
     from engine_lib.tiny_models import ensure_model
 
     pipe = load_adapter(EngineConfig(pipeline=name, model_path=str(ensure_model(name, "tiny")), device="cpu",
                                      dtype="float32")).pipe
     torch.manual_seed(0)
-    return pipe, type(pipe.transformer).from_config({**pipe.transformer.config, **overrides}).eval()
+    transformer = type(pipe.transformer).from_config({**pipe.transformer.config, **overrides})
+    return transformer.to(setup.device, setup.dtype).eval()
 
 
-def _inputs(transformer, text_dim: int, gen: torch.Generator) -> dict:
-    sizes = [SMALL] * ROWS_PER_SIZE + [LARGE] * ROWS_PER_SIZE
-    rows = len(sizes)
-    return {"sizes": sizes, "timestep": torch.rand(rows, generator=gen),
-            "text": torch.randn(rows, TEXT_TOKENS, text_dim, generator=gen)}
-
-
-def qwen_image_forwards() -> dict[str, Callable[[], object]]:
+def qwen_image_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
     from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 
-    _, t = _transformer("qwen_image", num_layers=6, axes_dims_rope=[16, 24, 24], **WIDE)
-    x = _inputs(t, t.config.joint_attention_dim, torch.Generator().manual_seed(0))
-    shapes = [(1, h, w) for h, w in x["sizes"]]
-    lengths = [h * w for h, w in x["sizes"]]
-    latents = torch.randn(len(shapes), max(lengths), t.config.in_channels)
-    mask = torch.ones(len(shapes), TEXT_TOKENS, dtype=torch.long)
-    packing = QwenPacking(t.pos_embed, shapes, torch.device("cpu"))
+    t = _transformer("qwen_image", setup, num_layers=6, axes_dims_rope=[16, 24, 24], **WIDE)
+    rows, shapes = len(setup.sizes), [(1, h, w) for h, w in setup.sizes]
+    latents = setup.randn(rows, max(h * w for h, w in setup.sizes), t.config.in_channels)
+    timestep, text = setup.randn(rows).abs(), setup.randn(rows, TEXT_TOKENS, t.config.joint_attention_dim)
+    mask = torch.ones(rows, TEXT_TOKENS, dtype=torch.long, device=setup.device)
+    packing = QwenPacking(t.pos_embed, shapes, setup.device)
 
-    def diffusers(rows: slice, shape: tuple) -> None:
-        n = shape[1] * shape[2]  # (frames, h, w)
-        t(hidden_states=latents[rows, :n], timestep=x["timestep"][rows], encoder_hidden_states=x["text"][rows],
-          encoder_hidden_states_mask=mask[rows], img_shapes=[[shape]] * (rows.stop - rows.start), return_dict=False)
+    def diffusers(rows: slice, size: tuple) -> None:
+        t(hidden_states=latents[rows, :size[0] * size[1]], timestep=timestep[rows], encoder_hidden_states=text[rows],
+          encoder_hidden_states_mask=mask[rows], img_shapes=[[(1, *size)]] * (rows.stop - rows.start),
+          return_dict=False)
 
-    return _three(lambda: packed_forward(t, latents, x["timestep"], None, x["text"], mask, packing),
-                  lambda rows, size: diffusers(rows, (1, *size)))
+    return _three(setup, lambda: packed_forward(t, latents, timestep, None, text, mask, packing), diffusers)
 
 
-def flux_forwards() -> dict[str, Callable[[], object]]:
+def flux_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
     from diffusers import FluxPipeline
 
     from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 
-    _, t = _transformer("flux", num_layers=2, num_single_layers=4, axes_dims_rope=[16, 24, 24], **WIDE)
-    x = _inputs(t, t.config.joint_attention_dim, torch.Generator().manual_seed(0))
-    img_ids = [FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32) for h, w in x["sizes"]]
-    latents = torch.randn(len(img_ids), max(ids.shape[0] for ids in img_ids), t.config.in_channels)
-    pooled = torch.randn(len(img_ids), t.config.pooled_projection_dim)
-    guidance = torch.full((len(img_ids),), 3.5) if t.config.guidance_embeds else None
-    txt_ids = torch.zeros(TEXT_TOKENS, 3)
-    packing = FluxPacking(t.pos_embed, txt_ids, img_ids, torch.device("cpu"))
+    t = _transformer("flux", setup, num_layers=2, num_single_layers=4, axes_dims_rope=[16, 24, 24], **WIDE)
+
+    def ids(size: tuple) -> torch.Tensor:
+        return FluxPipeline._prepare_latent_image_ids(1, *size, setup.device, setup.dtype)
+
+    rows = len(setup.sizes)
+    latents = setup.randn(rows, max(h * w for h, w in setup.sizes), t.config.in_channels)
+    timestep, text = setup.randn(rows).abs(), setup.randn(rows, TEXT_TOKENS, t.config.joint_attention_dim)
+    pooled = setup.randn(rows, t.config.pooled_projection_dim)
+    guidance = torch.full((rows,), 3.5, device=setup.device) if t.config.guidance_embeds else None
+    txt_ids = torch.zeros(TEXT_TOKENS, 3, device=setup.device, dtype=setup.dtype)
+    packing = FluxPacking(t.pos_embed, txt_ids, [ids(size) for size in setup.sizes], setup.device)
 
     def diffusers(rows: slice, size: tuple) -> None:
-        ids = FluxPipeline._prepare_latent_image_ids(1, *size, "cpu", torch.float32)
-        t(hidden_states=latents[rows, :ids.shape[0]], timestep=x["timestep"][rows],
+        t(hidden_states=latents[rows, :size[0] * size[1]], timestep=timestep[rows],
           guidance=None if guidance is None else guidance[rows], pooled_projections=pooled[rows],
-          encoder_hidden_states=x["text"][rows], txt_ids=txt_ids, img_ids=ids, return_dict=False)
+          encoder_hidden_states=text[rows], txt_ids=txt_ids, img_ids=ids(size), return_dict=False)
 
-    return _three(lambda: packed_forward(t, latents, x["timestep"], guidance, pooled, x["text"], packing), diffusers)
+    return _three(setup, lambda: packed_forward(t, latents, timestep, guidance, pooled, text, packing), diffusers)
 
 
-def sd3_forwards() -> dict[str, Callable[[], object]]:
+def sd3_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
     from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward
 
-    _, t = _transformer("sd3", num_layers=6, caption_projection_dim=256, **WIDE)
-    x = _inputs(t, t.config.joint_attention_dim, torch.Generator().manual_seed(0))
-    patch = t.config.patch_size
-    sizes = [(h * patch, w * patch) for h, w in x["sizes"]]  # latent pixels
-    latents = torch.randn(len(sizes), max(h * w for h, w in sizes), t.config.in_channels)
-    pooled = torch.randn(len(sizes), t.config.pooled_projection_dim)
-    timestep = 1000 * x["timestep"]
-    packing = SD3Packing(sizes, patch, torch.device("cpu"))
+    t = _transformer("sd3", setup, num_layers=6, caption_projection_dim=256, **WIDE)
+    patch, rows = t.config.patch_size, len(setup.sizes)
+    pixels = [(h * patch, w * patch) for h, w in setup.sizes]  # latent pixels
+    latents = setup.randn(rows, max(h * w for h, w in pixels), t.config.in_channels)
+    timestep, text = 1000 * setup.randn(rows).abs(), setup.randn(rows, TEXT_TOKENS, t.config.joint_attention_dim)
+    pooled = setup.randn(rows, t.config.pooled_projection_dim)
+    packing = SD3Packing(pixels, patch, setup.device)
 
     def diffusers(rows: slice, size: tuple) -> None:
         h, w = size[0] * patch, size[1] * patch
         t(hidden_states=from_tokens(latents[rows, :h * w], h, w), timestep=timestep[rows],
-          pooled_projections=pooled[rows], encoder_hidden_states=x["text"][rows], return_dict=False)
+          pooled_projections=pooled[rows], encoder_hidden_states=text[rows], return_dict=False)
 
-    return _three(lambda: packed_forward(t, latents, timestep, pooled, x["text"], packing), diffusers)
+    return _three(setup, lambda: packed_forward(t, latents, timestep, pooled, text, packing), diffusers)
 
 
-def _three(packed: Callable[[], object], diffusers: Callable[[slice, tuple], None]) -> dict[str, Callable[[], object]]:
-    small, large, every = slice(0, ROWS_PER_SIZE), slice(ROWS_PER_SIZE, 2 * ROWS_PER_SIZE), slice(0, 2 * ROWS_PER_SIZE)
+def _three(setup: Setup, packed: Callable[[], object],
+           diffusers: Callable[[slice, tuple], None]) -> dict[str, Callable[[], object]]:
+    small, large = slice(0, ROWS_PER_SIZE), slice(ROWS_PER_SIZE, 2 * ROWS_PER_SIZE)
     return {"packed": packed,
-            "per_size": lambda: (diffusers(small, SMALL), diffusers(large, LARGE)),
-            "padded": lambda: diffusers(every, LARGE)}
+            "per_size": lambda: (diffusers(small, setup.small), diffusers(large, setup.large)),
+            "padded": lambda: diffusers(slice(0, 2 * ROWS_PER_SIZE), setup.large)}
 
 
 PIPELINES = {"qwen_image": qwen_image_forwards, "flux": flux_forwards, "sd3": sd3_forwards}
 
 
-def run(repeats: int = 15, log_dir: Optional[Path] = None) -> dict:
+def _timed(call: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: int = 1) -> dict:
+    setup = Setup(device, dtype, scale)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if setup.device.type == "cpu":
+        torch.set_num_threads(1)
     results = {"kind": "packing", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-               "workload": {"small_tokens": list(SMALL), "large_tokens": list(LARGE), "rows_per_size": ROWS_PER_SIZE,
-                            "text_tokens": TEXT_TOKENS, "heads": WIDE, "repeats": repeats, "threads": 1},
+               "workload": {"small_tokens": list(setup.small), "large_tokens": list(setup.large),
+                            "rows_per_size": ROWS_PER_SIZE, "text_tokens": TEXT_TOKENS, "heads": WIDE,
+                            "repeats": repeats, "device": device, "dtype": dtype,
+                            "threads": torch.get_num_threads() if setup.device.type == "cpu" else None},
                "pipelines": {}}
     try:
         with torch.inference_mode():
             for name, build in PIPELINES.items():
-                forwards = build()
+                forwards = build(setup)
                 times: dict[str, list[float]] = {kind: [] for kind in forwards}
                 for call in forwards.values():
                     call()  # warm-up
                 for _ in range(repeats):
                     for kind, call in forwards.items():
-                        start = time.perf_counter()
-                        call()
-                        times[kind].append(time.perf_counter() - start)
+                        times[kind].append(_timed(call, setup.device))
                 ms = {kind: 1000 * statistics.median(values) for kind, values in times.items()}
                 results["pipelines"][name] = {"median_ms": ms, "per_size_over_packed": ms["per_size"] / ms["packed"],
                                               "padded_over_packed": ms["padded"] / ms["packed"]}
@@ -149,9 +172,20 @@ def run(repeats: int = 15, log_dir: Optional[Path] = None) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return side_main(__doc__, "packing", run, lambda r: ", ".join(
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--scale", type=int, default=1, help="multiplies the sides of both sizes")
+    parser.add_argument("--out", default=None, help="results file name under benchmarks/results (packing.json)")
+    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    results = run(args.repeats, args.device, args.dtype, args.scale)
+    name = Path(args.out or "packing.json").stem
+    save_and_report(results, name, ", ".join(
         f"{name}: per size / packed {e['per_size_over_packed']:.2f}x, padded / packed {e['padded_over_packed']:.2f}x"
-        for name, e in r["pipelines"].items()), argv, option=("repeats", 15))
+        for name, e in results["pipelines"].items()), render=not args.no_report)
+    return 0
 
 
 if __name__ == "__main__":

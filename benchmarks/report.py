@@ -733,17 +733,22 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
 
 
 def packing_section(path: Optional[Path] = None) -> list[str]:
-    """One forward over two sizes: packed vs per size vs padded (`make bench-packing`: results/packing.json)."""
+    """One forward over two sizes: packed vs per size vs padded (`make bench-packing`: results/packing.json;
+    gpu.sh's run on CUDA: results/packing-gpu.json)."""
     results = side_results(path, "packing")
     if results is None:
         return []
     w = results["workload"]
     small, large = ("x".join(map(str, w[key])) for key in ("small_tokens", "large_tokens"))
-    lines = ["", "## Mixed sizes in one forward: packed vs per size vs padded", "",
-             f"`make bench-packing`, started {results['started']}: one process, {w['threads']} thread, each "
-             f"pipeline's tiny transformer config widened to {w['heads']['num_attention_heads']} heads of "
+    pixels = " and ".join("x".join(str(16 * n) for n in w[key]) for key in ("small_tokens", "large_tokens"))
+    where = (f"{w['threads']} thread" if w.get("device", "cpu") == "cpu"
+             else f"`{w['device']}` in {w['dtype']}, each call synchronised")
+    lines = ["", "## Mixed sizes in one forward: packed vs per size vs padded"
+             + ("" if w.get("device", "cpu") == "cpu" else f" ({w['device']})"), "",
+             f"`make bench-packing`, started {results['started']}: one process, {where}, each pipeline's tiny "
+             f"transformer config widened to {w['heads']['num_attention_heads']} heads of "
              f"{w['heads']['attention_head_dim']} (random weights), {w['rows_per_size']} rows of {small} patch tokens "
-             f"and {w['rows_per_size']} of {large} (64x64 and 128x128 images), {w['text_tokens']} text tokens; "
+             f"and {w['rows_per_size']} of {large} ({pixels} images), {w['text_tokens']} text tokens; "
              f"median of {w['repeats']} interleaved calls. Packed is `mixed_size_batching`'s forward; per size is "
              "diffusers' forward once per size (size-keyed step batching); padded is diffusers' forward of every row "
              "at the larger size (what padding computes).", "",
@@ -753,8 +758,9 @@ def packing_section(path: Optional[Path] = None) -> list[str]:
         ms = entry["median_ms"]
         lines.append(f"| {name} | {f(ms['packed'], 1)} | {f(ms['per_size'], 1)} | {f(ms['padded'], 1)} | "
                      f"{f(entry['per_size_over_packed'], 2, 'x')} | {f(entry['padded_over_packed'], 2, 'x')} |")
-    lines += ["", "Packing costs what the separate forwards cost on this CPU, where a forward's price is its tokens; "
-              "what it buys is that rows of different sizes need not wait for forwards of their own size."]
+    lines += ["", "Packing does not make a forward cheaper than one forward per size (it adds per-token gathers); "
+              "it saves padding's work, and lets rows of different sizes share a tick instead of each size waiting "
+              "for a tick of its own (`make bench-sizes` measures that served)."]
     return lines
 
 
@@ -878,7 +884,7 @@ def gpu_section(results: dict) -> list[str]:
     gpu = results["machine"].get("gpu")
     if gpu:
         return ["", "## GPU", "", f"This page was measured on {gpu} (device `{results['plan'].get('device')}`)."] \
-            + gpu_sync_section()
+            + gpu_sync_section() + packing_section(RESULTS_DIR / "packing-gpu.json")
     return ["", "## GPU", "",
             "Not measured yet: no GPU was available to the session that produced these numbers. On a CUDA host, "
             "`bash benchmarks/gpu.sh` runs the engine on CUDA with a larger random-weight preset, the four modes "
