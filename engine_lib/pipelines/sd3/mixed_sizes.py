@@ -36,7 +36,8 @@ class SD3Packing(Packing):
     one per latent pixel, are patchified and unpatchified here, not `pack`ed)."""
 
     def __init__(self, sizes: list[tuple[int, int]], patch_size: int, device: torch.device) -> None:
-        super().__init__([(h // patch_size) * (w // patch_size) for h, w in sizes], device)
+        lengths = [(h // patch_size) * (w // patch_size) for h, w in sizes]
+        super().__init__(lengths, device)
         self.sizes, self.patch_size = list(sizes), patch_size
         by_size: dict[tuple[int, int], list[int]] = {}  # rows of one size share pos_embed and unpatchify
         for row, size in enumerate(self.sizes):
@@ -45,7 +46,7 @@ class SD3Packing(Packing):
         self.starts, start = {}, 0  # each row's first token in the packed sequence
         for row in self.order:
             self.starts[row] = start
-            start += (self.sizes[row][0] // patch_size) * (self.sizes[row][1] // patch_size)
+            start += lengths[row]
 
     def _repeat(self, times: int) -> "SD3Packing":
         return SD3Packing(self.sizes * times, self.patch_size, self.device)
