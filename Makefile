@@ -37,7 +37,7 @@ bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (abo
 bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (a few minutes)
 	@$(PY) -m benchmarks.mixed_sizes
 
-bench-packing: models  ## one forward over rows of two sizes: packed vs per size vs padded, per pipeline (a minute)
+bench-packing: models  ## one forward over rows of two and of eight sizes: packed vs per size vs padded, per pipeline (2 minutes)
 	@$(PY) -m benchmarks.packing
 
 bench-priority: models  ## an urgent request alone and under a full background load, side by side (a few minutes)

@@ -12,7 +12,7 @@ PY=${PYTHON:-.venv/bin/python}
 PRESET=${GPU_PRESET:-$("$PY" -c 'from engine_lib.tiny_models import available; print("gpu" if "gpu" in available()["qwen_image"] else "bench")')}
 # Host synchronisations per engine tick first, every pipeline (a few minutes): benchmarks/results/gpu_sync.json.
 "$PY" -m benchmarks.gpu_sync --preset "$PRESET" --size "${GPU_SIZE:-512}"
-# One forward over rows of two sizes (512x512 and 1024x1024), packed vs per size vs padded, per pipeline (a minute):
+# One forward over rows of two and of eight sizes (512 to 1024 px), packed vs per size vs padded, per pipeline:
 # benchmarks/results/packing-gpu.json, rendered into docs/benchmarks-gpu.md's GPU section.
 "$PY" -m benchmarks.packing --device cuda --dtype bfloat16 --scale 4 --out packing-gpu.json --no-report
 exec "$PY" -m benchmarks.run --device cuda --dtype bfloat16 --preset "$PRESET" \

@@ -1,14 +1,20 @@
-"""`make bench-packing`: one denoise forward over rows of two sizes, packed vs per size vs padded, per pipeline.
+"""`make bench-packing`: one denoise forward over rows of several sizes, packed vs per size vs padded.
 
 For Qwen-Image, Flux and SD3, in one process (on the CPU: one thread), a random-weight
 transformer of the tiny preset's config widened to 4 heads of 64 (Qwen-Image's bench preset
-width; speed does not depend on weight values) runs 4 rows of 8x8 patch tokens and 4 of 16x16
-(128x128 and 256x256 images at VAE factor 8, patch 2; `--scale` multiplies the sides), 32 text
-tokens, each row its own timestep:
+width; speed does not depend on weight values) runs 8 rows, 32 text tokens, each row its own
+timestep, in two workloads (sizes in patch tokens per side; 16 px each at VAE factor 8 and
+patch 2; `--scale` multiplies them):
+
+* two sizes: 4 rows of 8x8 and 4 of 16x16 (128x128 and 256x256 images);
+* eight sizes: every row its own token count, from 8x8 to 16x16, so the packed forward's
+  joint attention runs once per row.
+
+Three ways to run them:
 
 * packed: the pipeline's `packed_forward` (`mixed_size_batching`), every row in one forward;
 * per size: diffusers' forward once per size, what size-keyed step batching runs;
-* padded: diffusers' forward of all 8 rows at the larger size, what right-padding the small
+* padded: diffusers' forward of all 8 rows at the largest size, what right-padding the other
   rows would compute (without the masks that would make it correct).
 
 Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised). Results:
@@ -28,17 +34,26 @@ import torch
 
 from benchmarks.run import machine_info, save_and_report
 
-SMALL, LARGE, ROWS_PER_SIZE, TEXT_TOKENS = (8, 8), (16, 16), 4, 32  # patch tokens per side (x --scale); rows
+# Patch tokens per side (x --scale) of each workload's rows, equal sizes next to each other.
+WORKLOADS = {"two sizes": [(8, 8)] * 4 + [(16, 16)] * 4,
+             "eight sizes": [(8, 8), (8, 10), (10, 10), (10, 12), (12, 12), (12, 14), (14, 14), (16, 16)]}
+TEXT_TOKENS = 32
 WIDE = dict(attention_head_dim=64, num_attention_heads=4)
 
 
 class Setup:
-    """Where and at what scale one run builds its inputs."""
+    """Where, at what scale and for which row sizes one measurement builds its inputs."""
 
-    def __init__(self, device: str, dtype: str, scale: int) -> None:
+    def __init__(self, device: str, dtype: str, scale: int, sizes: list[tuple[int, int]]) -> None:
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
-        self.small, self.large = (tuple(scale * n for n in side) for side in (SMALL, LARGE))
-        self.sizes = [self.small] * ROWS_PER_SIZE + [self.large] * ROWS_PER_SIZE
+        self.sizes = [(scale * h, scale * w) for h, w in sizes]
+        self.largest = max(self.sizes, key=lambda size: size[0] * size[1])
+        self.by_size: list[tuple[tuple[int, int], slice]] = []  # each size and its rows (adjacent)
+        for row, size in enumerate(self.sizes):
+            if self.by_size and self.by_size[-1][0] == size:
+                self.by_size[-1] = (size, slice(self.by_size[-1][1].start, row + 1))
+            else:
+                self.by_size.append((size, slice(row, row + 1)))
         self.gen = torch.Generator().manual_seed(0)
 
     def randn(self, *shape: int, dtype=None) -> torch.Tensor:
@@ -123,10 +138,9 @@ def sd3_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
 
 def _three(setup: Setup, packed: Callable[[], object],
            diffusers: Callable[[slice, tuple], None]) -> dict[str, Callable[[], object]]:
-    small, large = slice(0, ROWS_PER_SIZE), slice(ROWS_PER_SIZE, 2 * ROWS_PER_SIZE)
     return {"packed": packed,
-            "per_size": lambda: (diffusers(small, setup.small), diffusers(large, setup.large)),
-            "padded": lambda: diffusers(slice(0, 2 * ROWS_PER_SIZE), setup.large)}
+            "per_size": lambda: [diffusers(rows, size) for size, rows in setup.by_size],
+            "padded": lambda: diffusers(slice(0, len(setup.sizes)), setup.largest)}
 
 
 PIPELINES = {"qwen_image": qwen_image_forwards, "flux": flux_forwards, "sd3": sd3_forwards}
@@ -143,29 +157,31 @@ def _timed(call: Callable[[], object], device: torch.device) -> float:
 
 
 def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: int = 1) -> dict:
-    setup = Setup(device, dtype, scale)
     threads = torch.get_num_threads()
-    if setup.device.type == "cpu":
+    if torch.device(device).type == "cpu":
         torch.set_num_threads(1)
     results = {"kind": "packing", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-               "workload": {"small_tokens": list(setup.small), "large_tokens": list(setup.large),
-                            "rows_per_size": ROWS_PER_SIZE, "text_tokens": TEXT_TOKENS, "heads": WIDE,
-                            "repeats": repeats, "device": device, "dtype": dtype,
-                            "threads": torch.get_num_threads() if setup.device.type == "cpu" else None},
-               "pipelines": {}}
+               "workload": {"sizes": {name: [[scale * n for n in size] for size in sizes]
+                                      for name, sizes in WORKLOADS.items()},
+                            "text_tokens": TEXT_TOKENS, "heads": WIDE, "repeats": repeats, "device": device,
+                            "dtype": dtype, "threads": torch.get_num_threads() if device == "cpu" else None},
+               "points": []}
     try:
         with torch.inference_mode():
-            for name, build in PIPELINES.items():
-                forwards = build(setup)
-                times: dict[str, list[float]] = {kind: [] for kind in forwards}
-                for call in forwards.values():
-                    call()  # warm-up
-                for _ in range(repeats):
-                    for kind, call in forwards.items():
-                        times[kind].append(_timed(call, setup.device))
-                ms = {kind: 1000 * statistics.median(values) for kind, values in times.items()}
-                results["pipelines"][name] = {"median_ms": ms, "per_size_over_packed": ms["per_size"] / ms["packed"],
-                                              "padded_over_packed": ms["padded"] / ms["packed"]}
+            for pipeline, build in PIPELINES.items():
+                for workload, sizes in WORKLOADS.items():
+                    setup = Setup(device, dtype, scale, sizes)
+                    forwards = build(setup)
+                    times: dict[str, list[float]] = {kind: [] for kind in forwards}
+                    for call in forwards.values():
+                        call()  # warm-up
+                    for _ in range(repeats):
+                        for kind, call in forwards.items():
+                            times[kind].append(_timed(call, setup.device))
+                    ms = {kind: 1000 * statistics.median(values) for kind, values in times.items()}
+                    results["points"].append({"pipeline": pipeline, "workload": workload, "median_ms": ms,
+                                              "per_size_over_packed": ms["per_size"] / ms["packed"],
+                                              "padded_over_packed": ms["padded"] / ms["packed"]})
     finally:
         torch.set_num_threads(threads)
     return results
@@ -183,8 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run(args.repeats, args.device, args.dtype, args.scale)
     name = Path(args.out or "packing.json").stem
     save_and_report(results, name, ", ".join(
-        f"{name}: per size / packed {e['per_size_over_packed']:.2f}x, padded / packed {e['padded_over_packed']:.2f}x"
-        for name, e in results["pipelines"].items()), render=not args.no_report)
+        f"{p['pipeline']} {p['workload']}: per size / packed {p['per_size_over_packed']:.2f}x, padded / packed "
+        f"{p['padded_over_packed']:.2f}x" for p in results["points"]), render=not args.no_report)
     return 0
 
 

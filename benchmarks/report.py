@@ -733,34 +733,47 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
 
 
 def packing_section(path: Optional[Path] = None) -> list[str]:
-    """One forward over two sizes: packed vs per size vs padded (`make bench-packing`: results/packing.json;
+    """One forward over several sizes: packed vs per size vs padded (`make bench-packing`: results/packing.json;
     gpu.sh's run on CUDA: results/packing-gpu.json)."""
     results = side_results(path, "packing")
     if results is None:
         return []
     w = results["workload"]
-    small, large = ("x".join(map(str, w[key])) for key in ("small_tokens", "large_tokens"))
-    pixels = " and ".join("x".join(str(16 * n) for n in w[key]) for key in ("small_tokens", "large_tokens"))
-    where = (f"{w['threads']} thread" if w.get("device", "cpu") == "cpu"
-             else f"`{w['device']}` in {w['dtype']}, each call synchronised")
-    lines = ["", "## Mixed sizes in one forward: packed vs per size vs padded"
-             + ("" if w.get("device", "cpu") == "cpu" else f" ({w['device']})"), "",
-             f"`make bench-packing`, started {results['started']}: one process, {where}, each pipeline's tiny "
+    on_cpu = w["device"] == "cpu"
+
+    def sides(sizes: list) -> str:
+        return ", ".join(dict.fromkeys("x".join(map(str, size)) for size in sizes))
+
+    def pixels(sizes: list) -> str:
+        return "x".join(str(16 * n) for n in min(sizes, key=lambda s: s[0] * s[1])) + " to " + "x".join(
+            str(16 * n) for n in max(sizes, key=lambda s: s[0] * s[1]))
+
+    where = f"{w['threads']} thread" if on_cpu else f"`{w['device']}` in {w['dtype']}, each call synchronised"
+    lines = ["", "## Mixed sizes in one forward: packed vs per size vs padded" + ("" if on_cpu else f" ({w['device']})"),
+             "", f"`make bench-packing`, started {results['started']}: one process, {where}, each pipeline's tiny "
              f"transformer config widened to {w['heads']['num_attention_heads']} heads of "
-             f"{w['heads']['attention_head_dim']} (random weights), {w['rows_per_size']} rows of {small} patch tokens "
-             f"and {w['rows_per_size']} of {large} ({pixels} images), {w['text_tokens']} text tokens; "
-             f"median of {w['repeats']} interleaved calls. Packed is `mixed_size_batching`'s forward; per size is "
+             f"{w['heads']['attention_head_dim']} (random weights), 8 rows, {w['text_tokens']} text tokens; median of "
+             f"{w['repeats']} interleaved calls. Workloads (patch tokens per side): "
+             + "; ".join(f"{name}: {sides(sizes)} ({pixels(sizes)} px)" for name, sizes in w["sizes"].items())
+             + ". Packed is `mixed_size_batching`'s forward (its joint attention once per token count); per size is "
              "diffusers' forward once per size (size-keyed step batching); padded is diffusers' forward of every row "
-             "at the larger size (what padding computes).", "",
-             "| pipeline | packed ms | per size ms | padded ms | per size / packed | padded / packed |",
-             "|---|---|---|---|---|---|"]
-    for name, entry in results["pipelines"].items():
-        ms = entry["median_ms"]
-        lines.append(f"| {name} | {f(ms['packed'], 1)} | {f(ms['per_size'], 1)} | {f(ms['padded'], 1)} | "
-                     f"{f(entry['per_size_over_packed'], 2, 'x')} | {f(entry['padded_over_packed'], 2, 'x')} |")
-    lines += ["", "Packing does not make a forward cheaper than one forward per size (it adds per-token gathers); "
-              "it saves padding's work, and lets rows of different sizes share a tick instead of each size waiting "
-              "for a tick of its own (`make bench-sizes` measures that served)."]
+             "at the largest size (what padding computes).", "",
+             "| pipeline | workload | packed ms | per size ms | padded ms | per size / packed | padded / packed |",
+             "|---|---|---|---|---|---|---|"]
+    for point in results["points"]:
+        ms = point["median_ms"]
+        lines.append(f"| {point['pipeline']} | {point['workload']} | {f(ms['packed'], 1)} | {f(ms['per_size'], 1)} | "
+                     f"{f(ms['padded'], 1)} | {f(point['per_size_over_packed'], 2, 'x')} | "
+                     f"{f(point['padded_over_packed'], 2, 'x')} |")
+    ranges = {}
+    for point in results["points"]:
+        ranges.setdefault(point["workload"], []).append(point["per_size_over_packed"])
+    lines += ["", "Per size / packed, over the pipelines: " + "; ".join(
+                  f"{name} {f(min(values), 2)}-{f(max(values), 2, 'x')}" for name, values in ranges.items())
+              + ". A packed forward adds per-token gathers, and runs each projection and MLP once over every row, "
+              "where the per-size forwards run them once per size (so the more sizes, the more it saves); it never "
+              "computes padding, and it lets rows of different sizes share a tick instead of each size waiting for a "
+              "tick of its own (`make bench-sizes` measures that served)."]
     return lines
 
 
@@ -917,7 +930,7 @@ def reproduce_section() -> list[str]:
             "make bench              # the full run (20-30 minutes on 2 CPUs)",
             "make bench-lora         # mixed vs LoRA-homogeneous step batching (a few minutes)",
             "make bench-sizes        # mixed image sizes: fused vs step, with and without mixed_size_batching",
-            "make bench-packing      # one forward over two sizes: packed vs per size vs padded, per pipeline (a minute)",
+            "make bench-packing      # one forward over two and eight sizes: packed vs per size vs padded (2 minutes)",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "make bench-slo          # the Poisson load with SLOs sent as deadlines: shortest remaining vs deadline order",
             "python -m benchmarks.slo_model         # what any schedule could do for that load on this machine (a second)",
