@@ -34,7 +34,7 @@ bench-quick: models  ## the quick benchmark (under 5 min)
 bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (about 2 min)
 	@$(PY) -m benchmarks.lora
 
-bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (a few minutes)
+bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (about 10 minutes)
 	@$(PY) -m benchmarks.mixed_sizes
 
 bench-packing: models  ## one forward over rows of two and of eight sizes: packed vs per size vs padded, per pipeline (2 minutes)

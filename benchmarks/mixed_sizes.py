@@ -9,7 +9,9 @@ between the servers. Then the offline limit of the same size mix: diffusers `pip
 of one size, at each size in fresh processes (benchmarks/efficiency.py), combined over the
 workload's sizes: no server, no waiting, no size switches. It is measured after each repeat's
 served points (the servers idle meanwhile), so it sees the machine they saw. The `tiny` and then the
-`bench` preset (ROUNDS). Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md shows them.
+`bench` preset, then the bench preset with five sizes (64 to 128 in steps of 16), where fused waves of
+one size are shorter (VARIANTS). Results go to benchmarks/results/mixed_sizes.json; docs/benchmarks.md
+shows them.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ def size_systems(max_num_seqs: int) -> list[systems.System]:
     return [by_name[name] for name in ("rb_fused_wait", "step", "step_mixed")]
 
 
-# Closed-loop rounds of `concurrency` requests per point: a tiny point takes seconds, so it runs more of them.
-ROUNDS = {"tiny": 12, "bench": 3}
+# name: (preset, sizes, closed-loop rounds of `concurrency` requests per point: a tiny point takes seconds, so it
+# runs more of them). The first two are the issue's mix; with five sizes a fused wave of one size is shorter.
+VARIANTS = {"tiny": ("tiny", (64, 128), 12), "bench": ("bench", (64, 128), 3),
+            "bench, five sizes": ("bench", (64, 80, 96, 112, 128), 3)}
 
 
 def run_presets(repeats: int = 3, log_dir: Optional[Path] = None) -> dict:
-    """`run` on each preset of ROUNDS, one after the other."""
+    """`run` on each of VARIANTS, one after the other."""
     return {"kind": "mixed_sizes", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-            "presets": {preset: run(preset=preset, rounds=rounds, repeats=repeats, log_dir=log_dir)
-                        for preset, rounds in ROUNDS.items()}}
+            "presets": {name: run(preset=preset, sizes=sizes, rounds=rounds, repeats=repeats, log_dir=log_dir)
+                        for name, (preset, sizes, rounds) in VARIANTS.items()}}
 
 
 def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds: int = 3, repeats: int = 3,

@@ -699,13 +699,17 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     w = next(iter(by_preset.values()))["workload"]
     lines = ["", "## Mixed image sizes: fused waves vs step batching", "",
              f"`make bench-sizes`, started {results['started']}: Qwen-Image, sizes drawn from "
-             f"{', '.join(map(str, w['sizes']))}, {w['steps']} steps, closed loop at concurrency {w['concurrency']}, "
+             f"{', '.join(map(str, w['sizes']))} (unless a heading says otherwise), {w['steps']} steps, closed loop at "
+             f"concurrency {w['concurrency']}, "
              f"`max_num_seqs={w['max_num_seqs']}`, {w['repeats']} interleaved repeats (median, min-max); each "
              "preset in turn. The offline limit of a size mix is diffusers `pipe()` in batches of "
              f"{w['max_num_seqs']} of one size (fresh processes), combined over the mix: no server, no waiting, no "
              "size switches."]
     for preset, one in by_preset.items():
-        lines += ["", f"**{preset}** ({one['workload']['requests_per_point']} requests per point)", "",
+        sizes = one["workload"]["sizes"]
+        drawn = "" if sizes == w["sizes"] else f", sizes drawn from {', '.join(map(str, sizes))}"
+        lines += ["", f"**{preset}** ({one['workload']['preset']} preset{drawn}, "
+                  f"{one['workload']['requests_per_point']} requests per point)", "",
                   "| system | req/s | p99 latency s | mean requests per forward | / fused | share of offline limit |",
                   "|---|---|---|---|---|---|"]
         shares = one.get("share_of_limit", {})
@@ -725,7 +729,7 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     lines += ["", "Goal (issue #13): step >= 1.3x fused. With `mixed_size_batching` Qwen-Image packs the rows' image "
               "tokens into one sequence (docs/pipelines.md): projections and MLPs run on real tokens only, and the "
               "joint attention runs once per group of rows of one token count, unpadded. A fused wave ends at the "
-              "first waiting request of another size (about 2 requests per wave here), so what step batching can "
+              "first waiting request of another size (its mean requests per forward above), so what step batching can "
               "gain over fused waves is what fuller forwards save: about 1 / (the share of the offline limit "
               "fused waves reach). The offline limit is measured in fresh processes after each repeat's served "
               "points (medians of the repeats), so it sees the machine load they saw."]
