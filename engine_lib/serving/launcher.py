@@ -512,18 +512,18 @@ if not sys.stdin.buffer.read():
 """
 
 
-_REAPER_PIPES: set = set()  # the write ends of our live reapers' pipes
+_REAPER_PIPES: set[int] = set()  # the write ends (fds) of our live reapers' pipes
 
 
 def _close_reaper_pipes_in_child() -> None:
     """After os.fork (multiprocessing's fork, say): the child must not hold our reapers' pipes, or our
-    death would not be EOF to them until the child exits too. (Exec'd children never get them:
-    Python's pipes are not inheritable.)"""
-    for pipe in list(_REAPER_PIPES):
-        try:
-            pipe.close()
-        except OSError:
-            pass
+    death would not be EOF to them until the child exits too. Each fd becomes /dev/null in the child
+    (dup2: the file objects stay valid and no lock is taken); exec'd children never get the pipes,
+    Python's pipes are not inheritable."""
+    for fd in _REAPER_PIPES:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
     _REAPER_PIPES.clear()
 
 
@@ -539,7 +539,7 @@ def start_reaper(group: int, shm_prefix: str) -> subprocess.Popen:
     the dead server's reply)."""
     reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(group), shm_prefix], stdin=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _REAPER_PIPES.add(reaper.stdin)
+    _REAPER_PIPES.add(reaper.stdin.fileno())
     return reaper
 
 
@@ -547,7 +547,7 @@ def release_reaper(reaper: Optional[subprocess.Popen]) -> None:
     """Tell a reaper that the group was stopped (nothing for it to do) and let it exit."""
     if reaper is None:
         return
-    _REAPER_PIPES.discard(reaper.stdin)
+    _REAPER_PIPES.discard(reaper.stdin.fileno())
     try:
         reaper.stdin.write(b"stopped")
         reaper.stdin.close()
