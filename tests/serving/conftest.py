@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.launcher import REPO_ROOT, TritonServer
+from engine_lib.serving.launcher import REPO_ROOT, TritonServer, proc_stat
 from tests.conftest import TickBudget
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
@@ -31,6 +31,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie lasts until init reaps it)."""
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def set_parameter(config_text: str, key: str, value: str) -> str:

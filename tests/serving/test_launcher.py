@@ -24,7 +24,7 @@ from engine_lib.serving.launcher import (
     server_env,
 )
 
-from .conftest import free_port, write_repository
+from .conftest import free_port, running, write_repository
 
 
 def make_server(repo: Path, tmp_path: Path, **kwargs) -> TritonServer:
@@ -200,19 +200,11 @@ def test_a_reaper_ends_its_group_when_its_owner_is_killed(tmp_path, forks):
     group, child = map(int, owner.stdout.split())
     try:
         killed = time.monotonic()
-        while time.monotonic() - killed < 10 and (_alive(group) or (Path("/dev/shm") / f"{prefix}region").exists()):
+        while time.monotonic() - killed < 10 and (running(group) or (Path("/dev/shm") / f"{prefix}region").exists()):
             time.sleep(0.1)
-        assert not _alive(group), "the reaper did not end the group"
+        assert not running(group), "the reaper did not end the group"
         assert not (Path("/dev/shm") / f"{prefix}region").exists(), "the reaper did not remove the shm region"
     finally:
         for pid in (group, child):
-            if pid > 1 and _alive(pid):
+            if pid > 1 and running(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie or a reaped pid is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False

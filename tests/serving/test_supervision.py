@@ -26,7 +26,7 @@ import pytest
 from engine_lib.serving.launcher import proc_stat
 from tests.conftest import TickBudget
 
-from .conftest import free_port, model_path, write_repository
+from .conftest import free_port, model_path, running, write_repository
 from .streaming import RequestStream, metric, post_json, run_request, scrape, sse_events, wait_for_metric
 
 MODEL = "qwen_image"
@@ -113,14 +113,6 @@ class Launcher:
                 os.kill(pid, signal.SIGKILL)
         for name in self.shm_regions():
             Path("/dev/shm", name).unlink(missing_ok=True)
-
-
-def running(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's zombie lasts until init reaps it)."""
-    try:
-        return proc_stat(pid)[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def http_status(url: str) -> int:
