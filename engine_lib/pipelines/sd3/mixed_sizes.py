@@ -72,19 +72,20 @@ class SD3Packing(Packing):
         return out
 
 
+def _qkv(attn, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value of `x` [..., S, D] by `projections`, as [..., S, H, D / H]; query and key through
+    `norms` (None: none), as `JointAttnProcessor2_0` does."""
+    q, k, v = (projection(x).unflatten(-1, (attn.heads, -1)) for projection in projections)
+    norm_q, norm_k = norms
+    return q if norm_q is None else norm_q(q), k if norm_k is None else norm_k(k), v
+
+
 def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: SD3Packing) -> tuple[torch.Tensor, torch.Tensor]:
     """`JointAttnProcessor2_0` with a packed image stream: projections per real token, the joint attention
     once per group; the text part None after a `context_pre_only` block (its last)."""
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (attn.heads, -1))
-
-    def normed(norm, x: torch.Tensor) -> torch.Tensor:
-        return x if norm is None else norm(x)
-
-    img_q, img_k, img_v = heads(attn.to_q(img)), heads(attn.to_k(img)), heads(attn.to_v(img))
-    img_q, img_k = normed(attn.norm_q, img_q), normed(attn.norm_k, img_k)
-    txt_q, txt_k, txt_v = heads(attn.add_q_proj(txt)), heads(attn.add_k_proj(txt)), heads(attn.add_v_proj(txt))
-    txt_q, txt_k = normed(attn.norm_added_q, txt_q), normed(attn.norm_added_k, txt_k)
+    img_q, img_k, img_v = _qkv(attn, img, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+    txt_q, txt_k, txt_v = _qkv(attn, txt, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                               (attn.norm_added_q, attn.norm_added_k))
     txt_out, img_out = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, image_first=True)
     img_out = attn.to_out[1](attn.to_out[0](img_out))
     return img_out, None if attn.context_pre_only else attn.to_add_out(txt_out)
@@ -92,12 +93,7 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: SD3Packing) 
 
 def _self_attention(attn, img: torch.Tensor, packing: SD3Packing) -> torch.Tensor:
     """SD3.5's second (image-only) attention, each row over its own tokens."""
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (attn.heads, -1))
-
-    q, k, v = heads(attn.to_q(img)), heads(attn.to_k(img)), heads(attn.to_v(img))
-    if attn.norm_q is not None:
-        q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = _qkv(attn, img, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
     return attn.to_out[1](attn.to_out[0](packing.self_attend(attn, q, k, v)))
 
 
