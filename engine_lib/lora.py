@@ -170,6 +170,20 @@ class LoraLibrary:
         finally:
             self._token_plan = self._token_indices = None
 
+    @contextmanager
+    def only(self, rows: Sequence[int]) -> Iterator[None]:
+        """Within `rows`, around a forward of some of the rows alone, in this order (SD3's patch embedding
+        runs once per image size): a layer that sees them adds each its own row's LoRA."""
+        saved = self._plan, self._token_plan, self._token_indices
+        if saved[0] is None:
+            yield
+            return
+        self._plan, self._token_plan = [saved[0][row % len(saved[0])] for row in rows], None
+        try:
+            yield
+        finally:
+            self._plan, self._token_plan, self._token_indices = saved
+
     def _add_deltas(self, module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
         plan = self._plan
         if plan is None:

@@ -152,14 +152,16 @@ def ensure_model(
 # ---------------------------------------------------------------------------
 # Tiny LoRAs (engine_lib/lora.py): two per pipeline, as diffusers' save_lora_weights writes them
 
-TOY_LORAS = {"toy_a": 1, "toy_b": 2}  # name -> seed
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections every transformer here has
+EVERY_LAYER = None  # every Linear and Conv2d of the transformer (embeddings, modulation, patch conv, output)
+TOY_LORAS = {"toy_a": (1, LORA_TARGETS, 8.0), "toy_b": (2, LORA_TARGETS, 8.0),
+             "toy_all": (3, EVERY_LAYER, 2.0)}  # name -> (seed, target modules, gain on lora_B: peft's random
+# init is too gentle for a tiny model's image to change visibly; on every layer a smaller gain does)
 LORA_RANK = 4
-LORA_B_GAIN = 8.0  # peft's random init is too gentle for a tiny model's image to change visibly
 
 
 def ensure_loras(pipeline: str, model_dir: Path, out_dir: Optional[os.PathLike] = None) -> Path:
-    """`<out_dir>/toy_a.safetensors` and `toy_b.safetensors` for the model at `model_dir` (default:
+    """`<out_dir>/<name>.safetensors` for each of TOY_LORAS, for the model at `model_dir` (default:
     models/loras/<pipeline>); kept when present. `pipe.load_lora_weights(path)` loads them."""
     import diffusers
     from peft import LoraConfig
@@ -172,14 +174,17 @@ def ensure_loras(pipeline: str, model_dir: Path, out_dir: Optional[os.PathLike] 
     pipeline_cls = getattr(diffusers, registry.get_adapter_class(pipeline).pipeline_class)
     pipe = pipeline_cls.from_pretrained(str(model_dir))
     target.mkdir(parents=True, exist_ok=True)
+    every_layer = sorted(name for name, module in pipe.transformer.named_modules()
+                         if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))
     for name in missing:
+        seed, targets, gain = TOY_LORAS[name]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(TOY_LORAS[name])
-            config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=LORA_TARGETS,
+            torch.manual_seed(seed)
+            config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=targets or every_layer,
                                 init_lora_weights=False)
             pipe.transformer.add_adapter(config, adapter_name=name)
         layers = get_peft_model_state_dict(pipe.transformer, adapter_name=name)
-        layers = {k: v * LORA_B_GAIN if ".lora_B." in k else v for k, v in layers.items()}
+        layers = {k: v * gain if ".lora_B." in k else v for k, v in layers.items()}
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target))
         try:
             pipeline_cls.save_lora_weights(str(tmp), transformer_lora_layers=layers, weight_name=f"{name}.safetensors")

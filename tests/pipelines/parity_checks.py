@@ -62,7 +62,9 @@ class DriveResult:
     images: dict[str, np.ndarray] = field(default_factory=dict)  # the first declared output (image, video):
     # uint8, or float32 with float_output
     previews: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # (step, preview)
-    batch_sizes: list[int] = field(default_factory=list)  # requests in each tick's forward
+    batch_sizes: list[int] = field(default_factory=list)  # requests running in each tick
+    forward_sizes: list[int] = field(default_factory=list)  # requests in each denoise forward that succeeded (a
+    # batch that failed and was retried one by one counts as its single-request forwards)
     finished_at: dict[str, int] = field(default_factory=dict)  # request id -> tick
     errors: dict[str, Exception] = field(default_factory=dict)
     chunks: dict[str, list[dict]] = field(default_factory=dict)  # request id -> its streamed chunks, in order
@@ -76,10 +78,18 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
     float images (before the uint8 rounding every served image gets).
     """
     runner = ModelRunner(adapter, float_outputs=float_output, decode_group_ticks=decode_group_ticks)
+    result = DriveResult()
+    predict = runner._predict
+
+    def counted_predict(states):
+        out = predict(states)
+        result.forward_sizes.append(len(states))
+        return out
+
+    runner._predict = counted_predict
     primary = adapter.outputs[0].name  # image, video
     pending = sorted(arrivals, key=lambda a: a.tick)
     running: list[DiffusionRequest] = []
-    result = DriveResult()
     tick = 0
     while pending or running:
         new = []
@@ -285,7 +295,7 @@ class FlowMatchParitySuite:
     def test_step_batch_staggered_matches_solo(self, adapter, reference, cfg):
         arrivals = self.staggered_arrivals(cfg)
         result = drive_steps(adapter, arrivals, capacity=4, float_output=True)
-        assert max(result.batch_sizes) == 4, result.batch_sizes  # different steps and step counts in one forward
+        assert max(result.forward_sizes) == 4, result.forward_sizes  # different steps and step counts in one forward
         assert result.finished_at == {"r0": 7, "r1": 6, "r2": 6, "r3": 6}
         diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
         print(f"{adapter.name} step batch cfg={cfg}: max abs diff per request {['%.2e' % d for d in diffs]}")
@@ -333,7 +343,7 @@ class FlowMatchParitySuite:
                   for i, (name, h, w) in enumerate(self.MIXED[sizes])}
         together = drive_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
                                float_output=True)
-        assert max(together.batch_sizes) == len(inputs)  # every size in one forward
+        assert max(together.forward_sizes) == len(inputs)  # every size in one forward
         for name, p in inputs.items():
             assert_close_images(together.images[name], solo_steps(mixed, p, float_output=True), to_uint8)
 

@@ -59,7 +59,7 @@ def test_per_row_guidance_in_one_forward_matches_solo(adapter, reference):
     arrivals = [Arrival(i // 2, f"r{i}", params(PROMPTS[i], steps=3 + i % 2, seed=40 + i, guidance_scale=g))
                 for i, g in enumerate(scales)]
     result = drive_steps(adapter, arrivals, float_output=True)
-    assert max(result.batch_sizes) == 4
+    assert max(result.forward_sizes) == 4
     diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
     print(f"flux per-row guidance: max abs diff per request {['%.2e' % d for d in diffs]}")
     # Unset is diffusers' default (3.5), and the guidance matters.

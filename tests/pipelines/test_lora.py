@@ -27,14 +27,14 @@ BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_
 
 @pytest.fixture(scope="module", params=PIPELINES)
 def setup(request, tmp_path_factory):
-    """(adapter with its own lora_dir holding toy_a and toy_b, that folder, the model folder)."""
+    """(adapter with its own lora_dir holding toy_a, toy_b and toy_all, that folder, the model folder)."""
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter
 
     pipeline = request.param
     model_dir = ensure_model(pipeline, "tiny")
     lora_dir = tmp_path_factory.mktemp(f"loras-{pipeline}")
-    for name in ("toy_a", "toy_b"):
+    for name in ("toy_a", "toy_b", "toy_all"):
         shutil.copy(ensure_loras(pipeline, model_dir) / f"{name}.safetensors", lora_dir)
     adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32",
                                         lora_dir=str(lora_dir), max_loras=2))
@@ -56,11 +56,12 @@ def diffusers_with_lora(adapter, model_dir, lora_dir, name, scale, inputs) -> np
     return pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np").images
 
 
-def test_a_served_lora_equals_diffusers_set_adapters_bitwise(setup):
+@pytest.mark.parametrize("name", ["toy_a", "toy_all"], ids=["attention", "every-layer"])
+def test_a_served_lora_equals_diffusers_set_adapters_bitwise(setup, name):
     adapter, lora_dir, model_dir = setup
-    inputs = {**BASE, "lora_name": "toy_a", "lora_scale": 0.5}
+    inputs = {**BASE, "lora_name": name, "lora_scale": 0.5}
     ours = solo_steps(adapter, inputs)
-    expected = to_uint8(diffusers_with_lora(adapter, model_dir, lora_dir, "toy_a", 0.5, inputs))
+    expected = to_uint8(diffusers_with_lora(adapter, model_dir, lora_dir, name, 0.5, inputs))
     assert np.array_equal(ours, expected)
     assert not np.array_equal(ours, solo_steps(adapter, BASE)), "the LoRA changes the image"
 
@@ -70,14 +71,16 @@ def test_different_loras_share_one_step_batch_and_match_their_solo_runs(setup):
     cases = {"none": BASE, "a": {**BASE, "lora_name": "toy_a"}, "a_half": {**BASE, "lora_name": "toy_a", "lora_scale": 0.5},
              "b": {**BASE, "lora_name": "toy_b", "seed": 6}}
     mixed = drive_steps(adapter, [Arrival(i // 2, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=4)
-    assert max(mixed.batch_sizes) == 4, "all four shared a forward"
+    assert max(mixed.forward_sizes) == 4, "all four shared a forward"
     for rid, inputs in cases.items():
         assert_within_one_level(mixed.images[rid], solo_steps(adapter, inputs), rid)
 
 
-def test_loras_on_rows_of_different_sizes_share_a_forward(setup):
+@pytest.mark.parametrize("first, second", [("toy_a", "toy_b"), ("toy_all", "toy_a")], ids=["attention", "every-layer"])
+def test_loras_on_rows_of_different_sizes_share_a_forward(setup, first, second):
     """With mixed_size_batching (the rows' image tokens packed into one sequence) each row still gets its
-    own LoRA, and each image matches its solo run."""
+    own LoRA, and each image matches its solo run; also with a LoRA on every layer (toy_all), where some
+    layers see the packed tokens, some the rows, and SD3's patch convolution one size's rows at a time."""
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter
 
@@ -86,11 +89,11 @@ def test_loras_on_rows_of_different_sizes_share_a_forward(setup):
         pytest.skip(f"{adapter.name} keeps one image size per forward")
     mixed = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu", dtype="float32",
                                       lora_dir=str(lora_dir), mixed_size_batching=True))
-    cases = {"a-32": {**BASE, "lora_name": "toy_a"}, "none-64x48": {**BASE, "height": 64, "width": 48},
-             "b-64": {**BASE, "lora_name": "toy_b", "height": 64, "width": 64, "seed": 6},
-             "a_half-32x64": {**BASE, "lora_name": "toy_a", "lora_scale": 0.5, "height": 32, "width": 64}}
+    cases = {"first-32": {**BASE, "lora_name": first}, "none-64x48": {**BASE, "height": 64, "width": 48},
+             "second-64": {**BASE, "lora_name": second, "height": 64, "width": 64, "seed": 6},
+             "first_half-32x64": {**BASE, "lora_name": first, "lora_scale": 0.5, "height": 32, "width": 64}}
     together = drive_steps(mixed, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=4)
-    assert max(together.batch_sizes) == 4, "all four sizes shared a forward"
+    assert max(together.forward_sizes) == 4, "all four sizes shared a forward"
     for rid, inputs in cases.items():
         assert_within_one_level(together.images[rid], solo_steps(adapter, inputs), rid)
 
@@ -105,7 +108,7 @@ def test_request_mode_keys_one_lora_per_wave(setup):
     assert_within_one_level(wave_a, solo_steps(adapter, {**BASE, "lora_name": "toy_a"}))
 
 
-@pytest.mark.parametrize("name, says", [("nope", "available: toy_a, toy_b"), ("../toy_a", "no path"),
+@pytest.mark.parametrize("name, says", [("nope", "available: toy_a, toy_all, toy_b"), ("../toy_a", "no path"),
                                         ("a/b", "no path"), ("..", "no path")])
 def test_bad_names_are_refused_naming_lora_name(setup, name, says):
     adapter, _, _ = setup

@@ -56,7 +56,7 @@ def test_cfg_without_a_negative_prompt_uses_the_empty_one(adapter, reference):
                 Arrival(1, "empty", {**p, "negative_prompt": "", "guidance_scale": 7.0, "seed": 5}),
                 Arrival(1, "negative", {**p, "negative_prompt": "blurry", "guidance_scale": 7.0, "seed": 4})]
     result = drive_steps(adapter, arrivals, float_output=True)
-    assert max(result.batch_sizes) == 3  # with and without a negative prompt in one CFG forward
+    assert max(result.forward_sizes) == 3  # with and without a negative prompt in one CFG forward
     for a in arrivals:
         assert_close_images(result.images[a.request_id], reference(a.params), to_uint8)
     assert image_diff(result.images["default"], result.images["negative"]) > 1e-3  # the negative prompt matters

@@ -103,7 +103,7 @@ class SD3Adapter(FlowMatchAdapter):
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],
-                                      packing)
+                                      packing, self.loras)
         return to_tokens(self.pipe.transformer(
             hidden_states=self._unpack(latents, states[0].params.height, states[0].params.width),
             timestep=timestep,

@@ -14,9 +14,13 @@ attention and qk norms included) and `JointAttnProcessor2_0` operation for opera
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Optional
+
 import torch
 
 from engine_lib.host_copy import to_device
+from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines.packing import Packing
 
 
@@ -51,12 +55,15 @@ class SD3Packing(Packing):
     def _repeat(self, times: int) -> "SD3Packing":
         return SD3Packing(self.sizes * times, self.patch_size, self.device)
 
-    def patchify(self, pos_embed, latents: torch.Tensor) -> torch.Tensor:
-        """Token latents [R, longest, C] -> packed patch embeddings [1, T, D], each row with its size's crop."""
+    def patchify(self, pos_embed, latents: torch.Tensor, loras: Optional[LoraLibrary] = None) -> torch.Tensor:
+        """Token latents [R, longest, C] -> packed patch embeddings [1, T, D], each row with its size's crop
+        (and, with `loras`, its own LoRA on the patch convolution)."""
         embedded: dict[int, torch.Tensor] = {}
         for (h, w), (rows, rows_on_device) in self.by_size.items():
             own = latents[:, :h * w].index_select(0, rows_on_device)
-            for row, tokens in zip(rows, pos_embed(from_tokens(own, h, w))):
+            with loras.only(rows) if loras is not None else nullcontext():
+                patches = pos_embed(from_tokens(own, h, w))
+            for row, tokens in zip(rows, patches):
                 embedded[row] = tokens
         return torch.cat([embedded[row] for row in self.order]).unsqueeze(0)
 
@@ -127,10 +134,11 @@ def _block(block, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, pack
 
 @torch.inference_mode()
 def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, pooled: torch.Tensor,
-                   text_embeds: torch.Tensor, packing: SD3Packing) -> torch.Tensor:
+                   text_embeds: torch.Tensor, packing: SD3Packing, loras: Optional[LoraLibrary] = None) -> torch.Tensor:
     """`SD3Transformer2DModel.forward` over rows of different image sizes: token latents [R, longest, C]
-    (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding."""
-    img = packing.patchify(transformer.pos_embed, latents)
+    (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding. `loras`:
+    the library whose `rows` and `packed` plans this forward runs within."""
+    img = packing.patchify(transformer.pos_embed, latents, loras)
     temb = transformer.time_text_embed(timestep, pooled)
     txt = transformer.context_embedder(text_embeds)
     for block in transformer.transformer_blocks:
