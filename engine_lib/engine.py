@@ -47,6 +47,7 @@ class TickStats:
     mode: EngineMode
     batch_size: int  # requests in the forward
     seconds: float  # wall time of the tick's device work (one denoise step, with admission and decode)
+    batch_retries: int = 0  # batched denoise forwards that failed in this tick and ran again one request at a time
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class DiffusionEngine:
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
             return
-        start = time.monotonic()
+        start, retries = time.monotonic(), self.runner.batch_retries
         try:
             result = self.runner.execute_step(new, running)
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
@@ -326,7 +327,8 @@ class DiffusionEngine:
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
         if self._tick_listener is not None:
-            self._tick_listener(TickStats(self.mode, len(new) + len(running), seconds))
+            self._tick_listener(TickStats(self.mode, len(new) + len(running), seconds,
+                                          self.runner.batch_retries - retries))
 
     def _maybe_wait_for_admission(self) -> None:
         """Request mode only: let a burst accumulate before the first wave (the seed's four conditions)."""

@@ -83,6 +83,8 @@ class ModelMetrics:
                            "(1: most urgent)", family.GAUGE)
         self._waiting_by_priority = {level: by_priority.Metric(labels={**labels, "priority": str(level)})
                                      for level in range(1, priority_levels + 1)}
+        self._batch_retries = make("diffusion_batch_retries_total", "Batched denoise forwards that failed and "
+                                   "ran again one request at a time", family.COUNTER).Metric(labels=labels)
         self._preemptions = make("diffusion_preemptions_total", "Times a running request was paused between "
                                  "steps for a more urgent one", family.COUNTER).Metric(labels=labels)
         phases = make("diffusion_engine_phase_seconds_total", "Seconds the engine thread (and the sender, phases "
@@ -113,6 +115,8 @@ class ModelMetrics:
     # -- hot-path recorders: plain numbers onto the queue ----------------------------
     def tick(self, tick_stats: Any) -> None:
         """The engine's tick listener (engine thread)."""
+        if tick_stats.batch_retries:  # applied before the tick's batch size: who sees that sees these
+            self._queue.put(("retries", tick_stats.batch_retries))
         self._queue.put(("observe", "batch_size", float(tick_stats.batch_size)))
         self._queue.put(("observe", "tick_seconds", float(tick_stats.seconds)))
 
@@ -144,6 +148,8 @@ class ModelMetrics:
     def _apply(self, item: tuple) -> None:
         if item[0] == "observe":
             self._histograms[item[1]].observe(item[2])
+        elif item[0] == "retries":
+            self._batch_retries.increment(float(item[1]))
         elif item[0] == "outcome":
             _, outcome, latency = item
             self._outcomes[outcome].increment(1)
@@ -176,5 +182,5 @@ class ModelMetrics:
         except Exception as exc:  # noqa: BLE001
             self._log(f"metrics update failed: {exc!r}")
         self._outcomes, self._gauges, self._histograms, self._restarts = {}, {}, {}, None
-        self._waiting_by_priority, self._preemptions, self._totals = {}, None, {}
+        self._waiting_by_priority, self._preemptions, self._batch_retries, self._totals = {}, None, None, {}
         self._families = []

@@ -1,6 +1,7 @@
 """A pipeline failure through Triton: the failing request ends with INTERNAL, its batch-mates finish
-with their images, the failure is counted (`error`) and logged through Triton's log (engine_lib's
-logging is forwarded by the model).
+with their images, the failure is counted (`error`), and so is the batch's retry one request at a time
+(`diffusion_batch_retries_total`), and logged through Triton's log (engine_lib's logging is forwarded by
+the model).
 
 The shared server's `test_fail_prompt` makes the failure: a batch holding that prompt fails its
 denoise forward, so the runner retries each request alone, as with a real pipeline error. The
@@ -16,7 +17,9 @@ LABELS = dict(model="qwen_image")
 
 
 def test_internal_error_ends_only_its_request(server, held):
-    errors_before = metric(scrape(server.metrics_url), "diffusion_requests_total", outcome="error", **LABELS)
+    before = scrape(server.metrics_url)
+    errors_before = metric(before, "diffusion_requests_total", outcome="error", **LABELS)
+    retries = metric(before, "diffusion_batch_retries_total", **LABELS) + 1  # the batch of four, once
     held.hold()
     prompts = ["a red cube", FAIL_PROMPT, "a blue cube", "a green cube"]
     streams = [RequestStream(server.grpc_url).send(f"f{i}", prompt=p, height=32, width=32, num_inference_steps=3,
@@ -36,6 +39,7 @@ def test_internal_error_ends_only_its_request(server, held):
         assert result.final.as_numpy("image").shape == (1, 32, 32, 3)
     assert wait_for_metric(server.metrics_url, "diffusion_requests_total", errors_before + 1, outcome="error",
                            **LABELS) == errors_before + 1
+    assert wait_for_metric(server.metrics_url, "diffusion_batch_retries_total", retries, **LABELS) == retries
     log = server.log_text()
     assert "engine_lib.runner: batched denoise of 4 requests failed" in log  # a warning, forwarded
     assert "engine_lib.runner: request f1#" in log and "injected failure" in log

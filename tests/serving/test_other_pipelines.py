@@ -141,6 +141,8 @@ def test_requests_of_different_sizes_share_every_forward_and_match_their_solo_im
     assert wait_for_metric(server.metrics_url, "diffusion_batch_size_count", ticks, model=model) == ticks
     rows = metric(scrape(server.metrics_url), "diffusion_batch_size_sum", model=model)
     assert rows - metric(before, "diffusion_batch_size_sum", model=model) == 12, "not all four in every forward"
+    assert metric(scrape(server.metrics_url), "diffusion_batch_retries_total", model=model) == \
+        metric(before, "diffusion_batch_retries_total", model=model), "a batch failed and ran one by one"
     for rid, case in cases.items():
         assert not together[rid].errors and together[rid].num_final == 1, together[rid].errors
         image = together[rid].final.as_numpy("image")
