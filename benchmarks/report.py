@@ -48,6 +48,16 @@ def closed_stat(system: dict, concurrency: int, key: str = "requests_per_s") -> 
     return spread([p.get(key) for p in system.get("closed", {}).get(str(concurrency), [])])
 
 
+def rounds(system: dict, field: str) -> list[dict]:
+    """The rounds of a side load (`poisson`, `mixed_sizes`); results from before rounds hold one point."""
+    return system.get(f"{field}_points") or ([system[field]] if system.get(field) else [])
+
+
+def round_ratios(a: dict, b: dict, field: str, key: str) -> list[Optional[float]]:
+    """a's `key` over b's, round by round (a round runs both, one after the other)."""
+    return [ratio(x.get(key), y.get(key)) for x, y in zip(rounds(a, field), rounds(b, field))]
+
+
 def top_concurrency(results: dict) -> int:
     cs = results["plan"]["concurrencies"]
     return 8 if 8 in cs else max(cs)
@@ -79,41 +89,45 @@ def targets(results: dict) -> list[dict]:
 
     out = []
 
-    def add(name: str, value: Optional[float], goal: float, higher_is_better: bool, unit: str = "x") -> None:
+    def add(name: str, value, goal: float, higher_is_better: bool, unit: str = "x") -> None:
+        """`value`: one number, or the rounds' numbers (the median is compared; min-max kept as `span`)."""
+        values = value if isinstance(value, list) else [value]
+        stat = spread(values)
+        value = stat[0] if stat else None
         met = None if value is None else (value >= goal if higher_is_better else value <= goal)
         out.append({"target": name, "value": value, "goal": goal, "met": met, "unit": unit,
-                    "higher_is_better": higher_is_better})
+                    "higher_is_better": higher_is_better,
+                    "span": stat[1:] if stat and sum(v is not None for v in values) > 1 else None})
 
     add(f"STEP_BATCH / REQUEST_BATCH serial, requests/s at concurrency {c}", ratio(rps(STEP), rps(SERIAL)), 2.5, True)
     add(f"STEP_BATCH served images/s at concurrency {c} / offline limit (batch {results['plan']['max_num_seqs']})",
         ratio(rps(STEP, "images_per_s"), offline_best(results)), 0.9, True)
-    step_p = S.get(STEP, {}).get("poisson", {})
-    serial_p = S.get(SERIAL, {}).get("poisson", {})
+    step, serial = S.get(STEP, {}), S.get(SERIAL, {})
     add("Poisson mixed steps: STEP_BATCH p99 / REQUEST_BATCH serial p99",
-        ratio(step_p.get("latency_p99_s"), serial_p.get("latency_p99_s")), 0.5, False)
-    add("Poisson mixed steps: STEP_BATCH SLO attainment (3x solo latency)", step_p.get("slo_attainment"), 0.95, True,
-        unit="%")
+        round_ratios(step, serial, "poisson", "latency_p99_s"), 0.5, False)
+    add("Poisson mixed steps: STEP_BATCH SLO attainment (3x solo latency)",
+        [p.get("slo_attainment") for p in rounds(step, "poisson")], 0.95, True, unit="%")
     for name in (SRPT, DEADLINE):
         if S.get(name, {}).get("poisson"):
-            add(f"Poisson mixed steps: {S[name]['label']} SLO attainment", S[name]["poisson"].get("slo_attainment"),
-                0.95, True, unit="%")
+            add(f"Poisson mixed steps: {S[name]['label']} SLO attainment",
+                [p.get("slo_attainment") for p in rounds(S[name], "poisson")], 0.95, True, unit="%")
     add(f"STEP_BATCH / naive baseline, requests/s at concurrency {c}", ratio(rps(STEP), rps(NAIVE)), 2.5, True)
-    fused_sizes = S.get(FUSED_WAIT, {}).get("mixed_sizes")
     for name in (STEP, STEP_MIXED):
-        sizes = S.get(name, {}).get("mixed_sizes")
-        if sizes and fused_sizes:  # issue #13
+        if S.get(name, {}).get("mixed_sizes") and S.get(FUSED_WAIT, {}).get("mixed_sizes"):  # issue #13
             add(f"Mixed sizes {results['plan']['mixed_sizes']}: {S[name]['label']} / {S[FUSED_WAIT]['label']}, "
                 f"requests/s at concurrency {max(results['plan']['concurrencies'])}",
-                ratio(sizes.get("requests_per_s"), fused_sizes.get("requests_per_s")), 1.3, True)
+                round_ratios(S[name], S[FUSED_WAIT], "mixed_sizes", "requests_per_s"), 1.3, True)
     return out
 
 
 def fmt_target_value(t: dict) -> str:
     if t["value"] is None:
         return "not measured"
-    if t["unit"] == "%":
-        return f"{t['value']:.0%}"
-    return f"{t['value']:.2f}x"
+
+    def one(v: float) -> str:
+        return f"{v:.0%}" if t["unit"] == "%" else f"{v:.2f}x"
+
+    return one(t["value"]) + (f" ({one(t['span'][0])}-{one(t['span'][1])})" if t.get("span") else "")
 
 
 def fmt_goal(t: dict) -> str:
@@ -236,6 +250,14 @@ def f(x: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
 
+def fmt_percent_spread(values: Sequence[Optional[float]]) -> str:
+    """Fractions as a median percentage, with (min-max) when there are several."""
+    stat = spread(values)
+    if not stat:
+        return "-"
+    return f"{stat[0]:.0%}" + (f" ({stat[1]:.0%}-{stat[2]:.0%})" if stat[1] != stat[2] else "")
+
+
 def fmt_spread(stat: Optional[tuple[float, float, float]], digits: int = 2) -> str:
     if not stat:
         return "-"
@@ -281,7 +303,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "- Systems, each its own tritonserver on a copy of the model repository, all up for the whole run: "
         + "; ".join(f"`{n}` = {s['label']}" for n, s in S.items()) + ". The closed-loop points are interleaved "
         "(each repeat and concurrency runs on every system back to back, then one offline sample); mixed sizes "
-        "and Poisson runs go one system after the other."
+        f"and Poisson loads run in rounds ({plan.get('mixed_sizes_repeats', 1)} and {plan.get('poisson_repeats', 1)}), "
+        "each round every system once, one after the other."
         + "".join(f" `{n}` runs only the Poisson load." for n, s in S.items() if not s.get("closed")),
         f"- Each server gets one request alone, then {plan['max_num_seqs']} at concurrency {plan['max_num_seqs']}, "
         "unmeasured, before its first measurement. "
@@ -415,7 +438,7 @@ def gap_notes(results: dict) -> list[str]:
 
 def poisson_section(results: dict, img_base: str) -> list[str]:
     S = results["systems"]
-    rows = [(s["label"], s["poisson"]) for s in S.values() if s.get("poisson")]
+    rows = [(s["label"], s["poisson"], rounds(s, "poisson")) for s in S.values() if s.get("poisson")]
     if not rows:
         return []
     lines = ["", "## Mixed steps under Poisson arrivals", "",
@@ -423,19 +446,22 @@ def poisson_section(results: dict, img_base: str) -> list[str]:
              "| system | offered/s | achieved/s | mean | p50 | p95 | p99 | first preview p50 | SLO attainment | "
              "mean batch | errors | load at start |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, p in rows:
-        slo = p.get("slo_attainment")
+    for label, p, runs in rows:
         load = p.get("load_at_start")
         lines.append(f"| {label} | {f(p.get('offered_rate'), 3)} | {f(p.get('requests_per_s'), 3)} | "
                      f"{f(p.get('latency_mean_s'))} | {f(p.get('latency_p50_s'))} | {f(p.get('latency_p95_s'))} | "
                      f"{f(p.get('latency_p99_s'))} | {f(p.get('first_preview_p50_s'))} | "
-                     f"{f(None if slo is None else slo * 100, 0, '%')} | "
+                     f"{fmt_percent_spread([r.get('slo_attainment') for r in runs])} | "
                      f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} | "
                      f"{f(load[0] if load else None, 1)} |")
-    n = results["plan"]["poisson_requests"]
+    n, repeats = results["plan"]["poisson_requests"], max(len(runs) for _, _, runs in rows)
     lines += ["", f"Latencies in seconds, counted from each request's arrival; achieved/s counts until the last "
               f"request ends. With {n} requests the p99 is close to the maximum: read it as the tail, not a "
               "precise percentile."]
+    if repeats > 1:
+        lines[-1] += (f" Each system ran the same arrival sequence in {repeats} rounds (a round runs every system "
+                      "once); a row is the system's median round by SLO attainment, with the attainment of every "
+                      "round as (min-max). The plot and the table by shape show that round.")
     shapes = [(s["label"], s["poisson"]["slo_by_shape"]) for s in S.values() if s.get("poisson", {}).get("slo_by_shape")]
     if shapes:
         keys = sorted({k for _, by in shapes for k in by}, key=lambda k: int(k.split("/")[1]))
@@ -448,7 +474,8 @@ def poisson_section(results: dict, img_base: str) -> list[str]:
 
 
 def mixed_sizes_section(results: dict) -> list[str]:
-    rows = [(s["label"], s["mixed_sizes"]) for s in results["systems"].values() if s.get("mixed_sizes")]
+    rows = [(s["label"], s["mixed_sizes"], rounds(s, "mixed_sizes")) for s in results["systems"].values()
+            if s.get("mixed_sizes")]
     if not rows:
         return []
     plan = results["plan"]
@@ -457,11 +484,16 @@ def mixed_sizes_section(results: dict) -> list[str]:
              "shapes are in the compatibility key); with it on (Qwen-Image packs their image tokens), any sizes "
              "share a step. The section \"Mixed image sizes\" below has both presets and the offline limit.", "",
              "| system | requests/s | mean | p99 | SLO attainment | mean batch | errors |", "|---|---|---|---|---|---|---|"]
-    for label, p in rows:
+    for label, p, runs in rows:
         slo = p.get("slo_attainment")
-        lines.append(f"| {label} | {f(p.get('requests_per_s'), 3)} | {f(p.get('latency_mean_s'))} | "
+        lines.append(f"| {label} | {fmt_spread(spread([r.get('requests_per_s') for r in runs]), 3)} | "
+                     f"{f(p.get('latency_mean_s'))} | "
                      f"{f(p.get('latency_p99_s'))} | {f(None if slo is None else slo * 100, 0, '%')} | "
                      f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} |")
+    repeats = max(len(runs) for _, _, runs in rows)
+    if repeats > 1:
+        lines += ["", f"{repeats} rounds (a round runs every system once): requests/s is the median with (min-max); "
+                  "the other columns are the system's median round."]
     return lines
 
 

@@ -11,8 +11,11 @@ One run (all on the `bench` random-weight Qwen-Image preset):
 3. Closed-loop sweep, interleaved: for each repeat and concurrency, every
    system runs the same requests back to back, then one offline sample is
    taken, so slow drifts in machine load hit every system alike.
-4. Mixed sizes, then open-loop Poisson arrivals of the mixed-steps workload,
-   one system after the other; perf_analyzer against the STEP_BATCH server.
+4. Mixed sizes, then open-loop Poisson arrivals of the mixed-steps workload (the
+   same arrival sequence each time), in rounds: each round runs every system
+   once, one after the other; the point kept for a system is its median round
+   (`median_point`), the others give the spread. Then perf_analyzer against the
+   STEP_BATCH server.
 5. Servers stop; a per-phase profile runs in-process.
 6. Other pipelines (flux, sd3) on their tiny presets: REQUEST_BATCH serial and
    STEP_BATCH continuous, each on its own server, one after the other.
@@ -61,9 +64,11 @@ class Plan:
     mixed_step_choices: tuple = (4, 8, 16)
     mixed_sizes: tuple = (64, 128)
     poisson_requests: int = 40
+    poisson_repeats: int = 3  # rounds of the Poisson load (each system once per round; the median round is kept)
     poisson_load: float = 0.8  # fraction of REQUEST_BATCH serial capacity
     poisson_systems: tuple = ("rb_serial", "rb_fused_wait", "step", "step_srpt", "step_deadline")
     mixed_sizes_systems: tuple = ("rb_fused_wait", "step", "step_mixed")
+    mixed_sizes_repeats: int = 3  # rounds of the mixed-sizes point, as poisson_repeats
     systems: tuple = ("rb_serial", "rb_fused", "rb_fused_wait", "step", "naive")
     perf_analyzer_concurrency: int = 4
     perf_analyzer_requests: int = 24
@@ -80,7 +85,7 @@ class Plan:
 
 FULL = Plan("full")
 QUICK = Plan("quick", steps=4, concurrencies=(1, 8), rounds=2, repeats=2, mixed_step_choices=(2, 4, 8),
-             mixed_sizes=(64, 128), poisson_requests=12,
+             mixed_sizes=(64, 128), poisson_requests=12, poisson_repeats=1, mixed_sizes_repeats=1,
              poisson_systems=("rb_serial", "step", "step_srpt", "step_deadline"),
              mixed_sizes_systems=("step",), systems=("rb_serial", "rb_fused_wait", "step", "naive"),
              perf_analyzer_concurrency=8, perf_analyzer_requests=8, preview_interval=2)
@@ -311,16 +316,23 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
                 limit.sample()
             save(results, out_path)
         c = max(plan.concurrencies)
-        for name in plan.mixed_sizes_systems:
-            if name in running:
-                S[name]["mixed_sizes"] = closed_point(running[name], sizes, c, ctx["solo"], plan.slo_factor, "ms")
-                log(f"{name}: mixed sizes c={c} req/s {S[name]['mixed_sizes']['requests_per_s']}")
-        for name in plan.poisson_systems:
-            if name in running:
-                S[name]["poisson"] = summary = poisson_point(running[name], ctx, plan)
-                log(f"{name}: Poisson {ctx['poisson_rate']:.3f}/s p99 {summary['latency_p99_s']} s "
-                    f"SLO {summary.get('slo_attainment')} errors {summary['errors']}")
+        for r in range(plan.mixed_sizes_repeats):
+            for name in (n for n in plan.mixed_sizes_systems if n in running):
+                point = closed_point(running[name], sizes, c, ctx["solo"], plan.slo_factor, f"ms{r}")
+                S[name].setdefault("mixed_sizes_points", []).append(point)
+                log(f"{name}: mixed sizes round {r} c={c} req/s {point['requests_per_s']}")
+        for r in range(plan.poisson_repeats):
+            for name in (n for n in plan.poisson_systems if n in running):
+                point = poisson_point(running[name], ctx, plan)
+                S[name].setdefault("poisson_points", []).append(point)
+                log(f"{name}: Poisson round {r} {ctx['poisson_rate']:.3f}/s p99 {point['latency_p99_s']} s "
+                    f"SLO {point.get('slo_attainment')} errors {point['errors']}")
             save(results, out_path)
+        for entry in S.values():
+            if entry.get("mixed_sizes_points"):
+                entry["mixed_sizes"] = median_point(entry["mixed_sizes_points"], "requests_per_s")
+            if entry.get("poisson_points"):
+                entry["poisson"] = median_point(entry["poisson_points"], "slo_attainment")
         if "step" in running and plan.perf_analyzer_requests:
             S["step"]["perf_analyzer"] = run_perf_analyzer(running["step"], plan)
         rss.sample_once()
@@ -351,6 +363,13 @@ POISSON_ARRIVAL_SEED = 11  # the Poisson point's arrival times (`make bench`, `m
 def poisson_specs(requests: int, size: int, step_choices: Sequence[int], preview_interval: int) -> list:
     """The Poisson point's mixed-steps requests (the same seed wherever that load is run or modelled)."""
     return workloads.mixed_steps(requests, size, step_choices, preview_interval, seed=3)
+
+
+def median_point(points: Sequence[dict], key: str) -> dict:
+    """The round whose `key` is the median (the lower middle of an even count): a whole run, so its latencies,
+    percentiles and SLO attainment all come from one run of the same requests."""
+    ordered = sorted(points, key=lambda p: (p.get(key) is None, p.get(key) or 0.0))
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def slo_budgets(solo: dict, slo_factor: float) -> dict:
@@ -434,6 +453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--concurrencies", default=None, help="comma-separated closed-loop concurrencies")
     parser.add_argument("--repeats", type=int, default=None, help="closed-loop repeats per point")
     parser.add_argument("--poisson-requests", type=int, default=None)
+    parser.add_argument("--poisson-repeats", type=int, default=None, help="rounds of the Poisson and mixed-sizes loads")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<plan>.json)")
     parser.add_argument("--no-offline", action="store_true", help="skip the in-process offline limit")
     parser.add_argument("--other-pipelines", default=None,
@@ -450,7 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = replace(plan, systems=subset, poisson_systems=tuple(s for s in plan.poisson_systems if s in subset),
                        mixed_sizes_systems=tuple(s for s in plan.mixed_sizes_systems if s in subset))
     overrides = {"preset": args.preset, "device": args.device, "dtype": args.dtype, "size": args.size, "steps": args.steps, "repeats": args.repeats,
-                 "poisson_requests": args.poisson_requests,
+                 "poisson_requests": args.poisson_requests, "poisson_repeats": args.poisson_repeats,
+                 "mixed_sizes_repeats": args.poisson_repeats,
                  "concurrencies": tuple(int(c) for c in args.concurrencies.split(",")) if args.concurrencies else None}
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
     if args.other_pipelines is not None:

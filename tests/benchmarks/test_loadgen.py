@@ -211,6 +211,32 @@ def test_the_mixed_sizes_target_compares_each_step_system_with_fused_waves():
     assert "STEP_BATCH x8, mixed_size_batching / REQUEST_BATCH fused x8 + 20 ms wait" in sizes[1]["target"]
 
 
+def test_repeated_side_loads_compare_round_by_round_and_keep_the_median_round():
+    from benchmarks.run import median_point
+
+    results = canned_results()
+    S = results["systems"]
+    step_rounds = [dict(S["step"]["poisson"], latency_p99_s=p99, slo_attainment=slo)
+                   for p99, slo in ((4.0, 0.9), (6.0, 0.7), (3.0, 0.95))]
+    serial_rounds = [dict(S["rb_serial"]["poisson"], latency_p99_s=p99) for p99 in (10.0, 10.0, 5.0)]
+    S["step"].update(poisson_points=step_rounds, poisson=median_point(step_rounds, "slo_attainment"))
+    S["rb_serial"].update(poisson_points=serial_rounds, poisson=median_point(serial_rounds, "slo_attainment"))
+    assert S["step"]["poisson"] is step_rounds[0]  # the median attainment's round, whole
+    S["step"]["mixed_sizes_points"] = [{"requests_per_s": r} for r in (2.4, 3.0, 2.0)]
+    S["step"]["mixed_sizes"] = median_point(S["step"]["mixed_sizes_points"], "requests_per_s")
+    S["rb_fused_wait"]["mixed_sizes_points"] = [{"requests_per_s": r} for r in (2.0, 2.0, 2.5)]
+    by_name = {t["target"].split(",")[0].split(":")[-1].strip(): t for t in report.targets(results)}
+    p99 = by_name["STEP_BATCH p99 / REQUEST_BATCH serial p99"]  # rounds 0.4, 0.6, 0.6
+    assert p99["value"] == pytest.approx(0.6) and p99["span"] == pytest.approx((0.4, 0.6)) and not p99["met"]
+    slo = by_name["STEP_BATCH SLO attainment (3x solo latency)"]
+    assert slo["value"] == pytest.approx(0.9) and report.fmt_target_value(slo) == "90% (70%-95%)"
+    [sizes] = [t for t in report.targets(results) if t["target"].startswith("Mixed sizes")]  # 1.2, 1.5, 0.8
+    assert sizes["value"] == pytest.approx(1.2) and sizes["span"] == pytest.approx((0.8, 1.5))
+    text = "\n".join(report.poisson_section(results, "img/"))
+    assert "| 90% (70%-95%) |" in text and "median round" in text
+    assert "| 2.400 (2.000-3.000) |" in "\n".join(report.mixed_sizes_section(results))
+
+
 def test_report_writes_markdown_and_two_pngs_from_a_results_file(tmp_path):
     source = tmp_path / "quick.json"
     source.write_text(json.dumps(canned_results()))
