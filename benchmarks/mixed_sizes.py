@@ -37,10 +37,10 @@ VARIANTS = {"tiny": ("tiny", (64, 128), 12), "bench": ("bench", (64, 128), 3),
             "bench, five sizes": ("bench", (64, 80, 96, 112, 128), 3)}
 
 
-def run_presets(repeats: int = 3, log_dir: Optional[Path] = None) -> dict:
+def run_variants(repeats: int = 3, log_dir: Optional[Path] = None) -> dict:
     """`run` on each of VARIANTS, one after the other."""
     return {"kind": "mixed_sizes", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-            "presets": {name: run(preset=preset, sizes=sizes, rounds=rounds, repeats=repeats, log_dir=log_dir)
+            "variants": {name: run(preset=preset, sizes=sizes, rounds=rounds, repeats=repeats, log_dir=log_dir)
                         for name, (preset, sizes, rounds) in VARIANTS.items()}}
 
 
@@ -81,9 +81,9 @@ def run(concurrency: int = 16, sizes: tuple = (64, 128), steps: int = 8, rounds:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return side_main(__doc__, "mixed_sizes", run_presets, lambda r: "step / fused requests/s: " + "; ".join(
-        f"{preset}: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in one["step_over_fused"].items())
-        for preset, one in r["presets"].items()), argv)
+    return side_main(__doc__, "mixed_sizes", run_variants, lambda r: "step / fused requests/s: " + "; ".join(
+        f"{variant}: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in one["step_over_fused"].items())
+        for variant, one in r["variants"].items()), argv)
 
 
 if __name__ == "__main__":

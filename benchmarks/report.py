@@ -727,20 +727,20 @@ def size_batching_section(path: Optional[Path] = None) -> list[str]:
     results = side_results(path, "mixed_sizes")
     if results is None:
         return []
-    by_preset = results["presets"]
-    w = next(iter(by_preset.values()))["workload"]
+    by_variant = results["variants"]
+    w = next(iter(by_variant.values()))["workload"]
     lines = ["", "## Mixed image sizes: fused waves vs step batching", "",
              f"`make bench-sizes`, started {results['started']}: Qwen-Image, sizes drawn from "
              f"{', '.join(map(str, w['sizes']))} (unless a heading says otherwise), {w['steps']} steps, closed loop at "
              f"concurrency {w['concurrency']}, "
              f"`max_num_seqs={w['max_num_seqs']}`, {w['repeats']} interleaved repeats (median, min-max); each "
-             "preset in turn. The offline limit of a size mix is diffusers `pipe()` in batches of "
+             "variant in turn. The offline limit of a size mix is diffusers `pipe()` in batches of "
              f"{w['max_num_seqs']} of one size (fresh processes), combined over the mix: no server, no waiting, no "
              "size switches."]
-    for preset, one in by_preset.items():
+    for variant, one in by_variant.items():
         sizes = one["workload"]["sizes"]
         drawn = "" if sizes == w["sizes"] else f", sizes drawn from {', '.join(map(str, sizes))}"
-        lines += ["", f"**{preset}** ({one['workload']['preset']} preset{drawn}, "
+        lines += ["", f"**{variant}** ({one['workload']['preset']} preset{drawn}, "
                   f"{one['workload']['requests_per_point']} requests per point)", "",
                   "| system | req/s | p99 latency s | mean requests per forward | / fused | share of offline limit |",
                   "|---|---|---|---|---|---|"]
