@@ -309,6 +309,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         f"- Each server gets one request alone, then {plan['max_num_seqs']} at concurrency {plan['max_num_seqs']}, "
         "unmeasured, before its first measurement. "
         f"Total wall time of the run: {f((results.get('wall_s') or 0) / 60, 1)} min.",
+        *retries_note(S),
         "",
         "## Targets",
         "",
@@ -434,6 +435,18 @@ def gap_notes(results: dict) -> list[str]:
                          "the rest is the serving path (request parsing, responses through Triton's Python-backend "
                          "shared memory, gRPC) and the gaps between a request ending and its client's next one.")
     return notes
+
+
+def retries_note(systems: dict) -> list[str]:
+    """A line naming the systems whose engine retried a failed batch one request at a time during a measured
+    point (`diffusion_batch_retries_total`): their batches were not what their numbers assume."""
+    retried = {}
+    for name, system in systems.items():
+        points = [p for ps in system.get("closed", {}).values() for p in ps]
+        points += rounds(system, "poisson") + rounds(system, "mixed_sizes")
+        retried[name] = sum(p.get("server", {}).get("batch_retries", 0) for p in points)
+    named = ", ".join(f"`{n}` {int(k)}" for n, k in retried.items() if k)
+    return [f"- Batches that failed and ran again one request at a time (see the servers' logs): {named}."] if named else []
 
 
 def poisson_section(results: dict, img_base: str) -> list[str]:

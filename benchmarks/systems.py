@@ -174,7 +174,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def batch_stats(before: Mapping[str, float], after: Mapping[str, float]) -> dict:
-    """Mean requests per forward and device-busy seconds between two scrapes.
+    """Mean requests per forward, device-busy seconds and batches retried one by one between two scrapes.
 
     Ours: the engine's diffusion_batch_size / diffusion_tick_seconds histograms.
     The baseline: Triton's nv_inference_count / nv_inference_exec_count (dynamic batcher).
@@ -185,7 +185,8 @@ def batch_stats(before: Mapping[str, float], after: Mapping[str, float]) -> dict
     ticks = delta("diffusion_batch_size_count")
     if ticks > 0:
         return {"mean_batch_size": delta("diffusion_batch_size_sum") / ticks, "ticks": ticks,
-                "device_busy_s": delta("diffusion_tick_seconds_sum")}
+                "device_busy_s": delta("diffusion_tick_seconds_sum"),
+                "batch_retries": delta("diffusion_batch_retries_total")}  # batches that ran one by one instead
     executions = delta("nv_inference_exec_count")
     if executions > 0:
         # Triton's compute duration counts a batch once per request in it: not a busy time.

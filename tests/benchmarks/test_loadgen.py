@@ -234,6 +234,10 @@ def test_repeated_side_loads_compare_round_by_round_and_keep_the_median_round():
     assert sizes["value"] == pytest.approx(1.2) and sizes["span"] == pytest.approx((0.8, 1.5))
     text = "\n".join(report.poisson_section(results, "img/"))
     assert "| 90% (70%-95%) |" in text and "median round" in text
+    assert report.retries_note(S) == []
+    step_rounds[1]["server"] = {"mean_batch_size": 2.0, "batch_retries": 2}
+    assert report.retries_note(S) == ["- Batches that failed and ran again one request at a time (see the servers' "
+                                      "logs): `step` 2."]
     assert "| 2.400 (2.000-3.000) |" in "\n".join(report.mixed_sizes_section(results))
 
 
