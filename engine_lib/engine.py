@@ -45,7 +45,7 @@ class TickStats:
     """One busy-loop tick, handed to tick listeners (metrics) as plain numbers."""
 
     mode: EngineMode
-    batch_size: int  # requests in the forward
+    batch_size: int  # requests in the tick's denoise forward (0: none, e.g. every new request failed to prepare)
     seconds: float  # wall time of the tick's device work (one denoise step, with admission and decode)
     batch_retries: int = 0  # batched denoise forwards that failed in this tick and ran again one request at a time
 
@@ -327,7 +327,7 @@ class DiffusionEngine:
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
         if self._tick_listener is not None:
-            self._tick_listener(TickStats(self.mode, len(new) + len(running), seconds,
+            self._tick_listener(TickStats(self.mode, result.forward_size, seconds,
                                           self.runner.batch_retries - retries))
 
     def _maybe_wait_for_admission(self) -> None:

@@ -36,6 +36,7 @@ class RunnerResult:
     outputs: dict[str, Outputs] = field(default_factory=dict)  # request id -> named arrays (finished requests)
     previews: dict[str, Outputs] = field(default_factory=dict)
     chunks: dict[str, Outputs] = field(default_factory=dict)  # what a request decoded as it went (video chunks)
+    forward_size: int = 0  # requests in the tick's denoise forward (not those only waiting for their decode)
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineError) else PipelineError(f"{type(exc).__name__}: {exc}")
@@ -82,6 +83,7 @@ class ModelRunner:
                 move_tensors(self.states[request.request_id], self.adapter.device)
         active = [self.states[r.request_id] for r in new + running if r.request_id in self.states]
         denoising = [s for s in active if not s.denoise_completed]  # the others wait for their decode
+        result.forward_size = len(denoising)
         if denoising:
             self._denoise(denoising, result)
         done = [s for s in active if s.request_id not in result.output.errors]

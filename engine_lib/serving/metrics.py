@@ -35,7 +35,8 @@ GAUGES = {
     "num_streams": ("diffusion_open_streams", "Engine output streams still open"),
 }
 HISTOGRAMS = {
-    "batch_size": ("diffusion_batch_size", "Requests per engine forward (one per tick)", BATCH_BUCKETS),
+    "batch_size": ("diffusion_batch_size", "Requests per engine tick in its denoise forward (requests only "
+                   "waiting for a grouped decode not counted)", BATCH_BUCKETS),
     "tick_seconds": ("diffusion_tick_seconds", "Device time of one engine tick (one denoise step of the running batch)",
                      SECONDS_BUCKETS),
     "first_response_seconds": ("diffusion_time_to_first_response_seconds",

@@ -1,7 +1,8 @@
 """Every registered pipeline besides qwen_image (which the session's server covers) behind a real
 tritonserver, from its generated repository entry: it loads, a served image is the diffusers image,
 HTTP generate_stream streams PNGs; and for Flux and SD3 gRPC streaming with previews and their own
-input rules. Flux and SD3 run with `mixed_size_batching=true` and a tick budget (held by one test only).
+input rules. Flux and SD3 run with `mixed_size_batching=true`; they, BAGEL and HunyuanImage-3.0 have a
+tick budget each (held by the tests that check which requests share a forward).
 
 One server for the module, holding every such model on its tiny pipeline (`model_path`
 set per model: $DIFFUSION_MODEL_PATH is shared by every model of a server).
@@ -29,6 +30,7 @@ from .streaming import (RequestStream, close_all, metric, post_json, run_concurr
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
+HELD = MIXED_SIZES + ("bagel", "hunyuan_image3")  # with a tick budget (`server.budgets`, `run_together`)
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +43,19 @@ def model_dirs():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dirs):
     """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
-    SD3 with mixed_size_batching on and a tick budget each (`server.budgets`)."""
+    SD3 with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`)."""
     tmp = tmp_path_factory.mktemp("other_pipelines")
     repo = tmp / "repository"
-    budgets = {name: TickBudget(tmp / f"{name}_tick_budget") for name in MIXED_SIZES}
+    budgets = {name: TickBudget(tmp / f"{name}_tick_budget") for name in HELD}
     for name in MODELS:
         shutil.copytree(REPO_ROOT / "model_repository" / name, repo / name,
                         ignore=shutil.ignore_patterns("__pycache__"))
         config = repo / name / "config.pbtxt"
         text = set_parameter(config.read_text(), "model_path", str(model_dirs[name]))
+        if name in MIXED_SIZES:
+            text = set_parameter(text, "mixed_size_batching", "true")
         if name in budgets:
-            text = set_parameter(set_parameter(text, "mixed_size_batching", "true"),
-                                 "test_tick_budget_path", str(budgets[name].path))
+            text = set_parameter(text, "test_tick_budget_path", str(budgets[name].path))
         config.write_text(text)
     srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
@@ -61,6 +64,32 @@ def server(tmp_path_factory, model_dirs):
     srv.start(timeout_s=300)
     yield srv
     srv.cleanup()
+
+
+def run_together(server, model: str, cases: dict[str, dict]) -> tuple[dict, float]:
+    """Send every case, hold the engine until all of them wait, then let it run: {request id: result}, and the
+    rows (requests summed over ticks) their run took. They all start in its first tick, so it takes as many
+    ticks as the longest case has steps; none of its batched forwards failed and ran again one request at a
+    time (the batch-size metric would still count them as shared)."""
+    before = scrape(server.metrics_url)
+    budget = server.budgets[model].hold()
+    streams = []
+    try:
+        streams = [RequestStream(server.grpc_url).send(rid, model=model, **case) for rid, case in cases.items()]
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", len(cases), model=model) == len(cases)
+        budget.release()
+        results = {stream.request_id: stream.collect(timeout=120) for stream in streams}
+    finally:
+        close_all(streams, budget)
+    ticks = metric(before, "diffusion_batch_size_count", model=model) + max(c["num_inference_steps"] for c in cases.values())
+    assert wait_for_metric(server.metrics_url, "diffusion_batch_size_count", ticks, model=model) == ticks
+    after = scrape(server.metrics_url)
+    assert metric(after, "diffusion_batch_retries_total", model=model) == \
+        metric(before, "diffusion_batch_retries_total", model=model), "a batch failed and ran one by one"
+    for rid, result in results.items():
+        assert not result.errors and result.num_final == 1, (rid, result.errors)
+    return results, metric(after, "diffusion_batch_size_sum", model=model) - metric(before, "diffusion_batch_size_sum",
+                                                                                     model=model)
 
 
 def test_every_model_loads_its_pipeline(server):
@@ -127,24 +156,9 @@ def test_requests_of_different_sizes_share_every_forward_and_match_their_solo_im
     sizes = ((64, 64), (32, 64), (64, 32), (64, 64))
     cases = {f"{model}-{i}-{h}x{w}": dict(prompt=prompt, height=h, width=w, num_inference_steps=3, seed=i)
              for i, (prompt, (h, w)) in enumerate(zip(("a red cube", "a green sphere", "a cat", "a boat"), sizes))}
-    before = scrape(server.metrics_url)
-    budget = server.budgets[model].hold()
-    streams = []
-    try:
-        streams = [RequestStream(server.grpc_url).send(rid, model=model, **case) for rid, case in cases.items()]
-        assert wait_for_metric(server.metrics_url, "diffusion_requests_waiting", 4.0, model=model) == 4
-        budget.release()
-        together = {stream.request_id: stream.collect(timeout=120) for stream in streams}
-    finally:
-        close_all(streams, budget)
-    ticks = metric(before, "diffusion_batch_size_count", model=model) + 3
-    assert wait_for_metric(server.metrics_url, "diffusion_batch_size_count", ticks, model=model) == ticks
-    rows = metric(scrape(server.metrics_url), "diffusion_batch_size_sum", model=model)
-    assert rows - metric(before, "diffusion_batch_size_sum", model=model) == 12, "not all four in every forward"
-    assert metric(scrape(server.metrics_url), "diffusion_batch_retries_total", model=model) == \
-        metric(before, "diffusion_batch_retries_total", model=model), "a batch failed and ran one by one"
+    together, rows = run_together(server, model, cases)
+    assert rows == 12, "not all four in every forward"
     for rid, case in cases.items():
-        assert not together[rid].errors and together[rid].num_final == 1, together[rid].errors
         image = together[rid].final.as_numpy("image")
         alone = run_request(server.grpc_url, model=model, request_id=f"{rid}-alone", **case)
         assert not alone.errors, alone.errors
@@ -203,13 +217,15 @@ def test_own_models_serve_the_reference_image(server, model):
 @pytest.mark.parametrize("model, sizes", [("bagel", ((64, 64), (32, 64), (48, 48))),
                                           ("hunyuan_image3", ((64, 64), (48, 80), (64, 48)))])
 def test_own_models_share_step_batches_across_sizes_and_prompts(server, model, sizes):
+    """Three sizes, prompts of different lengths and 4, 3 and 2 steps, held until all three wait: they run
+    in 4 ticks, all three in the first two (rows 3 + 3 + 2 + 1), never one by one."""
     prompts = ("a red cube", "a green sphere next to a yellow cone", "a cat")
-    cases = [dict(prompt=prompt, height=height, width=width, num_inference_steps=4 - i, seed=i)
-             for i, (prompt, (height, width)) in enumerate(zip(prompts, sizes))]
-    results = run_concurrently(server.grpc_url, cases, prefix=f"{model}-", model=model)
-    for case, result in zip(cases, results):
-        assert not result.errors and result.num_final == 1, result.errors
-        assert result.final.as_numpy("image").shape == (1, case["height"], case["width"], 3)
+    cases = {f"{model}-{i}": dict(prompt=prompt, height=height, width=width, num_inference_steps=4 - i, seed=i)
+             for i, (prompt, (height, width)) in enumerate(zip(prompts, sizes))}
+    results, rows = run_together(server, model, cases)
+    assert rows == 9
+    for rid, case in cases.items():
+        assert results[rid].final.as_numpy("image").shape == (1, case["height"], case["width"], 3)
 
 
 @pytest.mark.parametrize("inputs, says", [
