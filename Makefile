@@ -25,7 +25,7 @@ test: models  ## unit, engine, pipeline and real-tritonserver tests
 mutants: models  ## plant each bug of tests/mutants/ and check the tests catch it (a few minutes)
 	@$(PY) tests/mutants/run.py
 
-bench: models  ## the full benchmark (about 30 min): writes benchmarks/results and docs/benchmarks.md
+bench: models  ## the full benchmark (about 20 min): writes benchmarks/results and docs/benchmarks.md
 	@$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 bench-quick: models  ## the quick benchmark (under 5 min)
