@@ -92,9 +92,10 @@ def test_prepared_repository_carries_the_system_parameters_and_model_path(tmp_pa
 def test_batch_stats_reads_engine_histograms_and_tritons_batcher_counters():
     text = ('diffusion_batch_size_sum{model="qwen_image"} 24\ndiffusion_batch_size_count{model="qwen_image"} 4\n'
             'diffusion_batch_size_bucket{model="qwen_image",le="8"} 4\n'
-            'diffusion_tick_seconds_sum{model="qwen_image"} 2.5\n')
+            'diffusion_tick_seconds_sum{model="qwen_image"} 2.5\n'
+            'diffusion_batch_retries_total{model="qwen_image"} 1\n')
     stats = systems.batch_stats({}, systems.parse_metrics(text))
-    assert stats == {"mean_batch_size": 6.0, "ticks": 4.0, "device_busy_s": 2.5}
+    assert stats == {"mean_batch_size": 6.0, "ticks": 4.0, "device_busy_s": 2.5, "batch_retries": 1.0}
     triton = systems.parse_metrics('nv_inference_count{model="m",version="1"} 12\n'
                                    'nv_inference_exec_count{model="m",version="1"} 3\n')
     assert systems.batch_stats({}, triton)["mean_batch_size"] == 4.0
