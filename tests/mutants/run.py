@@ -28,7 +28,10 @@ def read_patch(path: Path) -> tuple[str, list[str]]:
     lines = path.read_text().splitlines()
     why = lines[0].removeprefix("Planted bug: ").strip()
     assert lines[1].startswith("Tests: "), f"{path.name}: the second line must name its tests"
-    return why, lines[1].removeprefix("Tests: ").split()
+    tests = lines[1].removeprefix("Tests: ").split()
+    assert not any(t.startswith("-") for t in tests), \
+        f"{path.name}: name tests by path or node id (options such as -k would apply to every patch's tests at once)"
+    return why, tests
 
 
 def copy_tree(target: Path) -> None:
