@@ -250,19 +250,17 @@ def f(x: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
 
-def fmt_percent_spread(values: Sequence[Optional[float]]) -> str:
-    """Fractions as a median percentage, with (min-max) when there are several."""
-    stat = spread(values)
+def fmt_spread(stat: Optional[tuple[float, float, float]], digits: int = 2, percent: bool = False) -> str:
+    """(median, min, max) as "median (min-max)", or the median alone when they are equal; `percent`:
+    fractions as whole percentages."""
     if not stat:
         return "-"
-    return f"{stat[0]:.0%}" + (f" ({stat[1]:.0%}-{stat[2]:.0%})" if stat[1] != stat[2] else "")
 
+    def one(v: float) -> str:
+        return f"{v:.0%}" if percent else f"{v:.{digits}f}"
 
-def fmt_spread(stat: Optional[tuple[float, float, float]], digits: int = 2) -> str:
-    if not stat:
-        return "-"
     med, lo, hi = stat
-    return f"{med:.{digits}f}" if lo == hi else f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+    return one(med) if lo == hi else f"{one(med)} ({one(lo)}-{one(hi)})"
 
 
 def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = "") -> str:
@@ -464,7 +462,7 @@ def poisson_section(results: dict, img_base: str) -> list[str]:
         lines.append(f"| {label} | {f(p.get('offered_rate'), 3)} | {f(p.get('requests_per_s'), 3)} | "
                      f"{f(p.get('latency_mean_s'))} | {f(p.get('latency_p50_s'))} | {f(p.get('latency_p95_s'))} | "
                      f"{f(p.get('latency_p99_s'))} | {f(p.get('first_preview_p50_s'))} | "
-                     f"{fmt_percent_spread([r.get('slo_attainment') for r in runs])} | "
+                     f"{fmt_spread(spread([r.get('slo_attainment') for r in runs]), percent=True)} | "
                      f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} | "
                      f"{f(load[0] if load else None, 1)} |")
     n, repeats = results["plan"]["poisson_requests"], max(len(runs) for _, _, runs in rows)
