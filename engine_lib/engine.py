@@ -312,7 +312,7 @@ class DiffusionEngine:
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
             return
-        start, retries = time.monotonic(), self.runner.batch_retries
+        start = time.monotonic()
         try:
             result = self.runner.execute_step(new, running)
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
@@ -327,8 +327,7 @@ class DiffusionEngine:
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
         if self._tick_listener is not None:
-            self._tick_listener(TickStats(self.mode, result.forward_size, seconds,
-                                          self.runner.batch_retries - retries))
+            self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
 
     def _maybe_wait_for_admission(self) -> None:
         """Request mode only: let a burst accumulate before the first wave (the seed's four conditions)."""

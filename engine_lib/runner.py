@@ -37,6 +37,7 @@ class RunnerResult:
     previews: dict[str, Outputs] = field(default_factory=dict)
     chunks: dict[str, Outputs] = field(default_factory=dict)  # what a request decoded as it went (video chunks)
     forward_size: int = 0  # requests in the tick's denoise forward (not those only waiting for their decode)
+    batch_retries: int = 0  # batched denoise forwards that failed and ran again one request at a time
 
     def fail(self, request_id: str, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineError) else PipelineError(f"{type(exc).__name__}: {exc}")
@@ -67,7 +68,6 @@ class ModelRunner:
         self._input_batch: Optional[InputBatch] = None
         self._paused: set[str] = set()  # states moved to host memory while their request is paused
         self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
-        self.batch_retries = 0  # batched denoise forwards that failed and ran again one request at a time (ditto)
         self.host = host_copy.HostCopier()
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
@@ -143,7 +143,7 @@ class ModelRunner:
                 return
             # denoise_step mutates nothing, so each request can simply be retried alone.
             logger.warning("batched denoise of %d requests failed (%s); retrying one by one", len(states), exc)
-            self.batch_retries += 1
+            result.batch_retries += 1
             self._input_batch = None
             for state in states:
                 self._denoise([state], result)
