@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-packing bench-priority bench-slo bench-own bench-efficiency bench-video clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-packing bench-priority bench-slo bench-own bench-efficiency bench-video bench-scheduling clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -51,6 +51,9 @@ bench-own: models  ## our own model code (BAGEL, HunyuanImage-3.0): step batchin
 
 bench-efficiency: models  ## served and in-process engine vs the offline batched limit, per-phase split (about 5 min)
 	@$(PY) -m benchmarks.efficiency
+
+bench-scheduling: models  ## issue #13's scheduling targets with the engine in-process, no tritonserver (benchmarks/device.sh: on the lent GPU)
+	@$(PY) -m benchmarks.scheduling
 
 bench-video: models  ## LTX-2 serial vs fused vs step (frames/s), Helios first chunk vs final (a few minutes)
 	@$(PY) -m benchmarks.video

@@ -84,28 +84,31 @@ class RequestRecord:
 # Inputs
 
 
+TRITON_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64}
+
+
+def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, str, object]]:
+    """A spec's inputs as (name, Triton datatype, Python value), over gRPC or in-process (benchmarks/in_process.py).
+    The streaming models' optional inputs are sent only when not at their defaults (not every pipeline declares
+    them); the baseline takes the five basic ones."""
+    values = [("prompt", "BYTES", spec.prompt), ("height", "INT32", spec.height), ("width", "INT32", spec.width),
+              ("num_inference_steps", "INT32", spec.steps), ("seed", "INT64", spec.seed)]
+    if streaming:
+        optional = (("num_images", "INT32", spec.num_images, 1),
+                    ("preview_interval", "INT32", spec.preview_interval, 0),
+                    ("lora_name", "BYTES", spec.lora_name, ""), ("priority", "INT32", spec.priority, 0),
+                    ("num_frames", "INT32", spec.num_frames, 0))
+        values += [(name, dtype, value) for name, dtype, value, default in optional if value != default]
+    return values
+
+
 def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) -> list:
     """tritonclient InferInputs for a spec; the baseline (batch_dim) takes [1, 1] tensors and no previews."""
     import tritonclient.grpc as grpcclient
 
-    values = [("prompt", "BYTES", np.array([spec.prompt.encode()], dtype=np.object_)),
-              ("height", "INT32", np.array([spec.height], dtype=np.int32)),
-              ("width", "INT32", np.array([spec.width], dtype=np.int32)),
-              ("num_inference_steps", "INT32", np.array([spec.steps], dtype=np.int32)),
-              ("seed", "INT64", np.array([spec.seed], dtype=np.int64))]
-    if streaming:  # inputs left at their defaults are not sent (not every pipeline declares them)
-        if spec.num_images != 1:
-            values.append(("num_images", "INT32", np.array([spec.num_images], dtype=np.int32)))
-        if spec.preview_interval:
-            values.append(("preview_interval", "INT32", np.array([spec.preview_interval], dtype=np.int32)))
-        if spec.lora_name:
-            values.append(("lora_name", "BYTES", np.array([spec.lora_name.encode()], dtype=np.object_)))
-        if spec.priority:
-            values.append(("priority", "INT32", np.array([spec.priority], dtype=np.int32)))
-        if spec.num_frames:
-            values.append(("num_frames", "INT32", np.array([spec.num_frames], dtype=np.int32)))
     inputs = []
-    for name, dtype, array in values:
+    for name, dtype, value in spec_values(spec, streaming):
+        array = np.array([value.encode() if dtype == "BYTES" else value], dtype=TRITON_DTYPES[dtype])
         if batch_dim:
             array = array.reshape(1, 1)
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)

@@ -28,8 +28,8 @@ from benchmarks import loadgen, systems, workloads
 from benchmarks.run import log, machine_info, side_main
 
 
-def priority_systems(max_num_seqs: int) -> list[systems.System]:
-    engine = dict(device="cpu", dtype="float32", warmup="true", step_execution="true", max_num_seqs=str(max_num_seqs))
+def priority_systems(max_num_seqs: int, device: str = "cpu", dtype: str = "float32") -> list[systems.System]:
+    engine = dict(device=device, dtype=dtype, warmup="true", step_execution="true", max_num_seqs=str(max_num_seqs))
     variants = (("preempt", {"max_preemptions": "1"}), ("order", {"max_preemptions": "0"}),
                 ("separate", {"max_preemptions": "1", "priority_batching": "separate"}))
     return [systems.System(f"priority_{name}", f"STEP_BATCH x{max_num_seqs}, " + ", ".join(

@@ -77,6 +77,17 @@ def offline_best(results: dict) -> Optional[float]:
 # Targets
 
 
+def target(name: str, value, goal: float, higher_is_better: bool, unit: str = "x") -> dict:
+    """One target row. `value`: one number, or the rounds' numbers (the median is compared; min-max kept as
+    `span`)."""
+    values = value if isinstance(value, list) else [value]
+    stat = spread(values)
+    value = stat[0] if stat else None
+    met = None if value is None else (value >= goal if higher_is_better else value <= goal)
+    return {"target": name, "value": value, "goal": goal, "met": met, "unit": unit, "higher_is_better": higher_is_better,
+            "span": stat[1:] if stat and sum(v is not None for v in values) > 1 else None}
+
+
 def targets(results: dict) -> list[dict]:
     """The targets of the issues (the first's four, #13's SLO and mixed sizes), each with its measured value
     and whether it is met."""
@@ -89,15 +100,8 @@ def targets(results: dict) -> list[dict]:
 
     out = []
 
-    def add(name: str, value, goal: float, higher_is_better: bool, unit: str = "x") -> None:
-        """`value`: one number, or the rounds' numbers (the median is compared; min-max kept as `span`)."""
-        values = value if isinstance(value, list) else [value]
-        stat = spread(values)
-        value = stat[0] if stat else None
-        met = None if value is None else (value >= goal if higher_is_better else value <= goal)
-        out.append({"target": name, "value": value, "goal": goal, "met": met, "unit": unit,
-                    "higher_is_better": higher_is_better,
-                    "span": stat[1:] if stat and sum(v is not None for v in values) > 1 else None})
+    def add(*args, **kwargs) -> None:
+        out.append(target(*args, **kwargs))
 
     add(f"STEP_BATCH / REQUEST_BATCH serial, requests/s at concurrency {c}", ratio(rps(STEP), rps(SERIAL)), 2.5, True)
     add(f"STEP_BATCH served images/s at concurrency {c} / offline limit (batch {results['plan']['max_num_seqs']})",
@@ -294,10 +298,11 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "spread (min-max) in brackets.",
         f"- Mixed steps: steps drawn from {plan['mixed_step_choices']}, {plan['poisson_requests']} requests, "
         f"Poisson arrivals at {plan['poisson_load']:.0%} of REQUEST_BATCH serial capacity "
-        f"({f(results.get('poisson_rate'), 3)} requests/s). Mixed sizes: {plan['mixed_sizes']}, closed loop at "
+        f"({poisson_rate_text(results)}). Mixed sizes: {plan['mixed_sizes']}, closed loop at "
         f"concurrency {max(plan['concurrencies'])}.",
         f"- SLO: {plan['slo_factor']:g}x the solo latency of the request's size and steps, measured on REQUEST_BATCH "
-        f"serial at concurrency 1: {', '.join(f'{k}: {v:.2f} s' for k, v in results.get('solo_latency_s', {}).items())}.",
+        f"serial at concurrency 1: {', '.join(f'{k}: {v:.2f} s' for k, v in results.get('solo_latency_s', {}).items())}"
+        + (" at the start (the Poisson rounds' own: before each round)." if recalibrated(results) else "."),
         "- Systems, each its own tritonserver on a copy of the model repository, all up for the whole run: "
         + "; ".join(f"`{n}` = {s['label']}" for n, s in S.items()) + ". The closed-loop points are interleaved "
         "(each repeat and concurrency runs on every system back to back, then one offline sample); mixed sizes "
@@ -359,7 +364,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
                      f"{sum(p.get('errors', 0) for p in pts)} |")
     lines += poisson_section(results, f"{img_rel}/{img_prefix}") + mixed_sizes_section(results) + offline_section(results)
     lines += profile_section(results) + perf_analyzer_section(results) + other_pipelines_section(results)
-    lines += (lora_section() + size_batching_section() + packing_section() + priority_section() + slo_section() + own_models_section() + video_section() + efficiency_section() + gpu_section(results)
+    lines += (lora_section() + size_batching_section() + packing_section() + priority_section() + slo_section() + own_models_section() + video_section() + efficiency_section() + scheduling_section() + gpu_section(results)
               + reproduce_section())
     return "\n".join(lines) + "\n"
 
@@ -447,6 +452,24 @@ def retries_note(systems: dict) -> list[str]:
     return [f"- Batches that failed and ran again one request at a time (see the servers' logs): {named}."] if named else []
 
 
+def recalibrated(results: dict) -> bool:
+    """Whether the run calibrated each Poisson round's solo latencies and rate just before it (run.poisson_calibration)."""
+    return any("solo_latency_s" in p for s in results["systems"].values() for p in rounds(s, "poisson"))
+
+
+def poisson_rate_text(results: dict) -> str:
+    rates = [p.get("offered_rate") for p in rounds(results["systems"].get(SERIAL, {}), "poisson")]
+    if recalibrated(results) and any(rates):
+        return "recalibrated before each round: " + ", ".join(f"{r:.3f}" for r in rates if r) + " requests/s"
+    return f"{f(results.get('poisson_rate'), 3)} requests/s"
+
+
+def busy_share(point: dict) -> Optional[float]:
+    """The share of a point's span its engine spent in ticks; REQUEST_BATCH serial's is the load it was offered."""
+    busy = point.get("server", {}).get("device_busy_s")
+    return busy / point["duration_s"] if busy is not None and point.get("duration_s") else None
+
+
 def poisson_section(results: dict, img_base: str) -> list[str]:
     S = results["systems"]
     rows = [(s["label"], s["poisson"], rounds(s, "poisson")) for s in S.values() if s.get("poisson")]
@@ -455,20 +478,23 @@ def poisson_section(results: dict, img_base: str) -> list[str]:
     lines = ["", "## Mixed steps under Poisson arrivals", "",
              f"![latency CDF]({img_base}latency_cdf.png)", "",
              "| system | offered/s | achieved/s | mean | p50 | p95 | p99 | first preview p50 | SLO attainment | "
-             "mean batch | errors | load at start |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean batch | engine busy | errors | load at start |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, p, runs in rows:
         load = p.get("load_at_start")
         lines.append(f"| {label} | {f(p.get('offered_rate'), 3)} | {f(p.get('requests_per_s'), 3)} | "
                      f"{f(p.get('latency_mean_s'))} | {f(p.get('latency_p50_s'))} | {f(p.get('latency_p95_s'))} | "
                      f"{f(p.get('latency_p99_s'))} | {f(p.get('first_preview_p50_s'))} | "
                      f"{fmt_spread(spread([r.get('slo_attainment') for r in runs]), percent=True)} | "
-                     f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | {p.get('errors')} | "
+                     f"{f(p.get('server', {}).get('mean_batch_size'), 1)} | "
+                     f"{fmt_spread(spread([busy_share(r) for r in runs]), percent=True)} | {p.get('errors')} | "
                      f"{f(load[0] if load else None, 1)} |")
     n, repeats = results["plan"]["poisson_requests"], max(len(runs) for _, _, runs in rows)
     lines += ["", f"Latencies in seconds, counted from each request's arrival; achieved/s counts until the last "
               f"request ends. With {n} requests the p99 is close to the maximum: read it as the tail, not a "
-              "precise percentile."]
+              "precise percentile. Engine busy: the share of the round's span the engine spent in its ticks, every "
+              "round (median, min-max); REQUEST_BATCH serial's is the load the round really offered, "
+              f"{results['plan']['poisson_load']:.0%} if the machine kept the speed its calibration saw."]
     if repeats > 1:
         lines[-1] += (f" Each system ran the same arrival sequence in {repeats} rounds (a round runs every system "
                       "once); a row is the system's median round by SLO attainment, with the attainment of every "
@@ -940,15 +966,93 @@ def with_other_pipelines(results: dict, source: Path) -> dict:
     return results
 
 
+def scheduling_targets(results: dict) -> list[dict]:
+    """Issue #13's three targets from a benchmarks/scheduling.py run (the engine in-process), round by round."""
+    plan, S = results["plan"], results["systems"]
+    fused, out = S.get(FUSED_WAIT, {}), []
+    for name in (STEP, STEP_MIXED):
+        if rounds(S.get(name, {}), "mixed_sizes") and rounds(fused, "mixed_sizes"):
+            out.append(target(f"Mixed sizes {tuple(plan['mixed_sizes'])}, c={plan['concurrency']}: {S[name]['label']} / "
+                              f"{fused['label']}, requests/s", round_ratios(S[name], fused, "mixed_sizes",
+                                                                           "requests_per_s"), 1.3, True))
+    for name in (STEP, SRPT, DEADLINE):
+        if rounds(S.get(name, {}), "poisson"):
+            out.append(target(f"Poisson mixed steps: {S[name]['label']} SLO attainment",
+                              [p.get("slo_attainment") for p in rounds(S[name], "poisson")], 0.95, True, unit="%"))
+    for name, entry in results.get("urgent", {}).items():
+        if "p99_over_alone_p99" in entry:
+            out.append(target(f"Urgent request under a full background load: {S[name]['label']}, p99 / alone p99",
+                              entry["p99_over_alone_p99"], 1.5, False))
+    return out
+
+
+def scheduling_headline(results: dict) -> str:
+    return "scheduling (engine in-process): " + "; ".join(
+        f"{t['target']}: {fmt_target_value(t)} ({fmt_met(t)})" for t in scheduling_targets(results))
+
+
+def scheduling_section(path: Optional[Path] = None, heading: str = "##") -> list[str]:
+    """Issue #13's targets with the engine in-process (`make bench-scheduling`: scheduling.json; on the lent GPU
+    machine benchmarks/device.sh: scheduling-gpu.json)."""
+    results = side_results(path, "scheduling")
+    if results is None:
+        return []
+    plan, machine, S = results["plan"], results["machine"], results["systems"]
+    command = "make bench-scheduling" if plan["name"] == "cpu" else f"python -m benchmarks.scheduling --plan {plan['name']}"
+    where = machine.get("gpu") or f"{machine['nproc']} CPUs"
+    lines = ["", f"{heading} Scheduling targets with the engine in-process ({where})", "",
+             f"`{command}`, started {results['started']}: issue #13's targets with each system's engine in the "
+             "benchmark's own process (benchmarks/in_process.py), no tritonserver and no gRPC; the engine, its "
+             f"parameters and the requests' validation are the served ones. Qwen-Image `{plan['preset']}` in "
+             f"{plan['dtype']} on {plan['device']}. `make bench`'s workloads: mixed sizes {tuple(plan['mixed_sizes'])} "
+             f"({plan['mixed_steps']} steps) in a closed loop at concurrency {plan['concurrency']}; "
+             f"{plan['poisson_requests']} requests of {plan['size']}x{plan['size']} with steps from "
+             f"{tuple(plan['step_choices'])} arriving as a Poisson process at {plan['poisson_load']:.0%} of "
+             f"REQUEST_BATCH serial capacity ({poisson_rate_text(results)}), SLO {plan['slo_factor']:g}x "
+             "the solo latency of the request's shape (calibrated on REQUEST_BATCH serial in the same run: "
+             + ", ".join(f"{k} {v:.3f} s" for k, v in results.get("solo_latency_s", {}).items())
+             + (" at the start, the Poisson shapes again before each round" if recalibrated(results) else "") + "). "
+             f"`make bench-priority`'s: {plan['urgent_requests']} urgent requests ({plan['urgent_size']}x"
+             f"{plan['urgent_size']}, {plan['urgent_steps']} steps, priority 1) one after another, alone and under "
+             f"{plan['urgent_background']} closed-loop background clients (priority 3), `max_num_seqs` "
+             f"{plan['urgent_max_num_seqs']}. {plan['repeats']} round(s) of the first two (median, min-max), each "
+             "round every system once, a fresh engine over the loaded weights per point.", "",
+             "| target | measured | goal | result |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {fmt_target_value(t)} | {fmt_goal(t)} | {fmt_met(t)} |"
+              for t in scheduling_targets(results)]
+    lines += ["", "| system | mixed sizes req/s | Poisson SLO attainment | Poisson p99 s | Poisson engine busy | "
+              "mean requests per forward (mixed sizes; Poisson) | errors |", "|---|---|---|---|---|---|---|"]
+    for entry in S.values():
+        mixed, poisson = rounds(entry, "mixed_sizes"), rounds(entry, "poisson")
+        if not (mixed or poisson):
+            continue
+        batch = [fmt_spread(spread([p["server"].get("mean_batch_size") for p in points]), 1) for points in (mixed, poisson)]
+        lines.append(f"| {entry['label']} | {fmt_spread(spread([p['requests_per_s'] for p in mixed]), 3)} | "
+                     f"{fmt_spread(spread([p['slo_attainment'] for p in poisson]), percent=True)} | "
+                     f"{fmt_spread(spread([p['latency_p99_s'] for p in poisson]))} | "
+                     f"{fmt_spread(spread([busy_share(p) for p in poisson]), percent=True)} | {'; '.join(batch)} | "
+                     f"{sum(p['errors'] for p in mixed + poisson)} |")
+    lines += retries_note(S)
+    if results.get("wall_s") is None:
+        lines += ["", "This run stopped before its end (its results were saved after each stage): the rows above "
+                  "are what it measured."]
+    return lines
+
+
 def gpu_section(results: dict) -> list[str]:
     gpu = results["machine"].get("gpu")
+    in_process = scheduling_section(RESULTS_DIR / "scheduling-gpu.json", heading="###")
     if gpu:
         return ["", "## GPU", "", f"This page was measured on {gpu} (device `{results['plan'].get('device')}`)."] \
-            + gpu_sync_section() + packing_section(RESULTS_DIR / "packing-gpu.json")
+            + gpu_sync_section() + packing_section(RESULTS_DIR / "packing-gpu.json") + in_process
     return ["", "## GPU", "",
-            "Not measured yet: no GPU was available to the session that produced these numbers. On a CUDA host, "
-            "`bash benchmarks/gpu.sh` runs the engine on CUDA with a larger random-weight preset, the four modes "
-            "side by side, and writes `benchmarks/results/gpu.json` and `docs/benchmarks-gpu.md`."]
+            "Served numbers not measured yet: no GPU was available to the session that produced these numbers. On a "
+            "CUDA host with tritonserver, `bash benchmarks/gpu.sh` runs the engine on CUDA with a larger random-weight "
+            "preset, the four modes side by side, and writes `benchmarks/results/gpu.json` and "
+            "`docs/benchmarks-gpu.md`. The GPU machine lent to some sessions has no tritonserver: there "
+            "`bash benchmarks/device.sh` measures issue #13's targets with the engine in-process "
+            "(`benchmarks/scheduling.py --plan gpu`; how to call it: the header of benchmarks/device.sh)"
+            + (", below." if in_process else "; it has not run yet.")] + in_process
 
 
 def gpu_sync_section() -> list[str]:
@@ -983,6 +1087,7 @@ def reproduce_section() -> list[str]:
             "python -m benchmarks.slo_model         # what any schedule could do for that load on this machine (a second)",
             "make bench-own          # BAGEL and HunyuanImage-3.0: step batching at concurrency 4 vs serial (a minute)",
             "make bench-efficiency   # served and in-process engine vs the offline limit, per-phase split (5 minutes)",
+            "make bench-scheduling   # issue #13's targets with the engine in-process, no tritonserver",
             "python -m benchmarks.report            # re-render this page from benchmarks/results/",
             "python -m benchmarks.perf_analyzer --url 127.0.0.1:8001   # against a running `make serve`",
             "```"]

@@ -13,7 +13,8 @@ One run (all on the `bench` random-weight Qwen-Image preset):
    taken, so slow drifts in machine load hit every system alike.
 4. Mixed sizes, then open-loop Poisson arrivals of the mixed-steps workload (the
    same arrival sequence each time), in rounds: each round runs every system
-   once, one after the other; the point kept for a system is its median round
+   once, one after the other, at a rate recalibrated just before it
+   (`poisson_calibration`); the point kept for a system is its median round
    (`median_point`), the others give the spread. Then perf_analyzer against the
    STEP_BATCH server.
 5. Servers stop; a per-phase profile runs in-process.
@@ -189,11 +190,15 @@ def warm_up(running: systems.RunningSystem, plan: Plan) -> None:
 def poisson_point(running: systems.RunningSystem, ctx: dict, plan: Plan) -> dict:
     """The Poisson load; a system in deadline order gets each request's SLO as its Triton timeout (the others
     none, as before it existed; `make bench-slo` compares both ways)."""
-    slo_s = (slo_budgets(ctx["solo"], plan.slo_factor)
-             if running.system.parameters.get("admission_order") == "deadline" else None)
+    slo_s = sent_slos(running.system, ctx["solo"], plan.slo_factor)
     return measure(running, lambda: loadgen.run_open_loop(running.target, ctx["poisson_specs"], ctx["poisson_rate"],
                                                           seed=POISSON_ARRIVAL_SEED, slo_s=slo_s),
                    ctx["solo"], plan.slo_factor)
+
+
+def sent_slos(system: systems.System, solo: dict, slo_factor: float) -> Optional[dict]:
+    """The SLOs the Poisson load sends as Triton timeouts to `system`: to a system in deadline order only."""
+    return slo_budgets(solo, slo_factor) if system.parameters.get("admission_order") == "deadline" else None
 
 
 def run_perf_analyzer(running: systems.RunningSystem, plan: Plan) -> dict:
@@ -322,10 +327,12 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
                 S[name].setdefault("mixed_sizes_points", []).append(point)
                 log(f"{name}: mixed sizes round {r} c={c} req/s {point['requests_per_s']}")
         for r in range(plan.poisson_repeats):
+            round_ctx = {**ctx, **poisson_calibration(running["rb_serial"], mixed, plan.poisson_load)}
             for name in (n for n in plan.poisson_systems if n in running):
-                point = poisson_point(running[name], ctx, plan)
+                point = poisson_point(running[name], round_ctx, plan)
+                point["solo_latency_s"] = round_ctx["solo"]
                 S[name].setdefault("poisson_points", []).append(point)
-                log(f"{name}: Poisson round {r} {ctx['poisson_rate']:.3f}/s p99 {point['latency_p99_s']} s "
+                log(f"{name}: Poisson round {r} {round_ctx['poisson_rate']:.3f}/s p99 {point['latency_p99_s']} s "
                     f"SLO {point.get('slo_attainment')} errors {point['errors']}")
             save(results, out_path)
         for entry in S.values():
@@ -370,6 +377,17 @@ def median_point(points: Sequence[dict], key: str) -> dict:
     percentiles and SLO attainment all come from one run of the same requests."""
     ordered = sorted(points, key=lambda p: (p.get(key) is None, p.get(key) or 0.0))
     return ordered[(len(ordered) - 1) // 2]
+
+
+def poisson_calibration(serial: systems.RunningSystem, specs: Sequence, load: float) -> dict:
+    """A Poisson round's own solo latencies (REQUEST_BATCH serial, idle, just before the round) and the rate that
+    is `load` of the serial capacity they give: {"solo", "poisson_rate"}.
+
+    Per round because this machine's speed drifts over minutes: a 128x128 8-step request took 0.30 s alone at
+    one run's start and 0.45-0.52 s two hours later, so a rate fixed at a run's start loads a later round well
+    above or below its nominal share (each point's engine-busy share shows the load it saw)."""
+    solo = calibrate_solo(serial, specs)
+    return {"solo": solo, "poisson_rate": poisson_rate(solo, specs, load)}
 
 
 def slo_budgets(solo: dict, slo_factor: float) -> dict:

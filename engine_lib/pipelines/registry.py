@@ -112,12 +112,16 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
             "is not built (run `make models`)"
         )
+    adapter = adapter_cls.load(model_path, device, dtype, adapter_options(config, model_path))
+    logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
+    return adapter
+
+
+def adapter_options(config: EngineConfig, model_path: str) -> dict:
+    """The engine parameters a loaded adapter keeps (every other one is the engine's or the scheduler's)."""
     lora_dir = config.lora_dir
     if not lora_dir and model_path == str(default_model_dir(config.pipeline)):
         lora_dir = str(default_lora_dir(config.pipeline))
-    options = {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
-               "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching,
-               "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20}
-    adapter = adapter_cls.load(model_path, device, dtype, options)
-    logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
-    return adapter
+    return {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
+            "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching,
+            "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20}
