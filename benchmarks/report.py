@@ -409,7 +409,7 @@ def gap_notes(results: dict) -> list[str]:
                      "most one other and may pause the one with the most steps left, so it no longer shares "
                      "every step with long ones; the long ones wait instead.")
         load = poisson.get("load_at_start")
-        if load and results.get("load_before"):
+        if load and results.get("load_before") and not recalibrated(results):  # (runs from before per-round rates)
             note += (f" The machine's 1-minute load was {load[0]:.1f} when this run started, against "
                      f"{results['load_before'][0]:.1f} when the solo latencies (the SLO) were calibrated.")
         notes.append(note)
