@@ -850,6 +850,14 @@ def packing_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
+def slo_rates(results: dict) -> str:
+    """bench-slo's Poisson rate: one per round where each round recalibrated it (run.poisson_calibration)."""
+    rates = [r["poisson_rate"] for r in results.get("rounds", [])]
+    if rates:
+        return "recalibrated before each round: " + ", ".join(f"{rate:.3f}" for rate in rates) + "/s"
+    return f"{results['poisson_rate']:.3f}/s"
+
+
 def slo_section(path: Optional[Path] = None) -> list[str]:
     """The Poisson mixed-steps load with SLOs sent as deadlines (`make bench-slo`: slo.json)."""
     results = side_results(path, "slo")
@@ -860,15 +868,16 @@ def slo_section(path: Optional[Path] = None) -> list[str]:
     lines = ["", "## Deadlines: the Poisson mixed-steps load with each SLO sent as Triton's timeout", "",
              f"`make bench-slo`, started {results['started']}: `make bench`'s Poisson point ({w['requests']} requests, "
              f"{w['size']}x{w['size']}, steps from {', '.join(map(str, w['steps']))}, {w['load']:.0%} of REQUEST_BATCH "
-             f"serial capacity: {results['poisson_rate']:.3f}/s, the same seeds); SLO {w['slo_factor']:g}x the solo "
+             f"serial capacity: {slo_rates(results)}, the same seeds); SLO {w['slo_factor']:g}x the solo "
              "latency of the request's shape, calibrated on REQUEST_BATCH serial in the same run; where sent, each "
              "request's timeout is its SLO. A request that times out before it starts counts as a miss. "
              f"{w['repeats']} rounds (median, min-max).", "",
-             "| system | SLO attainment | p99 latency s | timed out | errors |", "|---|---|---|---|---|"]
+             "| system | SLO attainment | p99 latency s | engine busy | timed out | errors |", "|---|---|---|---|---|---|"]
     for entry in results["systems"].values():
         points = entry["points"]
         lines.append(f"| {entry['label']} | {fmt_spread(spread([100 * p['slo_attainment'] for p in points]), 0)} % | "
                      f"{fmt_spread(spread([p['latency_p99_s'] for p in points]))} | "
+                     f"{fmt_spread(spread([busy_share(p) for p in points]), percent=True)} | "
                      f"{', '.join(str(p.get('timed_out', 0)) for p in points)} | "
                      f"{', '.join(str(p['errors']) for p in points)} |")
     n = model["requests"]

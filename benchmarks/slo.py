@@ -2,7 +2,8 @@
 
 The workload of `make bench`'s Poisson point (bench Qwen-Image at 128x128, steps drawn from 4, 8 and
 16, 40 requests, Poisson arrivals at 80 % of REQUEST_BATCH serial capacity, the same seeds); the SLO
-is 3x the solo latency of the request's shape, calibrated on REQUEST_BATCH serial first. Every
+is 3x the solo latency of the request's shape. Both are calibrated on a REQUEST_BATCH serial server just
+before each round (run.poisson_calibration), as `make bench` does. Every
 request carries its SLO as Triton's request timeout (what a client that has a deadline sends):
 a request not started by then ends with a timeout error, and `admission_order=deadline` orders by
 it. Systems, each its own tritonserver, one after the other, `repeats` rounds:
@@ -26,8 +27,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import loadgen, slo_model, systems
-from benchmarks.run import (FULL, POISSON_ARRIVAL_SEED, calibrate_solo, log, machine_info, measure, poisson_rate,
-                            poisson_specs, side_main, slo_budgets, warm_up)
+from benchmarks.run import (FULL, POISSON_ARRIVAL_SEED, log, machine_info, measure, poisson_calibration, poisson_specs,
+                            side_main, slo_budgets, warm_up)
 
 # Earliest deadline first preempts more often than shortest remaining (a more pressing arrival pauses a running
 # request): `step_deadline` (benchmarks/systems.py) has max_preemptions=3. Medians of 3 rounds here, deadline order:
@@ -55,28 +56,29 @@ def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = N
                "systems": {}}
     serial = next(s for s in systems.default_systems(plan.max_num_seqs, plan.wait_ms, "cpu", "float32")
                   if s.name == "rb_serial")
-    with systems.serve(serial, model_path, log_dir=log_dir) as rs:
-        warm_up(rs, plan)
-        solo = calibrate_solo(rs, specs)
-    rate = poisson_rate(solo, specs, plan.poisson_load)
-    slo_s = slo_budgets(solo, plan.slo_factor)
-    results.update(solo_latency_s=solo, poisson_rate=rate)
-    log(f"solo latencies {solo}; Poisson rate {rate:.3f}/s")
     with contextlib.ExitStack() as stack:
+        calibrator = stack.enter_context(systems.serve(serial, model_path, log_dir=log_dir))
         running = {s.name: stack.enter_context(systems.serve(s, model_path, log_dir=log_dir)) for s in slo_systems()}
-        for rs in running.values():
+        for rs in (calibrator, *running.values()):
             warm_up(rs, plan)
         for r in range(repeats):
+            calibration = poisson_calibration(calibrator, specs, plan.poisson_load)  # this round's rate and SLOs
+            solo, rate = calibration["solo"], calibration["poisson_rate"]
+            results.setdefault("rounds", []).append({"solo_latency_s": solo, "poisson_rate": rate})
+            log(f"round {r}: solo latencies {solo}; Poisson rate {rate:.3f}/s")
             for name, rs in running.items():
-                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=POISSON_ARRIVAL_SEED, tag=f"{name}{r}",
-                                                                  slo_s=slo_s if name in SENT else None),
-                                solo, plan.slo_factor)
+                slo_s = slo_budgets(solo, plan.slo_factor) if name in SENT else None
+                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, specs, rate, seed=POISSON_ARRIVAL_SEED,
+                                                                  tag=f"{name}{r}", slo_s=slo_s), solo, plan.slo_factor)
+                point["solo_latency_s"] = solo
                 entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
                 entry["points"].append(point)
                 log(f"{name} repeat {r}: SLO {point.get('slo_attainment')}, errors {point['errors']}")
+    # The first round's calibration is the run's (slo_model and the report read it).
+    results.update(results["rounds"][0])
     for entry in results["systems"].values():
         entry["slo_attainment_median"] = statistics.median(p["slo_attainment"] for p in entry["points"])
-    sequence, costs = slo_model.benchmark_case(specs, rate, solo)
+    sequence, costs = slo_model.benchmark_case(specs, results["poisson_rate"], results["solo_latency_s"])
     results["model"] = {"most_on_time": slo_model.most_on_time(sequence, costs, plan.slo_factor),
                         "requests": len(specs)}
     return results
