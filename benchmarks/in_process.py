@@ -1,8 +1,8 @@
 """A system's engine in this process, behind the load generator's Target surface: no tritonserver, no gRPC.
 
 For the lent GPU machine, where no tritonserver runs (it has no Triton and cannot install one:
-docs/benchmarks.md "GPU"), and on this CPU beside the served numbers, where the difference is what
-Triton and gRPC cost. The engine is the served one: the same `EngineConfig` parameters a system's
+docs/benchmarks.md "GPU"), and on this CPU as a cross-check of the served numbers. The engine is the
+served one: the same `EngineConfig` parameters a system's
 config.pbtxt would carry, `DiffusionEngine.make_engine`, requests parsed by the pipeline's own
 input schema. Only the transport is missing.
 

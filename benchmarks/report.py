@@ -139,6 +139,16 @@ def fmt_goal(t: dict) -> str:
     return f"{op} {t['goal']:.0%}" if t["unit"] == "%" else f"{op} {t['goal']:g}x"
 
 
+def target_rows(rows: list[dict]) -> list[str]:
+    """The rows of a "| target | measured | goal | result |" table."""
+    return [f"| {t['target']} | {fmt_target_value(t)} | {fmt_goal(t)} | {fmt_met(t)} |" for t in rows]
+
+
+def targets_line(rows: list[dict]) -> str:
+    """Targets on one line (a benchmark's closing log line)."""
+    return "; ".join(f"{t['target']}: {fmt_target_value(t)} ({fmt_met(t)})" for t in rows)
+
+
 def fmt_met(t: dict) -> str:
     if t["met"] is None:
         return "n/a"
@@ -298,7 +308,8 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "spread (min-max) in brackets.",
         f"- Mixed steps: steps drawn from {plan['mixed_step_choices']}, {plan['poisson_requests']} requests, "
         f"Poisson arrivals at {plan['poisson_load']:.0%} of REQUEST_BATCH serial capacity "
-        f"({poisson_rate_text(results)}). Mixed sizes: {plan['mixed_sizes']}, closed loop at "
+        f"({rate_text(rounds(S.get(SERIAL, {}), 'poisson'), results.get('poisson_rate'))}). "
+        f"Mixed sizes: {plan['mixed_sizes']}, closed loop at "
         f"concurrency {max(plan['concurrencies'])}.",
         f"- SLO: {plan['slo_factor']:g}x the solo latency of the request's size and steps, measured on REQUEST_BATCH "
         f"serial at concurrency 1: {', '.join(f'{k}: {v:.2f} s' for k, v in results.get('solo_latency_s', {}).items())}"
@@ -319,8 +330,7 @@ def render(results: dict, source: Path, img_rel: str = "img", img_prefix: str = 
         "| target | measured | goal | result |",
         "|---|---|---|---|",
     ]
-    for t in targets(results):
-        lines.append(f"| {t['target']} | {fmt_target_value(t)} | {fmt_goal(t)} | {fmt_met(t)} |")
+    lines += target_rows(targets(results))
     missed = [t for t in targets(results) if t["met"] is False]
     if missed:
         lines += ["", "What limits the missed targets (measured in this run):", ""]
@@ -457,11 +467,13 @@ def recalibrated(results: dict) -> bool:
     return any("solo_latency_s" in p for s in results["systems"].values() for p in rounds(s, "poisson"))
 
 
-def poisson_rate_text(results: dict) -> str:
-    rates = [p.get("offered_rate") for p in rounds(results["systems"].get(SERIAL, {}), "poisson")]
-    if recalibrated(results) and any(rates):
-        return "recalibrated before each round: " + ", ".join(f"{r:.3f}" for r in rates if r) + " requests/s"
-    return f"{f(results.get('poisson_rate'), 3)} requests/s"
+def rate_text(points: list[dict], run_rate: Optional[float]) -> str:
+    """A Poisson load's rate: each round's, where each round recalibrated its own (run.poisson_calibration; `points`
+    are one system's rounds), else the run's one."""
+    rates = [p["offered_rate"] for p in points if "solo_latency_s" in p and p.get("offered_rate")]
+    if rates:
+        return "recalibrated before each round: " + ", ".join(f"{r:.3f}" for r in rates) + " requests/s"
+    return f"{f(run_rate, 3)} requests/s"
 
 
 def busy_share(point: dict) -> Optional[float]:
@@ -850,14 +862,6 @@ def packing_section(path: Optional[Path] = None) -> list[str]:
     return lines
 
 
-def slo_rates(results: dict) -> str:
-    """bench-slo's Poisson rate: one per round where each round recalibrated it (run.poisson_calibration)."""
-    rates = [r["poisson_rate"] for r in results.get("rounds", [])]
-    if rates:
-        return "recalibrated before each round: " + ", ".join(f"{rate:.3f}" for rate in rates) + "/s"
-    return f"{results['poisson_rate']:.3f}/s"
-
-
 def slo_section(path: Optional[Path] = None) -> list[str]:
     """The Poisson mixed-steps load with SLOs sent as deadlines (`make bench-slo`: slo.json)."""
     results = side_results(path, "slo")
@@ -868,7 +872,8 @@ def slo_section(path: Optional[Path] = None) -> list[str]:
     lines = ["", "## Deadlines: the Poisson mixed-steps load with each SLO sent as Triton's timeout", "",
              f"`make bench-slo`, started {results['started']}: `make bench`'s Poisson point ({w['requests']} requests, "
              f"{w['size']}x{w['size']}, steps from {', '.join(map(str, w['steps']))}, {w['load']:.0%} of REQUEST_BATCH "
-             f"serial capacity: {slo_rates(results)}, the same seeds); SLO {w['slo_factor']:g}x the solo "
+             f"serial capacity: {rate_text(next(iter(results['systems'].values()))['points'], results['poisson_rate'])}"
+             f", the same seeds); SLO {w['slo_factor']:g}x the solo "
              "latency of the request's shape, calibrated on REQUEST_BATCH serial in the same run; where sent, each "
              "request's timeout is its SLO. A request that times out before it starts counts as a miss. "
              f"{w['repeats']} rounds (median, min-max).", "",
@@ -996,8 +1001,7 @@ def scheduling_targets(results: dict) -> list[dict]:
 
 
 def scheduling_headline(results: dict) -> str:
-    return "scheduling (engine in-process): " + "; ".join(
-        f"{t['target']}: {fmt_target_value(t)} ({fmt_met(t)})" for t in scheduling_targets(results))
+    return "scheduling (engine in-process): " + targets_line(scheduling_targets(results))
 
 
 def scheduling_section(path: Optional[Path] = None, heading: str = "##") -> list[str]:
@@ -1009,6 +1013,7 @@ def scheduling_section(path: Optional[Path] = None, heading: str = "##") -> list
     plan, machine, S = results["plan"], results["machine"], results["systems"]
     command = "make bench-scheduling" if plan["name"] == "cpu" else f"python -m benchmarks.scheduling --plan {plan['name']}"
     where = machine.get("gpu") or f"{machine['nproc']} CPUs"
+    rate = rate_text(rounds(S.get(SERIAL, {}), "poisson"), results.get("poisson_rate"))
     lines = ["", f"{heading} Scheduling targets with the engine in-process ({where})", "",
              f"`{command}`, started {results['started']}: issue #13's targets with each system's engine in the "
              "benchmark's own process (benchmarks/in_process.py), no tritonserver and no gRPC; the engine, its "
@@ -1017,7 +1022,7 @@ def scheduling_section(path: Optional[Path] = None, heading: str = "##") -> list
              f"({plan['mixed_steps']} steps) in a closed loop at concurrency {plan['concurrency']}; "
              f"{plan['poisson_requests']} requests of {plan['size']}x{plan['size']} with steps from "
              f"{tuple(plan['step_choices'])} arriving as a Poisson process at {plan['poisson_load']:.0%} of "
-             f"REQUEST_BATCH serial capacity ({poisson_rate_text(results)}), SLO {plan['slo_factor']:g}x "
+             f"REQUEST_BATCH serial capacity ({rate}), SLO {plan['slo_factor']:g}x "
              "the solo latency of the request's shape (calibrated on REQUEST_BATCH serial in the same run: "
              + ", ".join(f"{k} {v:.3f} s" for k, v in results.get("solo_latency_s", {}).items())
              + (" at the start, the Poisson shapes again before each round" if recalibrated(results) else "") + "). "
@@ -1027,8 +1032,7 @@ def scheduling_section(path: Optional[Path] = None, heading: str = "##") -> list
              f"{plan['urgent_max_num_seqs']}. {plan['repeats']} round(s) of the first two (median, min-max), each "
              "round every system once, a fresh engine over the loaded weights per point.", "",
              "| target | measured | goal | result |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {fmt_target_value(t)} | {fmt_goal(t)} | {fmt_met(t)} |"
-              for t in scheduling_targets(results)]
+    lines += target_rows(scheduling_targets(results))
     lines += ["", "| system | mixed sizes req/s | Poisson SLO attainment | Poisson p99 s | Poisson engine busy | "
               "mean requests per forward (mixed sizes; Poisson) | errors |", "|---|---|---|---|---|---|---|"]
     for entry in S.values():
@@ -1104,8 +1108,7 @@ def reproduce_section() -> list[str]:
 
 def headline(results: dict) -> str:
     """One line: the main ratios of a run."""
-    parts = [f"{t['target']}: {fmt_target_value(t)} ({fmt_met(t)})" for t in targets(results)]
-    return "bench: " + "; ".join(parts)
+    return "bench: " + targets_line(targets(results))
 
 
 def write_report(source: Optional[Path] = None, doc_path: Path = DOC_PATH) -> list[Path]:

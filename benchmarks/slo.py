@@ -64,7 +64,6 @@ def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = N
         for r in range(repeats):
             calibration = poisson_calibration(calibrator, specs, plan.poisson_load)  # this round's rate and SLOs
             solo, rate = calibration["solo"], calibration["poisson_rate"]
-            results.setdefault("rounds", []).append({"solo_latency_s": solo, "poisson_rate": rate})
             log(f"round {r}: solo latencies {solo}; Poisson rate {rate:.3f}/s")
             for name, rs in running.items():
                 slo_s = slo_budgets(solo, plan.slo_factor) if name in SENT else None
@@ -74,8 +73,9 @@ def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = N
                 entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
                 entry["points"].append(point)
                 log(f"{name} repeat {r}: SLO {point.get('slo_attainment')}, errors {point['errors']}")
-    # The first round's calibration is the run's (slo_model and the report read it).
-    results.update(results["rounds"][0])
+    # The first round's calibration is the run's (slo_model reads it); every point keeps its round's.
+    first = next(iter(results["systems"].values()))["points"][0]
+    results.update(solo_latency_s=first["solo_latency_s"], poisson_rate=first["offered_rate"])
     for entry in results["systems"].values():
         entry["slo_attainment_median"] = statistics.median(p["slo_attainment"] for p in entry["points"])
     sequence, costs = slo_model.benchmark_case(specs, results["poisson_rate"], results["solo_latency_s"])
