@@ -156,9 +156,7 @@ class InProcessSystem:
 
         tally = TickTally()
         engine = DiffusionEngine.make_engine(self.config, self.adapter, tick_listener=tally)
-        # Only the measured requests count. The warm-up's last tick reports right after its final output,
-        # before this thread wakes to read it; a late report would add one tick of one row.
-        tally.reset()
+        tally.reset()  # only the measured requests count (the engine reports a tick before its outputs)
         try:
             yield RunningEngine(self.system, EngineTarget(engine), tally)
         finally:

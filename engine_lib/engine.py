@@ -324,10 +324,10 @@ class DiffusionEngine:
         with self._cond, self.clock.phase("schedule"):
             self.scheduler.observe_tick(seconds, sched_out)
             ended = self.scheduler.update_from_output(sched_out, result.output)
+        if self._tick_listener is not None:  # before the outputs: whoever reads a tick's final output sees it
+            self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
-        if self._tick_listener is not None:
-            self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
 
     def _maybe_wait_for_admission(self) -> None:
         """Request mode only: let a burst accumulate before the first wave (the seed's four conditions)."""
