@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Optional
 
 from engine_lib.request import DiffusionRequest, EngineError, RequestStatus, RequestTimedOutError, SamplingParams
+from engine_lib.sched.tick_time import TickTimeModel
 
 ADMISSION_ORDERS = ("arrival", "shortest_remaining", "deadline")
 KeyFn = Callable[[SamplingParams], Hashable]
@@ -90,7 +91,7 @@ class Scheduler(ABC):
         self._ended_ids: list[str] = []  # reported in the next schedule()'s finished_ids
         self.num_preempted = 0  # pauses so far (metrics)
         self.clock: Callable[[], float] = time.monotonic  # deadlines are on this clock (tests replace it)
-        self.seconds_per_cost = 0.0  # a tick's seconds per unit of its requests' cost (moving average; 0: unknown)
+        self.tick_time = TickTimeModel()  # a step's seconds for its cost, fitted to the ticks (observe_tick)
 
     def add_request(self, request: DiffusionRequest) -> None:
         """Queue a request; a duplicate active request id (or a request not WAITING) raises ValueError."""
@@ -121,8 +122,8 @@ class Scheduler(ABC):
     def deadline_rank(self, request: DiffusionRequest) -> tuple[int, float]:
         """Earliest deadline first among requests that can still finish by theirs, then requests without one
         (oldest first), then those that cannot make it any more (least work left first): they are late
-        anyway, and running them first would make others late too. "Can make it": now plus its steps left
-        at the measured seconds per step of its cost (`observe_tick`) is not past its deadline."""
+        anyway, and running them first would make others late too. "Can make it": now plus its steps left,
+        each a step of its own at the measured tick time (`observe_tick`), is not past its deadline."""
         if request.deadline is None:
             return 1, request.arrival_time
         work = self.work_left_s(request)
@@ -130,18 +131,20 @@ class Scheduler(ABC):
             return 0, request.deadline
         return 2, work
 
-    def work_left_s(self, request: DiffusionRequest) -> float:
-        """Seconds of denoising left at the measured rate (0 before the first tick)."""
-        cost = max(1, self._costs[request.request_id])  # an adapter without costs: every request costs 1
-        return (request.num_steps - request.step_index) * cost * self.seconds_per_cost
+    def cost(self, request_id: str) -> int:
+        """What a request adds to a step's cost (an adapter without costs: every request costs 1)."""
+        return max(1, self._costs[request_id])
+
+    def work_left_s(self, request: DiffusionRequest, step_cost: Optional[int] = None) -> float:
+        """Seconds of denoising left: its steps left, each at the measured seconds of a step of `step_cost`
+        (default: the request alone); 0 before the first tick."""
+        steps_left = request.num_steps - request.step_index
+        return steps_left * self.tick_time.seconds(step_cost or self.cost(request.request_id))
 
     def observe_tick(self, seconds: float, sched_out: "SchedulerOutput") -> None:
-        """A tick of `sched_out` took `seconds`: update the seconds per unit of cost (a moving average), from
-        which the `deadline` order estimates work left. Call before `update_from_output` ends requests."""
-        cost = sum(max(1, self._costs.get(i, 0)) for i in sched_out.scheduled_ids if i in self._costs)
-        if cost > 0 and seconds > 0:
-            rate = seconds / cost
-            self.seconds_per_cost = rate if not self.seconds_per_cost else 0.8 * self.seconds_per_cost + 0.2 * rate
+        """A tick of `sched_out` took `seconds`: fit the tick time to its cost (`tick_time`), from which the
+        `deadline` order estimates work left. Call before `update_from_output` ends requests."""
+        self.tick_time.observe(sum(self.cost(i) for i in sched_out.scheduled_ids if i in self._costs), seconds)
 
     def _queue_order(self, request: DiffusionRequest) -> tuple:
         return (*self.urgency(request), request.arrival_time)

@@ -7,7 +7,9 @@ when it is empty). The queue order (`Scheduler.urgency`): most urgent
 `priority` first (1 is the most urgent); within a level the oldest first, or
 with `admission_order=shortest_remaining` the fewest steps left first, or with
 `admission_order=deadline` the earliest deadline that can still be made first
-(`Scheduler.deadline_rank`).
+(`Scheduler.deadline_rank`), and a request joins the running set only when
+sharing steps pays (`_batching_pays`: a shared step costs clearly less than
+two, and no member that can make its deadline is made late by it).
 
 - **Preemption.** When the head of the queue cannot join and is more urgent
   than running requests (a better priority, or under shortest_remaining also
@@ -79,7 +81,24 @@ class StepScheduler(Scheduler):
     def _can_join(self, request: DiffusionRequest) -> bool:
         if not self._running:
             return True
-        return len(self._running) < self.max_num_seqs and self._compatible(request) and self._fits_budget(request)
+        return (len(self._running) < self.max_num_seqs and self._compatible(request) and self._fits_budget(request)
+                and self._batching_pays(request))
+
+    def _batching_pays(self, request: DiffusionRequest) -> bool:
+        """Under `deadline` order: whether `request` sharing the running set's steps is worth it. It is when a
+        step with it costs clearly less than the two steps apart (`TickTimeModel.joining_saves_time`: else
+        running them one after the other finishes the first sooner and the second no later), and every one
+        of them that can still make its deadline alone still makes it at the shared step's time for all its
+        steps left. Otherwise it waits for a seat that keeps them."""
+        if self.admission_order != "deadline":
+            return True
+        running_cost = sum(self.cost(i) for i in self._running)
+        if not self.tick_time.joining_saves_time(running_cost, self.cost(request.request_id)):
+            return False
+        shared_cost, now = running_cost + self.cost(request.request_id), self.clock()
+        return all(now + self.work_left_s(r, shared_cost) <= r.deadline
+                   for r in (*self._running.values(), request)
+                   if r.deadline is not None and now + self.work_left_s(r) <= r.deadline)
 
     def _compatible(self, request: DiffusionRequest) -> bool:
         """The running set's key (and, with separate_priorities, its priority level)."""
