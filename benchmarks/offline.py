@@ -7,9 +7,10 @@ threads or Triton); the faster of the two is the throughput a server could
 reach at that batch size if serving cost nothing.
 
 `phase_profile` times one request's phases (prompt encode, one denoise step,
-scheduler step, VAE decode) solo and in a batch, per request, plus the top
-operators of one denoise step from torch.profiler: where the time goes, and
-how much of it batching amortises on this device.
+scheduler step, VAE decode) solo and in a batch, per request, one denoise step
+at every batch size up to it, and the top operators of one denoise step from
+torch.profiler: where the time goes, and how much of it batching amortises on
+this device.
 """
 
 from __future__ import annotations
@@ -176,10 +177,23 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
     adapter.denoise_step(same_batch, states=same)
     out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = statistics.median(
         _timed(lambda: adapter.denoise_step(same_batch, states=same), repeats))
+    out["step_s_by_rows"] = {n: step_seconds(adapter, [new_state(f"rows-{i}", PROMPTS[i % len(PROMPTS)], i)
+                                                       for i in range(n)], repeats) for n in range(1, batch + 1)}
     solo, batched = out["batch_1"], out[f"batch_{batch}"]
     out["step_speedup_per_request"] = solo["denoise_step_s_per_request"] / batched["denoise_step_s_per_request"]
     out["request_speedup_per_request"] = solo["request_s_per_request"] / batched["request_s_per_request"]
     return out
+
+
+def step_seconds(adapter, states, repeats: int) -> float:
+    """The median seconds of one denoise step over `states` (their prompts encoded, one warm-up step first)."""
+    from engine_lib.pipelines.base import InputBatch
+
+    for state in states:
+        adapter.prepare_encode(state)
+    input_batch = InputBatch.gather(states)
+    adapter.denoise_step(input_batch, states=states)
+    return statistics.median(_timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
 
 
 def run_offline(model_path: Path, size: int, steps: int, batch: int, repeats: int,

@@ -340,6 +340,7 @@ def run(plan: Plan, out_path: Path, max_load: float, max_wait_s: float, with_off
                 entry["mixed_sizes"] = median_point(entry["mixed_sizes_points"], "requests_per_s")
             if entry.get("poisson_points"):
                 entry["poisson"] = median_point(entry["poisson_points"], "slo_attainment")
+        results["poisson_model"] = poisson_model(S, mixed, plan.slo_factor)
         if "step" in running and plan.perf_analyzer_requests:
             S["step"]["perf_analyzer"] = run_perf_analyzer(running["step"], plan)
         rss.sample_once()
@@ -388,6 +389,14 @@ def poisson_calibration(serial: systems.RunningSystem, specs: Sequence, load: fl
     above or below its nominal share (each point's engine-busy share shows the load it saw)."""
     solo = calibrate_solo(serial, specs)
     return {"solo": solo, "poisson_rate": poisson_rate(solo, specs, load)}
+
+
+def poisson_model(entries: dict, specs: Sequence, slo_factor: float) -> Optional[dict]:
+    """slo_model's bound for each Poisson round, read off the rounds of the first system that ran them."""
+    from benchmarks import slo_model
+
+    points = next((e["poisson_points"] for e in entries.values() if e.get("poisson_points")), None)
+    return slo_model.round_bounds(points, specs, slo_factor) if points else None
 
 
 def slo_budgets(solo: dict, slo_factor: float) -> dict:

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 from benchmarks import loadgen, priority, report, systems, workloads
 from benchmarks.in_process import InProcessSystem
 from benchmarks.run import (FULL, POISSON_ARRIVAL_SEED, RESULTS_DIR, calibrate_solo, log, machine_info,
-                            poisson_calibration, poisson_rate, poisson_specs, save, sent_slos, warm_up)
+                            poisson_calibration, poisson_model, poisson_rate, poisson_specs, save, sent_slos, warm_up)
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ def run(plan: SchedulingPlan, out_path: Path) -> dict:
             p["solo_latency_s"] = calibration["solo"]
             S[name].setdefault("poisson_points", []).append(p)
             log(f"{name}: Poisson round {r} SLO {p['slo_attainment']}, p99 {p['latency_p99_s']}, errors {p['errors']}")
+        results["poisson_model"] = poisson_model(S, mixed_specs, plan.slo_factor)
         save(results, out_path)
     urgent = results["urgent"] = {"alone": urgent_latencies(loaded["priority_preempt"], plan, loaded=False)}
     for name in URGENT_SYSTEMS:

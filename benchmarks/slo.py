@@ -13,7 +13,7 @@ it. Systems, each its own tritonserver, one after the other, `repeats` rounds:
 - step_deadline: STEP_BATCH x2, `admission_order=deadline` (earliest deadline first among requests
   that can still make theirs, the rest after), `max_preemptions=3`, deadlines sent.
 
-Also `benchmarks/slo_model.py`'s bound for the sequence at the calibrated costs. Results:
+Also `benchmarks/slo_model.py`'s bound for the sequence at each round's calibration. Results:
 benchmarks/results/slo.json; docs/benchmarks.md.
 """
 
@@ -73,14 +73,12 @@ def run(repeats: int = 2, preset: str = FULL.preset, log_dir: Optional[Path] = N
                 entry = results["systems"].setdefault(name, {"label": rs.system.label, "points": []})
                 entry["points"].append(point)
                 log(f"{name} repeat {r}: SLO {point.get('slo_attainment')}, errors {point['errors']}")
-    # The first round's calibration is the run's (slo_model reads it); every point keeps its round's.
-    first = next(iter(results["systems"].values()))["points"][0]
-    results.update(solo_latency_s=first["solo_latency_s"], poisson_rate=first["offered_rate"])
+    # The first round's calibration is the run's; every point keeps its round's (slo_model bounds each round).
+    points = next(iter(results["systems"].values()))["points"]
+    results.update(solo_latency_s=points[0]["solo_latency_s"], poisson_rate=points[0]["offered_rate"])
     for entry in results["systems"].values():
         entry["slo_attainment_median"] = statistics.median(p["slo_attainment"] for p in entry["points"])
-    sequence, costs = slo_model.benchmark_case(specs, results["poisson_rate"], results["solo_latency_s"])
-    results["model"] = {"most_on_time": slo_model.most_on_time(sequence, costs, plan.slo_factor),
-                        "requests": len(specs)}
+    results["poisson_model"] = slo_model.round_bounds(points, specs, plan.slo_factor)
     return results
 
 

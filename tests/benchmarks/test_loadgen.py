@@ -186,7 +186,8 @@ def canned_results() -> dict:
                               "8": {"pipe": {"images_per_s": 2.0}, "runner": {"images_per_s": 3.2},
                                     "best_images_per_s": 3.2}},
                     "profile": {"size": 128, "steps": 4, "batch": 8, "batch_1": layer, "batch_8": batched,
-                                "step_speedup_per_request": 1.6, "request_speedup_per_request": 1.67}},
+                                "step_speedup_per_request": 1.6, "request_speedup_per_request": 1.67,
+                                "step_s_by_rows": {"1": 0.2, "2": 0.3, "8": 1.0}}},
     }
 
 
@@ -234,7 +235,13 @@ def test_repeated_side_loads_compare_round_by_round_and_keep_the_median_round():
     [sizes] = [t for t in report.targets(results) if t["target"].startswith("Mixed sizes")]  # 1.2, 1.5, 0.8
     assert sizes["value"] == pytest.approx(1.2) and sizes["span"] == pytest.approx((0.8, 1.5))
     text = "\n".join(report.poisson_section(results, "img/"))
-    assert "| 90% (70%-95%) |" in text and "median round" in text
+    assert "| 90% (70%-95%) |" in text and "median round" in text and "slo_model" not in text
+    results["poisson_model"] = {"requests": 40, "on_time": [36, None, 35]}
+    text = "\n".join(report.poisson_section(results, "img/"))
+    assert "finishes more than 36, fewer than 36, 35 of its 40 requests" in text and "is 38 of these 40" in text
+    results["machine"]["gpu"] = "a GPU"  # the model's costs are the CPU's
+    assert "slo_model" not in "\n".join(report.poisson_section(results, "img/"))
+    results["machine"]["gpu"] = None
     assert report.retries_note(S) == []
     step_rounds[1]["server"] = {"mean_batch_size": 2.0, "batch_retries": 2}
     assert report.retries_note(S) == ["- Batches that failed and ran again one request at a time (see the servers' "
@@ -252,6 +259,7 @@ def test_report_writes_markdown_and_two_pngs_from_a_results_file(tmp_path):
     assert "## Targets" in text and "## GPU" in text and "not measured yet" in text.lower()
     assert "| REQUEST_BATCH serial | 1.000 | 1.000 (0.900-1.100) |" in text  # median and spread over repeats
     assert "What limits the missed targets" in text and "1.60x cheaper per request" in text
+    assert "One denoise step of n rows costs, in steps of one row: 2: 1.50x, 8: 5.00x" in text
     assert "(img/bench-throughput.png)" in text
 
 

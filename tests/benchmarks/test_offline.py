@@ -13,6 +13,7 @@ def test_offline_limit_and_profile_run_through_the_engines_runner(tiny_qwen_dir)
         assert row["runner"]["images_per_s"] > 0 and row["pipe"]["images_per_s"] > 0
     profile = result["profile"]
     assert profile["batch_2"]["denoise_step_s"] > 0 and profile["step_speedup_per_request"] > 0
+    assert sorted(profile["step_s_by_rows"]) == [1, 2] and min(profile["step_s_by_rows"].values()) > 0
 
 
 def test_the_gpu_sync_count_runs_every_tick_kind_on_the_cpu():

@@ -26,3 +26,20 @@ def test_no_policy_beats_the_bound_and_hopeless_last_helps_when_overloaded():
     assert all(share <= best / len(burst) + 1e-9 for share in shares.values()), (best, shares)
     assert shares["edf_hopeless_last"] > shares["edf"] and shares["srpt"] >= shares["arrival"]
     assert best < len(burst)  # the burst is more than any schedule can serve on time
+
+
+def test_each_round_is_bounded_at_its_own_calibration():
+    """Two rounds of the benchmark's sequence: the second calibrated on a machine twice as slow, at half the
+    rate (the same load): the same bound; a third at the first round's solo latencies but twice its rate
+    (an overload) is bounded lower."""
+    from benchmarks.run import poisson_specs
+
+    specs = poisson_specs(12, 128, (4, 8, 16), 0)
+    solo = {"128x128/4": 0.2, "128x128/8": 0.35, "128x128/16": 0.65}
+    rate = 0.8 * len(specs) / sum(solo[s.shape_key] for s in specs)
+    rounds = [{"offered_rate": rate, "solo_latency_s": solo},
+              {"offered_rate": rate / 2, "solo_latency_s": {k: 2 * v for k, v in solo.items()}},
+              {"offered_rate": rate * 2, "solo_latency_s": solo}]
+    model = slo_model.round_bounds(rounds, specs, 3.0)
+    first, slower, overloaded = model["on_time"]
+    assert model["requests"] == 12 and first == slower and (overloaded is None or overloaded < first)
