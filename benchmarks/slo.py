@@ -11,7 +11,8 @@ it. Systems, each its own tritonserver, one after the other, `repeats` rounds:
 - step_srpt: STEP_BATCH x2, shortest remaining first (`make bench`'s best), without deadlines;
 - step_srpt_timeouts: the same with deadlines sent (late requests that never started are dropped);
 - step_deadline: STEP_BATCH x2, `admission_order=deadline` (earliest deadline first among requests
-  that can still make theirs, the rest after), `max_preemptions=3`, deadlines sent.
+  that can still make theirs, the rest after; a second request shares steps only where that pays),
+  `max_preemptions=3`, deadlines sent.
 
 Also `benchmarks/slo_model.py`'s bound for the sequence at each round's calibration. Results:
 benchmarks/results/slo.json; docs/benchmarks.md.
@@ -32,7 +33,8 @@ from benchmarks.run import (FULL, POISSON_ARRIVAL_SEED, log, machine_info, measu
 
 # Earliest deadline first preempts more often than shortest remaining (a more pressing arrival pauses a running
 # request): `step_deadline` (benchmarks/systems.py) has max_preemptions=3. Medians of 3 rounds here, deadline order:
-# x2 with 3 preemptions 92.5 % (6 rounds, 87.5-95), with 1 90 %, with 8 90 %; x1 with 8 90 %; x3 with 1 87.5 %.
+# x2 with 3 preemptions 92.5 % (6 rounds, 87.5-95), with 1 90 %, with 8 90 %; x1 with 8 90 %; x3 with 1 87.5 %
+# (session 11, before deadline order shared steps only where that pays).
 SENT = {"step_srpt_timeouts", "step_deadline"}  # the systems whose requests carry their SLO as a timeout
 
 
