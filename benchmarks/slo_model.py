@@ -4,8 +4,9 @@ bring within its SLO on a machine where batching does not make a step cheaper.
 The model: one server runs one denoise step at a time and may switch requests between steps; a step
 is never shared (as if a batched step of n rows cost n solo steps), so it bounds what ordering alone can
 do. Sharing steps can do more where a shared step costs less than the steps apart (`make bench`'s phase
-profile measures a step at each batch size), and `admission_order=deadline` shares them where that pays. A request costs `fixed + steps * per_step` seconds, half of `fixed` (encode) in
-its first step and half (decode) in its last; `per_step` and `fixed` are fitted to the solo latencies
+profile measures a step at each batch size), and `admission_order=deadline` shares them where that pays.
+A request costs `fixed + steps * per_step` seconds, half of `fixed` (encode) in its first step and half
+(decode) in its last; `per_step` and `fixed` are fitted to the solo latencies
 `make bench` measured (benchmarks/results/full.json). Its deadline is arrival + SLO factor x its solo
 latency, as the benchmark counts it. The model replays the benchmark's own sequence (the workload's
 and the arrivals' seeds) and random sequences of the same length and load, under each policy:
