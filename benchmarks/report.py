@@ -905,7 +905,8 @@ def ordering_bound_lines(results: dict) -> list[str]:
             "requests within their SLOs (round by round) if each request took its whole solo latency of server time "
             "and a step shared by n requests cost n solo steps: that is as far as ordering alone goes. Sharing steps "
             "goes further where a shared step costs less than the steps apart (the phase profile of `make bench`); "
-            "`admission_order=deadline` shares them only where that pays. The goal of issue #13, 95 %, is "
+            "`admission_order=deadline` shares them only where that pays (`python -m benchmarks.slo_model` models that "
+            "too, at the profile's costs). The goal of issue #13, 95 %, is "
             f"{math.ceil(0.95 * n)} of these {n} requests."]
 
 
@@ -1109,7 +1110,7 @@ def reproduce_section() -> list[str]:
             "make bench-packing      # one forward over two and eight sizes: packed vs per size vs padded (2 minutes)",
             "make bench-priority     # an urgent request alone and under a full background load (a few minutes)",
             "make bench-slo          # the Poisson load with SLOs sent as deadlines: shortest remaining vs deadline order",
-            "python -m benchmarks.slo_model         # what any schedule could do for that load on this machine (a second)",
+            "python -m benchmarks.slo_model         # what ordering alone, and deadline order sharing steps, could do for that load (seconds)",
             "make bench-own          # BAGEL and HunyuanImage-3.0: step batching at concurrency 4 vs serial (a minute)",
             "make bench-efficiency   # served and in-process engine vs the offline limit, per-phase split (5 minutes)",
             "make bench-scheduling   # issue #13's targets with the engine in-process, no tritonserver",

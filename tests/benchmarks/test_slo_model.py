@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import slo_model
 
 COSTS = slo_model.Costs({4: 0.16, 8: 0.30, 16: 0.58})  # about the bench preset's solo latencies here
@@ -43,3 +45,18 @@ def test_each_round_is_bounded_at_its_own_calibration():
     model = slo_model.round_bounds(rounds, specs, 3.0)
     first, slower, overloaded = model["on_time"]
     assert model["requests"] == 12 and first == slower and (overloaded is None or overloaded < first)
+
+
+def test_deadline_order_shares_steps_only_where_that_pays():
+    """Where a step of two costs two solo steps, the engine's deadline order never shares and schedules as
+    earliest-deadline-first with hopeless requests last; where sharing is cheap it finishes more on time."""
+    burst = [(0.0, 16)] * 3 + [(0.01, 4)] * 6
+    alone = slo_model.attainment("edf_hopeless_last", burst, COSTS, 3.0)
+    assert slo_model.shared_attainment(burst, COSTS, 3.0, {1: 1.0, 2: 2.0}) == alone
+    assert slo_model.shared_attainment(burst, COSTS, 3.0, {1: 1.0, 2: 1.2}) > alone
+
+
+def test_the_step_ratio_comes_from_the_runs_phase_profile():
+    ratio = slo_model.step_ratio({"offline": {"profile": {"step_s_by_rows": {"1": 0.2, "2": 0.3}}}})
+    assert ratio == {1: 1.0, 2: pytest.approx(1.5)}
+    assert slo_model.step_ratio({}) == {}
