@@ -66,10 +66,6 @@ class Costs:
         started = job.steps_left < job.steps
         return job.steps_left * self.per_step + self.fixed * (0.5 if started else 1.0)
 
-    def step_cost(self, job: Job) -> float:
-        first, last = job.steps_left == job.steps, job.steps_left == 1
-        return self.per_step + self.fixed * (0.5 * first + 0.5 * last)
-
 
 def moore_hodgson(jobs: list[Job], now: float, costs: Costs) -> list[Job]:
     """The largest set of `jobs` that all make their deadlines in deadline order (drop the longest on a miss)."""
@@ -141,11 +137,13 @@ def most_on_time(arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor
 POLICIES = ("arrival", "srpt", "edf", "srpt_hopeless_last", "edf_hopeless_last", "moore_hodgson")
 
 
-def attainment(policy: str, arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float) -> float:
-    """The share of requests done by their deadline when `policy` schedules `arrivals` [(time, steps)]."""
+def replay(arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float,
+           choose: Callable[[list[Job], float], list[Job]], step_ratio: Optional[dict[int, float]] = None) -> float:
+    """The share of requests done by their deadline when, between steps, `choose(active, now)` picks the
+    requests of the next step: a step of that many rows (`step_ratio[rows]` solo steps; default one solo
+    step per row) plus the fixed parts of the requests it starts or ends."""
     jobs = [Job(t, s, t + slo_factor * costs.solo[s]) for t, s in sorted(arrivals)]
-    now, arrived, running = 0.0, 0, None
-    active: list[Job] = []
+    now, arrived, active = 0.0, 0, []
     while arrived < len(jobs) or active:
         while arrived < len(jobs) and jobs[arrived].arrival <= now:
             active.append(jobs[arrived])
@@ -153,13 +151,27 @@ def attainment(policy: str, arrivals: Sequence[tuple[float, int]], costs: Costs,
         if not active:
             now = jobs[arrived].arrival
             continue
-        running = pick(policy, active, now, costs, running)
-        now += costs.step_cost(running)
-        running.steps_left -= 1
-        if running.steps_left == 0:
-            running.done = now
-            active.remove(running)
+        batch = choose(active, now)
+        now += costs.per_step * (step_ratio or {}).get(len(batch), len(batch)) + sum(
+            costs.fixed * 0.5 * ((j.steps_left == j.steps) + (j.steps_left == 1)) for j in batch)
+        for job in batch:
+            job.steps_left -= 1
+            if job.steps_left == 0:
+                job.done = now
+                active.remove(job)
     return sum(j.done <= j.deadline for j in jobs) / len(jobs)
+
+
+def attainment(policy: str, arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float) -> float:
+    """The share of requests done by their deadline when `policy` schedules `arrivals` [(time, steps)], one
+    request a step."""
+    last: list[Optional[Job]] = [None]  # the arrival policy keeps running what it ran
+
+    def choose(active: list[Job], now: float) -> list[Job]:
+        last[0] = pick(policy, active, now, costs, last[0])
+        return [last[0]]
+
+    return replay(arrivals, costs, slo_factor, choose)
 
 
 def shared_attainment(arrivals: Sequence[tuple[float, int]], costs: Costs, slo_factor: float,
@@ -172,35 +184,22 @@ def shared_attainment(arrivals: Sequence[tuple[float, int]], costs: Costs, slo_f
     def seconds(rows: int) -> float:
         return costs.per_step * step_ratio.get(rows, float(rows))
 
-    def finish(job: Job, rows: int) -> float:
+    def finish(job: Job, rows: int, now: float) -> float:
         return now + job.steps_left * seconds(rows) + costs.fixed * (0.5 if job.steps_left < job.steps else 1.0)
 
-    jobs = [Job(t, s, t + slo_factor * costs.solo[s]) for t, s in sorted(arrivals)]
-    now, arrived, active = 0.0, 0, []
-    while arrived < len(jobs) or active:
-        while arrived < len(jobs) and jobs[arrived].arrival <= now:
-            active.append(jobs[arrived])
-            arrived += 1
-        if not active:
-            now = jobs[arrived].arrival
-            continue
-        feasible = sorted((j for j in active if finish(j, 1) <= j.deadline), key=lambda j: j.deadline)
+    def choose(active: list[Job], now: float) -> list[Job]:
+        feasible = sorted((j for j in active if finish(j, 1, now) <= j.deadline), key=lambda j: j.deadline)
         queue = feasible + sorted((j for j in active if j not in feasible), key=costs.work_left)
         batch = queue[:1]
         for job in queue[1:max_rows]:
             rows = len(batch) + 1
             if seconds(rows) > 0.95 * (seconds(rows - 1) + seconds(1)) or any(
-                    finish(j, rows) > j.deadline for j in batch + [job] if j in feasible):
+                    finish(j, rows, now) > j.deadline for j in batch + [job] if j in feasible):
                 break
             batch.append(job)
-        now += seconds(len(batch)) + sum(costs.fixed * 0.5 * ((j.steps_left == j.steps) + (j.steps_left == 1))
-                                         for j in batch)
-        for job in batch:
-            job.steps_left -= 1
-            if job.steps_left == 0:
-                job.done = now
-                active.remove(job)
-    return sum(j.done <= j.deadline for j in jobs) / len(jobs)
+        return batch
+
+    return replay(arrivals, costs, slo_factor, choose, step_ratio)
 
 
 def random_sequence(rng: random.Random, n: int, rate: float, step_choices: Sequence[int]) -> list[tuple[float, int]]:
