@@ -170,13 +170,8 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
             "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total_us} for e in events[:top_ops]],
         }
     # The same batch with one prompt for every row: no text padding, no attention mask.
-    same = [new_state(f"same-{i}", PROMPTS[0], i) for i in range(batch)]
-    for state in same:
-        adapter.prepare_encode(state)
-    same_batch = InputBatch.gather(same)
-    adapter.denoise_step(same_batch, states=same)
-    out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = statistics.median(
-        _timed(lambda: adapter.denoise_step(same_batch, states=same), repeats))
+    out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = step_seconds(
+        adapter, [new_state(f"same-{i}", PROMPTS[0], i) for i in range(batch)], repeats)
     out["step_s_by_rows"] = {n: step_seconds(adapter, [new_state(f"rows-{i}", PROMPTS[i % len(PROMPTS)], i)
                                                        for i in range(n)], repeats) for n in range(1, batch + 1)}
     solo, batched = out["batch_1"], out[f"batch_{batch}"]
