@@ -25,7 +25,7 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import RENORM_TYPES, BagelPipeline, Context, Guidance
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.prompt_cache import decode_by_grid
+from engine_lib.pipelines.decoder_parts import decode_by_grid
 from engine_lib.request import InvalidInputError, SamplingParams
 
 # The official inferencer's text-to-image settings are the defaults.

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys
-from engine_lib.pipelines.prompt_cache import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
+from engine_lib.pipelines.decoder_parts import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, load_model
-from engine_lib.pipelines.prompt_cache import shifted_schedule
+from engine_lib.pipelines.decoder_parts import shifted_schedule
 from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # bos, eos, start/end of image

@@ -21,7 +21,7 @@ from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.prompt_cache import decode_by_grid
+from engine_lib.pipelines.decoder_parts import decode_by_grid
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.request import InvalidInputError, SamplingParams
 

@@ -34,7 +34,7 @@ import torch
 from engine_lib.pipelines.hunyuan_image3.model import (HunyuanConfig, HunyuanImage3Model, ImageRows, read_config,
                                                       read_weights)
 from engine_lib.pipelines.hunyuan_image3.vae import VAE
-from engine_lib.pipelines.prompt_cache import KVCache, shifted_schedule
+from engine_lib.pipelines.decoder_parts import KVCache, shifted_schedule
 
 # The reference repository has no generation_config.json; these are the golden set's settings, used when the
 # model folder has none (the official release ships one: its values win).

@@ -47,7 +47,7 @@ class HunyuanCheckpoint:
 def build(preset: Mapping[str, Any], seed: int) -> HunyuanCheckpoint:
     from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, HunyuanImage3Model
     from engine_lib.pipelines.hunyuan_image3.vae import VAE
-    from engine_lib.pipelines.prompt_cache import RMSNorm
+    from engine_lib.pipelines.decoder_parts import RMSNorm
 
     config = HunyuanConfig.from_json(json.loads((DATA / "config.json").read_text()))
     with torch.device("meta"):  # shapes only
