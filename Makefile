@@ -1,6 +1,9 @@
 # The project's commands. `make demo` and `make test` are the two a newcomer needs.
 PY := .venv/bin/python
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
+# The models `make serve` and `make demo` load: names of model_repository/ separated by commas
+# (`make serve MODELS=flux,ltx2`), or `all`; empty: qwen_image alone. Also read from the environment.
+MODELS ?=
 
 .PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-packing bench-priority bench-slo bench-own bench-efficiency bench-video bench-scheduling clean
 
@@ -13,11 +16,11 @@ models: setup  ## build the tiny random-weight pipelines offline into models/
 repository: setup  ## regenerate model_repository/<pipeline> input/output lists and docs tables from the adapters
 	@$(PY) -m engine_lib.serving.repository
 
-serve: models  ## run tritonserver on the local model repository (Ctrl-C stops it)
-	@$(PY) -m engine_lib.serving.launcher serve
+serve: models  ## run tritonserver on the local model repository with the MODELS models (Ctrl-C stops it)
+	@MODELS='$(MODELS)' $(PY) -m engine_lib.serving.launcher serve
 
-demo: models  ## start the server, generate one image with the client, stop the server
-	@$(PY) scripts/demo.py
+demo: models  ## start the server with the MODELS models, generate one image with the client, stop the server
+	@MODELS='$(MODELS)' $(PY) scripts/demo.py
 
 test: models  ## unit, engine, pipeline and real-tritonserver tests
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -6,7 +6,7 @@ lays out a backend directory (python/ = libtriton_python.so, the utils module
 and the stub matching this interpreter), starts the server in its own process
 group on the given ports, waits for /v2/health/ready, and stops it with a
 bounded SIGTERM -> SIGKILL of the whole group: tritonserver 2.51 can hang on
-exit while a client holds a gRPC stream (see DESIGN.md, Platform notes).
+exit while a client holds a gRPC stream (docs/serving.md, Shutdown, drain, grace period).
 
 With an `admin_key`, the server loads its models in explicit mode behind a
 repository API that needs that key, and `stop()` first unloads every model (new
@@ -24,7 +24,9 @@ GRPC_PORT, METRICS_PORT (8000, 8001, 8002), OPENAI_PORT (9000; 0: no front door)
 OPENAI_API_KEY (a bearer key the front door asks for), MODEL_REPOSITORY
 (<repo>/model_repository), EXIT_TIMEOUT_SECS (30), TRITON_ADMIN_KEY (the repository API's
 key; default: a random one per launch), TRITONSERVER (a tritonserver binary to use instead
-of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images).
+of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images),
+MODELS (the models loaded at start: names of the repository's models separated by commas,
+or `all`; default qwen_image; `--load-model` takes precedence).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is expo
 # own exit timeout still covers is only its wait for idle HTTP connections.
 DRAINED_EXIT_TIMEOUT_S = 3
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
+MODELS_ENV = "MODELS"  # the models `make serve` and `make demo` load at start (select_models)
+DEFAULT_MODELS = ("qwen_image",)  # one model: the server is ready in seconds; MODELS=all loads every one
 
 
 class TritonServerError(RuntimeError):
@@ -70,6 +74,34 @@ def _env_int(name: str, default: int) -> int:
 
 def default_address() -> str:
     return os.environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS
+
+
+def repository_models(repository: os.PathLike | str) -> list[str]:
+    """The models of a model repository: its folders that hold a config.pbtxt, sorted."""
+    return sorted(p.parent.name for p in Path(repository).glob("*/config.pbtxt"))
+
+
+def select_models(value: Optional[str | Sequence[str]], repository: os.PathLike | str) -> list[str]:
+    """The models to load at start, as `load_models` takes them.
+
+    `value`: names separated by commas or spaces (or a list of such strings), as MODELS or
+    `--load-model` give them; `all` (or `*`): every model of the repository (["*"]); empty or
+    None: DEFAULT_MODELS. A name that is not a model of `repository` raises TritonServerError
+    naming the known ones.
+    """
+    parts = [value] if isinstance(value, str) or value is None else list(value)
+    names = list(dict.fromkeys(n for part in parts for n in (part or "").replace(",", " ").split()))
+    if not names:
+        names = list(DEFAULT_MODELS)
+    if any(n.lower() in ("all", "*") for n in names):
+        return ["*"]
+    known = repository_models(repository)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise TritonServerError(
+            f"unknown model{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in {repository}; "
+            f"known: {', '.join(known) or '(none)'}, or all")
+    return names
 
 
 def system_tritonserver() -> Optional[Path]:
@@ -599,7 +631,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--load-model", action="append", default=None,
-                   help="a model to load at start (repeatable); default: every model of the repository")
+                   help="a model to load at start (repeatable; `all`: every model of the repository); "
+                        f"default: ${MODELS_ENV} (names separated by commas, or all) or {','.join(DEFAULT_MODELS)}")
     p.add_argument("--stub-drain", type=float, default=10.0,
                    help="after a stub dies: seconds the other models' running requests get before the restart")
     p.add_argument("--openai-port", type=int, default=None,
@@ -608,16 +641,25 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     openai_port = args.openai_port if args.openai_port is not None else _env_int("OPENAI_PORT", 9000)
     address = args.address or default_address()
+    repository = args.model_repository or os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY
+    try:
+        models = select_models(args.load_model or os.environ.get(MODELS_ENV), repository)
+    except TritonServerError as exc:
+        print(f"launcher: {exc}", file=sys.stderr, flush=True)
+        return 2
     admin_key = os.environ.get("TRITON_ADMIN_KEY", "").strip() or secrets.token_urlsafe(24)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
+    began = [time.monotonic()]  # when the current server was started (each restart starts anew)
+
     def make_server(restarts: int) -> TritonServer:
+        began[0] = time.monotonic()
         return TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, address=address, log_path=args.log_file or "/dev/stdout",
                             log_verbose=args.log_verbose, admin_key=admin_key, env={RESTARTS_ENV: str(restarts)},
-                            load_models=args.load_model or ["*"])
+                            load_models=models)
 
     front_doors: list[OpenAIFrontDoor] = []
     failed = threading.Event()  # the front door could not start, or exited on its own
@@ -635,10 +677,11 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                 return
             threading.Thread(target=_stop_when_exits, args=(front_doors[0], stop, failed), daemon=True).start()
         front = f", front door {front_doors[0].url}" if front_doors else ""
-        print(f"launcher: ready (grpc {server.grpc_url}, http {server.http_url}{front}); Ctrl-C stops", flush=True)
+        print(f"launcher: ready in {time.monotonic() - began[0]:.1f} s (grpc {server.grpc_url}, http {server.http_url}"
+              f"{front}); Ctrl-C stops", flush=True)
 
-    print(f"launcher: starting tritonserver on {args.model_repository or os.environ.get('MODEL_REPOSITORY') or DEFAULT_MODEL_REPOSITORY} "
-          f"(address {address})", flush=True)
+    loading = "every model" if models == ["*"] else ", ".join(models)
+    print(f"launcher: starting tritonserver on {repository} (address {address}; loading {loading})", flush=True)
     supervisor = Supervisor(make_server, stop, on_ready=on_ready, start_timeout_s=args.start_timeout,
                             stub_drain_s=args.stub_drain)
     code = supervisor.run()

@@ -1,4 +1,5 @@
-"""The launcher: backend layout, environment, start/ready/stop, load errors in the message, bounded stop."""
+"""The launcher: backend layout, environment, start/ready/stop, load errors in the message, bounded stop,
+which models it loads (MODELS, --load-model)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from engine_lib.serving import launcher
 from engine_lib.serving.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
     REPO_ROOT,
     TritonServer,
     TritonServerError,
     find_pytriton_dist,
     prepare_backend_dir,
+    repository_models,
+    select_models,
     server_env,
 )
 
@@ -108,7 +113,7 @@ def test_cli_serves_until_interrupted(tmp_path):
     (tmp_path / "repo").mkdir()
     ports = [str(free_port()) for _ in range(4)]
     env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=ports[0], GRPC_PORT=ports[1],
-               METRICS_PORT=ports[2], OPENAI_PORT=ports[3])
+               METRICS_PORT=ports[2], OPENAI_PORT=ports[3], MODELS="all")  # the empty repository has no qwen_image
     cli = subprocess.Popen([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address", "127.0.0.1",
                             "--log-file", str(tmp_path / "cli.log")],
                            env=env, stdout=subprocess.PIPE, text=True)
@@ -142,7 +147,7 @@ def test_cli_fails_when_the_openai_front_door_cannot_start(tmp_path):
         taken.listen()
         env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=str(free_port()),
                    GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
-                   OPENAI_PORT=str(taken.getsockname()[1]))
+                   OPENAI_PORT=str(taken.getsockname()[1]), MODELS="all")
         cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address",
                               "127.0.0.1", "--log-file", str(tmp_path / "cli.log")],
                              env=env, capture_output=True, text=True, timeout=120)
@@ -169,6 +174,78 @@ def test_an_admin_key_protects_the_repository_api_of_an_explicit_mode_server():
     # The drain is the launcher's unload (up to 120 s); tritonserver's own exit timeout only covers idle connections.
     assert "--exit-timeout-secs=3" in command
     assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))
+
+
+SEVEN = ["bagel", "flux", "helios", "hunyuan_image3", "ltx2", "qwen_image", "sd3"]
+
+
+def test_the_repository_s_models_are_its_folders_with_a_config():
+    assert repository_models(DEFAULT_MODEL_REPOSITORY) == SEVEN
+
+
+@pytest.mark.parametrize("value, models", [
+    (None, ["qwen_image"]), ("", ["qwen_image"]), (" ", ["qwen_image"]),
+    ("flux", ["flux"]), ("flux,ltx2", ["flux", "ltx2"]), ("ltx2, flux ltx2", ["ltx2", "flux"]),
+    (["sd3", "bagel,helios"], ["sd3", "bagel", "helios"]),
+    ("all", ["*"]), ("ALL", ["*"]), ("flux,all", ["*"]), (["*"], ["*"]),
+])
+def test_models_to_load_default_to_qwen_image_alone(value, models):
+    assert select_models(value, DEFAULT_MODEL_REPOSITORY) == models
+
+
+def test_an_unknown_model_is_refused_naming_the_known_ones():
+    with pytest.raises(TritonServerError) as info:
+        select_models("flux,qwen-image", DEFAULT_MODEL_REPOSITORY)
+    assert f"unknown model qwen-image in {DEFAULT_MODEL_REPOSITORY};" in str(info.value)
+    assert f"known: {', '.join(SEVEN)}, or all" in str(info.value)
+
+
+@pytest.mark.parametrize("argv, env, loaded", [
+    ([], None, ["qwen_image"]),
+    ([], "flux,ltx2", ["flux", "ltx2"]),
+    ([], "all", ["*"]),
+    (["--load-model=sd3", "--load-model=helios"], "flux", ["sd3", "helios"]),  # --load-model wins
+    (["--load-model=all"], None, ["*"]),
+])
+def test_serve_loads_what_models_or_load_model_name(monkeypatch, capsys, argv, env, loaded):
+    """`make serve MODELS=...`: the launcher's tritonserver command line loads exactly those models (explicit
+    model control); the supervisor is replaced by one that only builds the server."""
+    from engine_lib.serving import supervisor  # noqa: PLC0415
+
+    commands = []
+
+    class OneServer:
+        def __init__(self, make_server, stop, **kwargs):
+            self.make_server = make_server
+
+        def run(self) -> int:
+            commands.append(self.make_server(0).command(Path("/backends")))
+            return 0
+
+    monkeypatch.setattr(supervisor, "Supervisor", OneServer)
+    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
+    monkeypatch.delenv("MODEL_REPOSITORY", raising=False)
+    monkeypatch.delenv("TRITON_ADDRESS", raising=False)
+    if env is None:
+        monkeypatch.delenv("MODELS", raising=False)
+    else:
+        monkeypatch.setenv("MODELS", env)
+    assert launcher.serve(["serve", "--openai-port=0", *argv]) == 0
+    [command] = commands
+    assert "--model-control-mode=explicit" in command
+    assert [a.split("=", 1)[1] for a in command if a.startswith("--load-model=")] == loaded
+    shown = "every model" if loaded == ["*"] else ", ".join(loaded)
+    assert f"(address 127.0.0.1; loading {shown})" in capsys.readouterr().out
+
+
+def test_serve_refuses_an_unknown_model_before_starting_anything(tmp_path):
+    env = dict(os.environ, MODELS="qwen_image,fluxx", TRITON_ADDRESS="127.0.0.1")
+    env.pop("MODEL_REPOSITORY", None)
+    cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2
+    assert "unknown model fluxx" in cli.stderr and f"known: {', '.join(SEVEN)}, or all" in cli.stderr, cli.stderr
+    assert "starting tritonserver" not in cli.stdout
 
 
 @pytest.mark.parametrize("forks", [False, True], ids=["alone", "after-a-fork"])

@@ -42,7 +42,7 @@ class Launcher:
                                      test_tick_budget_path=str(self.budget.path))
         self.http, self.grpc, self.metrics, self.front = (free_port() for _ in range(4))
         self.log_path = tmp / "launcher.log"
-        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_ADDRESS", "TRITON_ADMIN_KEY")}
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_ADDRESS", "TRITON_ADMIN_KEY", "MODELS")}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "engine_lib.serving.launcher", "serve", f"--model-repository={self.repo}",
