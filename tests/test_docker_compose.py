@@ -98,6 +98,17 @@ def test_loads_only_the_chosen_model(service):
     assert any(a.startswith("--load-model=") for a in _command(service))
 
 
+def test_the_default_model_is_the_launchers(service):
+    """Compose, the Dockerfile's CMD and `make serve` load the same model unless told otherwise."""
+    from engine_lib.serving.launcher import DEFAULT_MODEL_REPOSITORY, DEFAULT_MODELS, select_models
+
+    [load] = [a for a in _command(service) if a.startswith("--load-model=")]
+    default = re.fullmatch(r"--load-model=\$\{TRITON_LOAD_MODEL:-([^}]+)\}", load)
+    assert default, f"{load!r}: TRITON_LOAD_MODEL picks the model, with a default"
+    assert select_models(default.group(1), DEFAULT_MODEL_REPOSITORY) == list(DEFAULT_MODELS)
+    assert f'"--load-model={",".join(DEFAULT_MODELS)}"' in DOCKERFILE.read_text()
+
+
 def test_reserves_an_nvidia_gpu(service):
     devices = service["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
