@@ -16,7 +16,7 @@ from client.events import Final, Progress, ServerError
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 DEFAULT_TIMEOUT_S = 600.0
 
-# Triton datatype of every input the models accept (see docs/DESIGN "Triton interface").
+# Triton datatype of every input the models accept (docs/serving.md, Inputs; docs/pipelines.md per pipeline).
 INPUT_DTYPES = {
     "prompt": "BYTES",
     "negative_prompt": "BYTES",

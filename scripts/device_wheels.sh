@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The wheels benchmarks/device.sh installs on the GPU machine lent to some sessions (Python 3.12 with PyTorch,
-# no network, no diffusers): the pinned diffusers of requirements.txt, and the pinned transformers as a fallback
-# should the machine's own fail to build the tiny model. Into .whl/ (git-ignored, about 20 MB), carried with
-# the call (`carry: [".whl"]`).
+# Wheels for a GPU host without network access whose Python 3.12 has PyTorch but no diffusers: the pinned
+# diffusers of requirements.txt, and the pinned transformers as a fallback should the host's own fail to build
+# the tiny models. Into .whl/ (git-ignored); copy it there with the repository and install with
+# `pip install --no-index --no-deps .whl/*.whl`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pin() { grep -E "^$1==" requirements.txt; }

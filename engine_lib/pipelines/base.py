@@ -12,7 +12,7 @@ or our own model code) and declares its interface:
   `post_decode` decodes several states in one call, so waiting to decode together pays);
 * `state_class`: its typed per-request state (a `RequestState` subclass).
 
-and implements the seed's step contract, which is the only way the runner runs it
+and implements the step contract, which is the only way the runner runs it
 (request mode and step mode share one loop, engine_lib/runner.py):
 
 * `prepare_encode(state)` once per request: encode, draw latents, build its schedule;

@@ -1,4 +1,4 @@
-"""No tick reads from the device once its requests are admitted (issue #14), checked on the CPU.
+"""No tick reads from the device once its requests are admitted, checked on the CPU.
 
 On CUDA a denoising tick must not wait for the device, and a finishing tick only
 once, for its outputs (engine_lib/host_copy.py). `benchmarks/gpu_sync.py` counts

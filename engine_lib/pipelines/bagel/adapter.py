@@ -81,7 +81,7 @@ class BagelAdapter(PipelineAdapter):
     inputs = BAGEL_INPUTS
     outputs = (IMAGE,)
     state_class = BagelState
-    supports_request_batch = False  # the seed lists BAGEL among the step-execution pipelines
+    supports_request_batch = False  # served with step execution only
     supports_step_execution = True
 
     @classmethod

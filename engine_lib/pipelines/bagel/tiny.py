@@ -1,6 +1,6 @@
 """Tiny random-weight BAGEL preset in the official checkpoint layout (built offline by `make models`).
 
-The weights follow the golden set's procedure (`../shared/golden/bagel/make_weights.py`,
+The weights follow the procedure the golden set was made with (tests/golden/bagel/README.md,
 from the reference implementation's tiny config), so the `tiny` preset is the
 golden checkpoint bit for bit (tests/pipelines/test_bagel.py checks the files): per
 file, keys in sorted order, one generator (ema: seed, ae: seed + 1), norm scales

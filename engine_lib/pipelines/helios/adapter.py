@@ -18,7 +18,7 @@ carries the whole video, which is those chunks end to end.
 * `chunk_outputs`: `vae.decode` of the finished chunk, postprocessed as the
   pipeline does; `post_decode` only joins the chunks.
 
-The seed's limit holds: one active request (`max_step_batch` 1). Image and video
+One active request at a time (`max_step_batch` 1). Image and video
 conditioning (I2V, V2V) are not served.
 """
 
@@ -107,7 +107,7 @@ class HeliosAdapter(DiffusersAdapter):
     state_class = HeliosState
     supports_request_batch = False
     supports_step_execution = True
-    max_step_batch = 1  # the seed's limit: one active request
+    max_step_batch = 1  # one active request at a time
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
     supports_previews = True  # progress responses (no frames: a chunk is the preview)
 

@@ -68,7 +68,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
     inputs = HUNYUAN_INPUTS
     outputs = (IMAGE,)
     state_class = HunyuanState
-    supports_request_batch = False  # the seed lists HunyuanImage3 among the step-execution pipelines
+    supports_request_batch = False  # served with step execution only
     supports_step_execution = True
 
     @classmethod

@@ -1,6 +1,6 @@
 """Tiny random-weight HunyuanImage-3.0 preset in the official layout (built offline by `make models`).
 
-The weights follow the golden set's procedure (`../shared/golden/hunyuan_image3/make_weights.py`,
+The weights follow the procedure the golden set was made with (tests/golden/hunyuan_image3/README.md,
 from the reference implementation's tiny config), so the `tiny` preset is the golden
 checkpoint bit for bit (tests/pipelines/test_hunyuan_image3.py checks the file's hash):
 keys in sorted order, one generator seeded with the seed, norm scales (GroupNorm,
