@@ -25,8 +25,8 @@ demo: models  ## start the server with the MODELS models, generate one image wit
 test: models  ## unit, engine, pipeline and real-tritonserver tests
 	@$(PY) -m pytest -q $(PYTEST_ARGS)
 
-mutants: models  ## plant each bug of tests/mutants/ and check the tests catch it (a few minutes)
-	@$(PY) tests/mutants/run.py
+mutants: models  ## plant each bug of tests/mutants/ and check the tests catch it (about 20 min; MUTANTS_ARGS: options of tests/mutants/run.py)
+	@$(PY) tests/mutants/run.py $(MUTANTS_ARGS)
 
 bench: models  ## the full benchmark (about 20 min): writes benchmarks/results and docs/benchmarks.md
 	@$(PY) -m benchmarks.run $(BENCH_ARGS)
