@@ -681,7 +681,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
               f"{front}); Ctrl-C stops", flush=True)
 
     loading = "every model" if models == ["*"] else ", ".join(models)
-    print(f"launcher: starting tritonserver on {repository} (address {address}; loading {loading})", flush=True)
+    print(f"launcher: starting tritonserver on {repository} (address {address}), loading {loading}", flush=True)
     supervisor = Supervisor(make_server, stop, on_ready=on_ready, start_timeout_s=args.start_timeout,
                             stub_drain_s=args.stub_drain)
     code = supervisor.run()

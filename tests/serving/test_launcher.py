@@ -235,7 +235,7 @@ def test_serve_loads_what_models_or_load_model_name(monkeypatch, capsys, argv, e
     assert "--model-control-mode=explicit" in command
     assert [a.split("=", 1)[1] for a in command if a.startswith("--load-model=")] == loaded
     shown = "every model" if loaded == ["*"] else ", ".join(loaded)
-    assert f"(address 127.0.0.1; loading {shown})" in capsys.readouterr().out
+    assert f"(address 127.0.0.1), loading {shown}\n" in capsys.readouterr().out
 
 
 def test_serve_refuses_an_unknown_model_before_starting_anything(tmp_path):
