@@ -5,7 +5,7 @@ export PATH := $(CURDIR)/.venv/bin:$(PATH)
 # (`make serve MODELS=flux,ltx2`), or `all`; empty: qwen_image alone. Also read from the environment.
 MODELS ?=
 
-.PHONY: setup models repository serve demo test mutants bench bench-quick bench-lora bench-sizes bench-packing bench-priority bench-slo bench-own bench-efficiency bench-video bench-scheduling clean
+.PHONY: setup models repository serve demo test mutants bench bench-quick clean
 
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
@@ -28,38 +28,11 @@ test: models  ## unit, engine, pipeline and real-tritonserver tests
 mutants: models  ## plant each bug of tests/mutants/ and check the tests catch it (about 20 min; MUTANTS_ARGS: options of tests/mutants/run.py)
 	@$(PY) tests/mutants/run.py $(MUTANTS_ARGS)
 
-bench: models  ## the full benchmark (about 20 min): writes benchmarks/results and docs/benchmarks.md
-	@$(PY) -m benchmarks.run $(BENCH_ARGS)
+bench: models  ## every scenario of benchmarks/scenarios.py, or one: make bench SCENARIO=<name> (results: benchmarks/results/)
+	@$(PY) -m benchmarks.run $(if $(SCENARIO),--scenario $(SCENARIO)) $(BENCH_ARGS)
 
-bench-quick: models  ## the quick benchmark (under 5 min)
+bench-quick: models  ## a few scenarios with fewer requests and repeats (results: benchmarks/results/quick/)
 	@$(PY) -m benchmarks.run --quick $(BENCH_ARGS)
-
-bench-lora: models  ## mixed vs LoRA-homogeneous step batching side by side (about 2 min)
-	@$(PY) -m benchmarks.lora
-
-bench-sizes: models  ## mixed image sizes: fused waves vs step batching with and without mixed_size_batching (about 10 minutes)
-	@$(PY) -m benchmarks.mixed_sizes
-
-bench-packing: models  ## one forward over rows of two and of eight sizes: packed vs per size vs padded, per pipeline (2 minutes)
-	@$(PY) -m benchmarks.packing
-
-bench-priority: models  ## an urgent request alone and under a full background load, side by side (a few minutes)
-	@$(PY) -m benchmarks.priority
-
-bench-slo: models  ## the Poisson mixed-steps load with SLOs sent as deadlines: shortest remaining vs deadline order (5 minutes)
-	@$(PY) -m benchmarks.slo
-
-bench-own: models  ## our own model code (BAGEL, HunyuanImage-3.0): step batching at concurrency 4 vs serial (a minute)
-	@$(PY) -m benchmarks.own_models
-
-bench-efficiency: models  ## served and in-process engine vs the offline batched limit, per-phase split (about 5 min)
-	@$(PY) -m benchmarks.efficiency
-
-bench-scheduling: models  ## issue #13's scheduling targets with the engine in-process, no tritonserver (benchmarks/device.sh: on the lent GPU)
-	@$(PY) -m benchmarks.scheduling
-
-bench-video: models  ## LTX-2 serial vs fused vs step (frames/s), Helios first chunk vs final (a few minutes)
-	@$(PY) -m benchmarks.video
 
 clean:
 	rm -rf models out build .pytest_cache

@@ -1,4 +1,4 @@
-"""Benchmarks: load generator, systems under test, offline limit, perf_analyzer cross-check, report.
+"""Benchmarks: a table of scenarios (scenarios.py), one runner (run.py), the load generator (loadgen.py).
 
-`python -m benchmarks.run [--quick]` runs everything and regenerates docs/benchmarks.md.
+`make bench` runs every scenario, `make bench-quick` a quick subset, `make bench SCENARIO=<name>` one.
 """

@@ -1,9 +1,9 @@
 """Load generator: closed-loop concurrency and open-loop Poisson arrivals over tritonclient gRPC.
 
-Each virtual client owns one session with at most one request in flight:
-for the decoupled models a `StreamingSession` (one gRPC stream, so an error
+Each virtual client owns one connection with at most one request in flight:
+for the decoupled models a `StreamClient` (one gRPC stream, so an error
 response, which carries no request id, belongs to the one request in flight),
-for the non-decoupled baseline an `InferSession` (plain blocking `infer`).
+for the non-decoupled baseline an `InferClient` (plain blocking `infer`).
 
 Every request is checked: exactly one response with `is_final` true, exactly
 one Triton FINAL flag, nothing after it, and an image of shape
@@ -88,7 +88,7 @@ TRITON_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64}
 
 
 def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, str, object]]:
-    """A spec's inputs as (name, Triton datatype, Python value), over gRPC or in-process (benchmarks/in_process.py).
+    """A spec's inputs as (name, Triton datatype, Python value), for gRPC or perf_analyzer.
     The streaming models' optional inputs are sent only when not at their defaults (not every pipeline declares
     them); the baseline takes the five basic ones."""
     values = [("prompt", "BYTES", spec.prompt), ("height", "INT32", spec.height), ("width", "INT32", spec.width),
@@ -121,7 +121,7 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
 # Sessions: one virtual client, one request in flight
 
 
-class StreamingSession:
+class StreamClient:
     """One gRPC stream to a decoupled model."""
 
     def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -209,12 +209,12 @@ class StreamingSession:
 
     def close(self) -> None:
         self._drain_late()
-        # A held stream keeps tritonserver 2.51 from shutting down (DESIGN.md): always stop it.
+        # A held stream keeps tritonserver 2.51 from shutting down: always stop it.
         self._client.stop_stream(cancel_requests=True)
         self._client.close()
 
 
-class InferSession:
+class InferClient:
     """Plain (non-decoupled) gRPC inference, as a client of the naive baseline does it."""
 
     def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -252,7 +252,7 @@ class Target:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def open(self):
-        cls = StreamingSession if self.streaming else InferSession
+        cls = StreamClient if self.streaming else InferClient
         return cls(self.url, self.model, self.timeout_s)
 
 
@@ -277,13 +277,13 @@ def _ids(tag: str) -> Iterable[str]:
 
 def run_closed_loop(target: Target, specs: Sequence[RequestSpec], concurrency: int, tag: str = "c") -> RunResult:
     """`concurrency` virtual clients each send their next request as soon as the last one ends."""
-    sessions = [target.open() for _ in range(concurrency)]
+    clients = [target.open() for _ in range(concurrency)]
     ids = _ids(tag)
     jobs = iter(list(specs))
     lock = threading.Lock()
     records: list[RequestRecord] = []
 
-    def client(session) -> None:
+    def worker(client) -> None:
         while True:
             with lock:
                 spec = next(jobs, None)
@@ -292,13 +292,13 @@ def run_closed_loop(target: Target, specs: Sequence[RequestSpec], concurrency: i
                 record = RequestRecord(next(ids), spec)
                 records.append(record)
             record.scheduled = time.perf_counter()
-            session.run(record)
+            client.run(record)
 
     try:
-        _run_threads([lambda s=s: client(s) for s in sessions])
+        _run_threads([lambda c=c: worker(c) for c in clients])
     finally:
-        for session in sessions:
-            session.close()
+        for client in clients:
+            client.close()
     return RunResult("closed", records, concurrency=concurrency)
 
 
@@ -316,13 +316,13 @@ def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, see
                   max_outstanding: int = 32, tag: str = "p", slo_s: Optional[dict] = None) -> RunResult:
     """Poisson arrivals at `rate` requests/s; latency counts from the arrival, not the send.
 
-    A pool of `max_outstanding` sessions carries the requests; if all are busy a
+    A pool of `max_outstanding` clients carries the requests; if all are busy a
     request waits (and that wait is part of its latency, as it would be for users).
     `slo_s` (shape key -> seconds): each request's deadline is its arrival plus its SLO,
     sent as Triton's request timeout.
     """
     offsets = poisson_arrivals(len(specs), rate, seed)
-    sessions = [target.open() for _ in range(min(max_outstanding, len(specs)))]
+    clients = [target.open() for _ in range(min(max_outstanding, len(specs)))]
     jobs: "queue.Queue[Optional[RequestRecord]]" = queue.Queue()
     records = [RequestRecord(rid, spec) for rid, spec in zip(_ids(tag), specs)]
 
@@ -336,21 +336,21 @@ def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, see
             if delay > 0:
                 time.sleep(delay)
             jobs.put(record)
-        for _ in sessions:
+        for _ in clients:
             jobs.put(None)
 
-    def client(session) -> None:
+    def worker(client) -> None:
         while True:
             record = jobs.get()
             if record is None:
                 return
-            session.run(record)
+            client.run(record)
 
     try:
-        _run_threads([dispatcher] + [lambda s=s: client(s) for s in sessions])
+        _run_threads([dispatcher] + [lambda c=c: worker(c) for c in clients])
     finally:
-        for session in sessions:
-            session.close()
+        for client in clients:
+            client.close()
     return RunResult("open", records, offered_rate=rate)
 
 

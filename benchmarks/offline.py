@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from benchmarks.workloads import PROMPTS
 
@@ -112,17 +112,8 @@ def request_params(adapter, prompt: str, size: int, steps: int, seed: int):
     """Validated params for one benchmark request (the adapter's own defaults for everything else)."""
     from engine_lib.config import EngineConfig
 
-    schema = adapter.input_schema(EngineConfig(max_steps=10_000, max_height=size, max_width=size))
+    schema = adapter.input_schema(EngineConfig(max_height=max(size, 1024), max_width=max(size, 1024)))
     return schema.parse({"prompt": prompt, "height": size, "width": size, "num_inference_steps": steps, "seed": seed})
-
-
-def offline_limit(adapter, size: int, steps: int, batch_sizes: Sequence[int], repeats: int = 2) -> dict:
-    """Warm up, then `repeats` samples of every path and batch size (see OfflineLimit)."""
-    limit = OfflineLimit(adapter, size, steps, batch_sizes)
-    limit.warm()
-    for _ in range(repeats):
-        limit.sample()
-    return limit.summary()
 
 
 def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
@@ -189,38 +180,3 @@ def step_seconds(adapter, states, repeats: int) -> float:
     input_batch = InputBatch.gather(states)
     adapter.denoise_step(input_batch, states=states)
     return statistics.median(_timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
-
-
-def run_offline(model_path: Path, size: int, steps: int, batch: int, repeats: int,
-                device: str = "cpu", dtype: str = "auto", profile: bool = True) -> dict:
-    """Both measurements on one loaded adapter (the loader is the engine's own)."""
-    import torch
-
-    adapter = load_adapter(model_path, device, dtype)
-    result = {"torch_threads": torch.get_num_threads(),
-              "limit": offline_limit(adapter, size, steps, sorted({1, batch}), repeats)}
-    if profile:
-        result["profile"] = phase_profile(adapter, size, steps, batch)
-    return result
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-    import json
-
-    from engine_lib.tiny_models import ensure_model
-
-    parser = argparse.ArgumentParser(description="offline limit and per-phase profile (no server)")
-    parser.add_argument("--preset", default="bench")
-    parser.add_argument("--size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
-    result = run_offline(ensure_model("qwen_image", args.preset), args.size, args.steps, args.batch, args.repeats)
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

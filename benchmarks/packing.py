@@ -1,10 +1,10 @@
-"""`make bench-packing`: one denoise forward over rows of several sizes, packed vs per size vs padded.
+"""The `packing` scenario: one denoise forward over rows of several sizes, packed vs per size vs padded (in-process).
 
 For Qwen-Image, Flux and SD3, in one process (on the CPU: one thread), a random-weight
 transformer of the tiny preset's config widened to 4 heads of 64 (Qwen-Image's bench preset
 width; speed does not depend on weight values) runs 8 rows, 32 text tokens, each row its own
 timestep, in two workloads (sizes in patch tokens per side; 16 px each at VAE factor 8 and
-patch 2; `--scale` multiplies them):
+patch 2; `scale` multiplies them):
 
 * two sizes: 4 rows of 8x8 and 4 of 16x16 (128x128 and 256x256 images);
 * eight sizes: every row its own token count, from 8x8 to 16x16, so the packed forward's
@@ -17,22 +17,16 @@ Three ways to run them:
 * padded: diffusers' forward of all 8 rows at the largest size, what right-padding the other
   rows would compute (without the masks that would make it correct).
 
-Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised). Results:
-benchmarks/results/packing.json and docs/benchmarks.md; `bash benchmarks/gpu.sh` runs it on
-CUDA into benchmarks/results/packing-gpu.json and docs/benchmarks-gpu.md.
+Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import torch
-
-from benchmarks.run import machine_info, save_and_report
 
 # Patch tokens per side (x --scale) of each workload's rows, equal sizes next to each other.
 WORKLOADS = {"two sizes": [(8, 8)] * 4 + [(16, 16)] * 4,
@@ -160,8 +154,7 @@ def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: i
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)
-    results = {"kind": "packing", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-               "workload": {"sizes": {name: [[scale * n for n in size] for size in sizes]
+    results = {"workload": {"sizes": {name: [[scale * n for n in size] for size in sizes]
                                       for name, sizes in WORKLOADS.items()},
                             "text_tokens": TEXT_TOKENS, "heads": WIDE, "repeats": repeats, "device": device,
                             "dtype": dtype, "threads": torch.get_num_threads() if device == "cpu" else None},
@@ -185,24 +178,3 @@ def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: i
     finally:
         torch.set_num_threads(threads)
     return results
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--scale", type=int, default=1, help="multiplies the sides of both sizes")
-    parser.add_argument("--out", default=None, help="results file name under benchmarks/results (packing.json)")
-    parser.add_argument("--no-report", action="store_true", help="do not re-render docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    results = run(args.repeats, args.device, args.dtype, args.scale)
-    name = Path(args.out or "packing.json").stem
-    save_and_report(results, name, ", ".join(
-        f"{p['pipeline']} {p['workload']}: per size / packed {p['per_size_over_packed']:.2f}x, padded / packed "
-        f"{p['padded_over_packed']:.2f}x" for p in results["points"]), render=not args.no_report)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

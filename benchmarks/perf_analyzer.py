@@ -147,8 +147,8 @@ def which_latency(perf: dict) -> Optional[str]:
 def compare(perf: dict, loadgen_mean_latency_s: Optional[float], margin: float = 0.20) -> dict:
     """Does perf_analyzer's derived end-to-end mean latency match the load generator's within `margin`?
 
-    The default margin, 20 %, is the run-to-run spread of one load-generator point on the shared
-    2-core dev machine (two identical runs a minute apart differed by 15-23 %).
+    The default margin, 20 %, is about the run-to-run spread of one load-generator point on a small
+    shared CPU machine (two identical runs a minute apart can differ by that much).
     """
     derived = perf.get("export", {}).get("e2e_mean_s")
     if derived is None or not loadgen_mean_latency_s:

@@ -6,7 +6,8 @@ repository, rewrites config.pbtxt through Triton's own ModelConfig protobuf (so
 comments and layout do not matter), starts the server on free ports and stops
 it afterwards. `scrape_metrics` reads the Prometheus endpoint, where the engine
 publishes `diffusion_batch_size` (requests per forward) and
-`diffusion_tick_seconds` (device time per tick).
+`diffusion_tick_seconds` (device time per tick). The systems themselves are in
+benchmarks/scenarios.py.
 """
 
 from __future__ import annotations
@@ -30,61 +31,33 @@ BASELINE_REPOSITORY = Path(__file__).resolve().parent / "baseline_repository"
 
 @dataclass(frozen=True)
 class System:
-    """A named server configuration: which repository/model, and the parameters it overrides."""
+    """A named server configuration: the pipeline, the repository and model that serve it, and the
+    `parameters` it sets in that model's config.pbtxt. `deadlines`: the Poisson load sends each
+    request's SLO to it as Triton's request timeout."""
 
     name: str
     label: str
-    repository: Path
-    model: str
-    streaming: bool = True
+    pipeline: str = "qwen_image"
     parameters: Mapping[str, str] = field(default_factory=dict)
+    repository: Path = MODEL_REPOSITORY
+    model: str = ""  # the Triton model name; "" = the pipeline's
+    streaming: bool = True
+    deadlines: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.pipeline
 
 
-def default_systems(max_num_seqs: int = 8, wait_ms: float = 20.0, device: str = "cpu",
-                    dtype: str = "float32") -> list[System]:
-    """(a) serial, (b) fused with and without admission wait, (c) continuous step batching (and, for
-    mixed sizes, with `mixed_size_batching`; for latency under Poisson load, two seats in
-    shortest-remaining order, and two in deadline order, which the Poisson load sends its SLOs as
-    Triton timeouts), (d) naive baseline."""
-    engine = dict(device=device, dtype=dtype, warmup="true")
-    return [
-        System("rb_serial", "REQUEST_BATCH serial", MODEL_REPOSITORY, "qwen_image",
-               parameters={**engine, "step_execution": "false", "max_num_seqs": "1"}),
-        System("rb_fused", f"REQUEST_BATCH fused x{max_num_seqs}", MODEL_REPOSITORY, "qwen_image",
-               parameters={**engine, "step_execution": "false", "max_num_seqs": str(max_num_seqs),
-                           "request_batch_max_wait_ms": "0"}),
-        System("rb_fused_wait", f"REQUEST_BATCH fused x{max_num_seqs} + {wait_ms:g} ms wait", MODEL_REPOSITORY,
-               "qwen_image", parameters={**engine, "step_execution": "false", "max_num_seqs": str(max_num_seqs),
-                                         "request_batch_max_wait_ms": f"{wait_ms:g}"}),
-        System("step", f"STEP_BATCH continuous x{max_num_seqs}", MODEL_REPOSITORY, "qwen_image",
-               parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs)}),
-        System("step_mixed", f"STEP_BATCH continuous x{max_num_seqs}, mixed_size_batching", MODEL_REPOSITORY,
-               "qwen_image", parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs),
-                                         "mixed_size_batching": "true"}),
-        System("step_srpt", "STEP_BATCH x2, shortest remaining first", MODEL_REPOSITORY, "qwen_image",
-               parameters={**engine, "step_execution": "true", "max_num_seqs": "2",
-                           "admission_order": "shortest_remaining", "max_preemptions": "1"}),
-        System("step_deadline", "STEP_BATCH x2, deadline order (SLOs sent as timeouts)", MODEL_REPOSITORY,
-               "qwen_image", parameters={**engine, "step_execution": "true", "max_num_seqs": "2",
-                                         "admission_order": "deadline", "max_preemptions": "3"}),
-        System("naive", "naive baseline (pipe() per request, dynamic batcher)", BASELINE_REPOSITORY,
-               "qwen_image_naive", streaming=False, parameters={"device": device}),
-    ]
+def engine(device: str = "cpu", dtype: str = "float32", **parameters) -> dict:
+    """An engine system's parameters (string values), warmed up at load."""
+    return {"device": device, "dtype": dtype, "warmup": "true", **{k: str(v) for k, v in parameters.items()}}
 
 
-def tiny_pipeline_systems(pipeline: str, max_num_seqs: int = 8, device: str = "cpu", dtype: str = "float32",
-                          max_sequence_length: int = 32) -> list[System]:
-    """REQUEST_BATCH serial and STEP_BATCH continuous for another pipeline (flux, sd3) on its own repository.
-
-    A short text length keeps the tiny presets cheap; the modes are what is shown, not model speed.
-    """
-    engine = dict(device=device, dtype=dtype, warmup="true", max_sequence_length=str(max_sequence_length))
-    return [
-        System(f"{pipeline}_serial", f"{pipeline} REQUEST_BATCH serial", MODEL_REPOSITORY, pipeline,
-               parameters={**engine, "step_execution": "false", "max_num_seqs": "1"}),
-        System(f"{pipeline}_step", f"{pipeline} STEP_BATCH continuous x{max_num_seqs}", MODEL_REPOSITORY, pipeline,
-               parameters={**engine, "step_execution": "true", "max_num_seqs": str(max_num_seqs)}),
-    ]
+def naive(device: str = "cpu") -> System:
+    """The naive baseline: diffusers' pipe() per request behind Triton's dynamic batcher."""
+    return System("naive", "naive baseline (pipe() per request, dynamic batcher)", "qwen_image",
+                  {"device": device}, BASELINE_REPOSITORY, "qwen_image_naive", streaming=False)
 
 
 def rewrite_config(config_path: Path, parameters: Mapping[str, str]) -> None:
@@ -101,9 +74,9 @@ def rewrite_config(config_path: Path, parameters: Mapping[str, str]) -> None:
 def prepare_repository(system: System, model_path: Path, workdir: Path) -> Path:
     """A copy of the system's repository holding only its model, with parameters and model_path set."""
     target = workdir / "model_repository"
-    shutil.copytree(system.repository / system.model, target / system.model,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    rewrite_config(target / system.model / "config.pbtxt", {**system.parameters, "model_path": str(model_path)})
+    model = system.model_name
+    shutil.copytree(system.repository / model, target / model, ignore=shutil.ignore_patterns("__pycache__"))
+    rewrite_config(target / model / "config.pbtxt", {**system.parameters, "model_path": str(model_path)})
     return target
 
 
@@ -141,7 +114,7 @@ def serve(system: System, model_path: Path, log_dir: Optional[Path] = None,
                               address="127.0.0.1", log_path=log_path, exit_timeout_s=5)
         try:
             server.start(timeout_s=start_timeout_s)
-            yield RunningSystem(system, server, Target(server.grpc_url, system.model, system.streaming))
+            yield RunningSystem(system, server, Target(server.grpc_url, system.model_name, system.streaming))
         finally:
             server.cleanup()
 

@@ -1,4 +1,4 @@
-"""What the load generator sends: request specs and the three workloads of the issue.
+"""What the load generator sends: request specs and the seeded workloads built from them.
 
 A workload is a deterministic list of `RequestSpec`s (seeded), so every system in
 one run sees exactly the same requests in the same order.
@@ -7,7 +7,7 @@ one run sees exactly the same requests in the same order.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 PROMPTS = (
@@ -22,7 +22,7 @@ PROMPTS = (
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One generation request, as the Triton inputs of DESIGN.md "Triton interface" carry it."""
+    """One generation request, as the model's Triton inputs carry it (docs/serving.md)."""
 
     prompt: str
     height: int
@@ -46,29 +46,21 @@ class RequestSpec:
 
 def uniform(n: int, size: int, steps: int, preview_interval: int = 0, seed: int = 0) -> list[RequestSpec]:
     """n requests of one size and one step count (prompts and seeds vary)."""
-    return [_spec(i, size, size, steps, preview_interval, seed) for i in range(n)]
+    return generate(n, (size,), (steps,), seed, preview_interval)
 
 
-def mixed_loras(n: int, size: int, steps: int, names: Sequence[str], seed: int = 0) -> list[RequestSpec]:
-    """n requests of one shape cycling through LoRA names ("" = none)."""
-    return [replace(spec, lora_name=names[i % len(names)]) for i, spec in enumerate(uniform(n, size, steps, 0, seed))]
-
-
-def mixed_steps(n: int, size: int, step_choices: Sequence[int], preview_interval: int = 0,
-                seed: int = 0) -> list[RequestSpec]:
-    """n requests of one size whose step counts are drawn uniformly from step_choices."""
-    rng = random.Random(seed)
-    return [_spec(i, size, size, rng.choice(list(step_choices)), preview_interval, seed) for i in range(n)]
-
-
-def mixed_sizes(n: int, sizes: Sequence[int], steps: int, preview_interval: int = 0,
-                seed: int = 0) -> list[RequestSpec]:
-    """n requests of one step count whose (square) sizes are drawn uniformly from sizes."""
+def generate(n: int, sizes: Sequence[int], steps: Sequence[int], seed: int = 0, preview_interval: int = 0,
+             loras: Sequence[str] = ("",), num_frames: int = 0, priority: int = 0) -> list[RequestSpec]:
+    """n requests whose (square) size and step count are drawn uniformly from `sizes` and `steps` (seeded;
+    a single choice is not drawn), cycling through `loras` ("" = none); prompts cycle, seeds differ."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        size = rng.choice(list(sizes))
-        out.append(_spec(i, size, size, steps, preview_interval, seed))
+        size = sizes[0] if len(sizes) == 1 else rng.choice(list(sizes))
+        count = steps[0] if len(steps) == 1 else rng.choice(list(steps))
+        out.append(RequestSpec(prompt=PROMPTS[i % len(PROMPTS)], height=size, width=size, steps=count,
+                               seed=seed * 100_003 + i, preview_interval=preview_interval,
+                               lora_name=loras[i % len(loras)], priority=priority, num_frames=num_frames))
     return out
 
 
@@ -78,8 +70,3 @@ def distinct_shapes(specs: Sequence[RequestSpec]) -> list[RequestSpec]:
     for spec in specs:
         seen.setdefault(spec.shape_key, spec)
     return list(seen.values())
-
-
-def _spec(i: int, height: int, width: int, steps: int, preview_interval: int, seed: int) -> RequestSpec:
-    return RequestSpec(prompt=PROMPTS[i % len(PROMPTS)], height=height, width=width, steps=steps,
-                       seed=seed * 100_003 + i, preview_interval=preview_interval)

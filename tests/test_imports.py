@@ -1,4 +1,5 @@
-"""No import cycle among engine_lib's modules, counting imports inside functions too."""
+"""No import cycle among the project's modules (engine_lib, benchmarks and client together), counting imports
+inside functions and relative imports too."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "engine_lib"
+PACKAGES = ("engine_lib", "benchmarks", "client")
 
 
 def module_name(path: Path) -> str:
@@ -15,13 +16,19 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The engine_lib modules a file imports anywhere in it (`from a import b` counts a.b when b is a module)."""
+    """The project modules a file imports anywhere in it (`from a import b` counts a.b when b is a module;
+    `from . import b` and `from .a import b` resolve against the file's package)."""
     found = set()
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in modules}
@@ -29,7 +36,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
     return {name: imports_of(path, set(files)) - {name} for name, path in files.items()}
 
 
@@ -60,7 +67,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str]:
     return []
 
 
-def test_engine_lib_has_no_import_cycle():
+def test_no_import_cycle_in_engine_lib_benchmarks_and_client():
     assert find_cycle(graph()) == []
 
 
@@ -72,3 +79,22 @@ def test_the_checker_finds_a_cycle():
 def test_the_graph_sees_function_level_imports():
     edges = graph()
     assert "engine_lib.pipelines.registry" in edges["engine_lib.engine"]  # imported inside make_engine
+    assert "benchmarks.packing" in edges["benchmarks.run"]  # imported inside run_packing
+    assert {"client.api", "engine_lib.config"} & edges["benchmarks.loadgen"] == set()
+
+
+def test_the_graph_covers_every_package_and_resolves_relative_imports(tmp_path, monkeypatch):
+    edges = graph()
+    assert {name.split(".")[0] for name in edges} == set(PACKAGES)
+    for package in ("a", "a/b"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "a" / "__init__.py").write_text("from . import x\n")
+    (tmp_path / "a" / "x.py").write_text("from .b import y\n")
+    (tmp_path / "a" / "b" / "__init__.py").write_text("")
+    (tmp_path / "a" / "b" / "y.py").write_text("from .. import x\n")
+    files = {"a": tmp_path / "a" / "__init__.py", "a.x": tmp_path / "a" / "x.py",
+             "a.b": tmp_path / "a" / "b" / "__init__.py", "a.b.y": tmp_path / "a" / "b" / "y.py"}
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    found = {name: imports_of(path, set(files)) - {name} for name, path in files.items()}
+    assert found == {"a": {"a.x"}, "a.x": {"a.b", "a.b.y"}, "a.b": set(), "a.b.y": {"a", "a.x"}}
+    assert find_cycle(found) == ["a", "a.x", "a.b.y", "a"]

@@ -1,5 +1,5 @@
-"""The benchmark's own checks: request accounting, report rendering, perf_analyzer parsing,
-repository rewriting, and the load generator against real tritonservers (tiny model, 2 requests).
+"""The benchmarks' own checks: request accounting, workloads, the scenario table, rendering, perf_analyzer
+parsing, repository rewriting, and the load generator and runner against real tritonservers (tiny model).
 
 No timing is asserted anywhere: these tests check that the numbers are computed and
 rendered, not what they are.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import loadgen, perf_analyzer, report, systems, workloads
+from benchmarks import loadgen, perf_analyzer, report, run, scenarios, systems, workloads
 from benchmarks.loadgen import RequestRecord, RunResult
 
 SPEC = workloads.RequestSpec("a cat", 64, 64, 4, seed=1, preview_interval=2)
@@ -63,13 +63,55 @@ def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
 
 
 def test_workloads_are_deterministic_and_cover_their_choices():
-    mixed = workloads.mixed_steps(60, 128, (4, 8, 16), seed=3)
-    assert mixed == workloads.mixed_steps(60, 128, (4, 8, 16), seed=3)
-    assert {s.steps for s in mixed} == {4, 8, 16}
-    sizes = workloads.mixed_sizes(40, (64, 128), 8, seed=7)
-    assert {(s.height, s.steps) for s in sizes} == {(64, 8), (128, 8)}
-    assert [s.shape_key for s in workloads.distinct_shapes(sizes)] in (["64x64/8", "128x128/8"],
-                                                                         ["128x128/8", "64x64/8"])
+    mixed = workloads.generate(60, (128,), (4, 8, 16), seed=3)
+    assert mixed == workloads.generate(60, (128,), (4, 8, 16), seed=3) != workloads.generate(60, (128,), (4, 8, 16))
+    assert {s.steps for s in mixed} == {4, 8, 16} and {s.height for s in mixed} == {128}
+    sizes = workloads.generate(40, (64, 128), (8,), seed=7, loras=("", "toy_a"), num_frames=9)
+    assert {(s.height, s.width, s.steps, s.num_frames) for s in sizes} == {(64, 64, 8, 9), (128, 128, 8, 9)}
+    assert [s.lora_name for s in sizes[:4]] == ["", "toy_a", "", "toy_a"]
+    assert [s.shape_key for s in workloads.distinct_shapes(sizes)] in (["64x64/8/9f", "128x128/8/9f"],
+                                                                         ["128x128/8/9f", "64x64/8/9f"])
+    from benchmarks.loadgen import infer_inputs
+
+    assert "lora_name" not in {i.name() for i in infer_inputs(sizes[0], streaming=True)}
+    assert "lora_name" in {i.name() for i in infer_inputs(sizes[1], streaming=True)}
+
+
+# -- the scenario table -------------------------------------------------------------------------
+
+
+def test_every_scenario_has_a_runner_and_tables_and_valid_engine_parameters():
+    from dataclasses import fields
+
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import names
+
+    known = {f.name for f in fields(EngineConfig)}
+    for sc in scenarios.SCENARIOS.values():
+        assert sc.kind in run.RUNNERS and sc.kind in report.TABLES, sc.name
+        assert len({s.name for s in sc.systems}) == len(sc.systems), sc.name
+        for system in sc.systems:
+            assert system.pipeline in names(), (sc.name, system.pipeline)
+            if system.repository == systems.MODEL_REPOSITORY:
+                assert set(system.parameters) <= known, (sc.name, set(system.parameters) - known)
+    assert set(scenarios.QUICK) <= set(scenarios.SCENARIOS)
+
+
+def test_select_runs_all_or_the_named_ones_and_quick_shrinks_them():
+    assert [sc.name for sc in scenarios.select()] == list(scenarios.SCENARIOS)
+    assert [sc.name for sc in scenarios.select(["lora", "modes"])] == ["lora", "modes"]
+    quick = scenarios.select(quick=True)
+    assert [sc.name for sc in quick] == list(scenarios.QUICK)
+    for sc in quick:
+        full = scenarios.SCENARIOS[sc.name]
+        assert (sc.repeats, sc.requests, sc.per_client) <= (full.repeats, full.requests, full.per_client) != (
+            sc.repeats, sc.requests, sc.per_client), sc.name
+    with pytest.raises(SystemExit, match="unknown scenario"):
+        scenarios.select(["nope"])
+    gpu = scenarios.on_device(scenarios.SCENARIOS["modes"], "cuda", "bfloat16", "gpu")
+    assert gpu.preset == "gpu" and {s.parameters["device"] for s in gpu.systems} == {"cuda"}
+    assert [s.parameters.get("dtype") for s in gpu.systems] == ["bfloat16"] * 4 + [None]  # the baseline has none
+    assert scenarios.on_device(scenarios.SCENARIOS["lora"], "cuda", "bfloat16", "gpu").preset == "tiny"
 
 
 # -- systems ----------------------------------------------------------------------------------
@@ -79,14 +121,16 @@ def test_prepared_repository_carries_the_system_parameters_and_model_path(tmp_pa
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    step = next(s for s in systems.default_systems(max_num_seqs=8) if s.name == "step")
-    repo = systems.prepare_repository(step, Path("/models/x"), tmp_path)
-    config = text_format.Parse((repo / "qwen_image" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["step_execution"] == "true" and params["max_num_seqs"] == "8"
-    assert params["model_path"] == "/models/x" and params["pipeline"] == "qwen_image"
-    assert config.model_transaction_policy.decoupled
-    assert (repo / "qwen_image" / "1" / "model.py").is_file()
+    for system, model in ((scenarios.M["step"], "qwen_image"), (scenarios.M["naive"], "qwen_image_naive")):
+        repo = systems.prepare_repository(system, Path("/models/x"), tmp_path / model)
+        config = text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        assert params["model_path"] == "/models/x" and params["device"] == "cpu"
+        assert (repo / model / "1" / "model.py").is_file()
+        assert config.model_transaction_policy.decoupled == system.streaming
+    assert params.get("step_execution") is None
+    step = systems.prepare_repository(scenarios.M["step"], Path("/m"), tmp_path / "again") / "qwen_image"
+    assert 'key: "max_num_seqs"\n  value {\n    string_value: "8"' in (step / "config.pbtxt").read_text()
 
 
 def test_batch_stats_reads_engine_histograms_and_tritons_batcher_counters():
@@ -142,159 +186,80 @@ def test_perf_analyzer_output_and_export_are_parsed_and_attributed():
 # -- report -----------------------------------------------------------------------------------
 
 
-def _closed(rps: float, batch: float = 1.0) -> dict:
-    return {"requests_per_s": rps, "images_per_s": rps, "latency_mean_s": 1 / rps, "latency_p50_s": 1 / rps,
-            "latency_p95_s": 1.2 / rps, "latency_p99_s": 1.3 / rps, "first_preview_p50_s": None,
-            "slo_attainment": 1.0, "errors": 0, "duration_s": 10.0,
-            "server": {"mean_batch_size": batch, "device_busy_s": 9.0}}
+def cells(text: str) -> list[list[str]]:
+    """A markdown table's rows as stripped cells (header and rule included)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if "|" in line]
 
 
-def _system(label: str, rps1: float, rps8: float, poisson_p99: float = None, slo: float = None) -> dict:
-    out = {"label": label, "closed": {"1": [_closed(rps1)], "8": [_closed(rps8 * 0.9, 6.0), _closed(rps8, 6.0),
-                                                                   _closed(rps8 * 1.1, 6.0)]},
-           "peak_rss_bytes": 500 * 2**20, "startup_s": 20.0}
-    if poisson_p99 is not None:
-        out["poisson"] = {"offered_rate": 0.3, "requests_per_s": 0.3, "latency_mean_s": 1.0, "latency_p50_s": 1.0,
-                          "latency_p95_s": poisson_p99, "latency_p99_s": poisson_p99, "slo_attainment": slo,
-                          "errors": 0, "latencies_s": [0.5, 1.0, poisson_p99], "server": {"mean_batch_size": 2.0}}
-    return out
+def _point(rps: float, batch: float = 1.0, **extra) -> dict:
+    return {"requests_per_s": rps, "latency_p50_s": 1 / rps, "latency_p99_s": 2 / rps, "first_preview_p50_s": None,
+            "errors": 0, "server": {"mean_batch_size": batch}, **extra}
 
 
-def canned_results() -> dict:
-    from benchmarks.run import QUICK
-
+def _result(sc: scenarios.Scenario, **data) -> dict:
     from dataclasses import asdict
 
-    layer = {"encode_s_per_request": 0.01, "denoise_step_s": 0.2, "denoise_step_s_per_request": 0.2,
-             "scheduler_step_s_per_request": 0.001, "decode_s_per_request": 0.05, "request_s_per_request": 1.0,
-             "top_ops": [{"op": "aten::addmm", "share": 0.6}]}
-    batched = dict(layer, denoise_step_s=1.0, denoise_step_s_per_request=0.125, request_s_per_request=0.6)
-    return {
-        "plan": dict(asdict(QUICK), concurrencies=[1, 8]),
-        "machine": {"nproc": 2, "cpu_model": "test CPU", "ram_gib": 8, "python": "3.11", "torch": "2", "diffusers": "0",
-                    "gpu": None},
-        "load_before": [0.5, 0.5, 0.5], "load_after": [1.0, 1.0, 1.0], "started": "now", "wall_s": 120,
-        "solo_latency_s": {"128x128/4": 1.0}, "poisson_rate": 0.3,
-        "systems": {
-            "rb_serial": _system("REQUEST_BATCH serial", 1.0, 1.0, poisson_p99=10.0, slo=0.5),
-            "step": _system("STEP_BATCH continuous x8", 1.0, 3.0, poisson_p99=4.0, slo=0.9),
-            "naive": _system("naive baseline", 0.9, 0.9),
-            "rb_fused_wait": {"label": "REQUEST_BATCH fused x8 + 20 ms wait", "mixed_sizes": {"requests_per_s": 2.0}},
-        },
-        "offline": {"limit": {"1": {"pipe": {"images_per_s": 1.0}, "runner": {"images_per_s": 1.1},
-                                    "best_images_per_s": 1.1},
-                              "8": {"pipe": {"images_per_s": 2.0}, "runner": {"images_per_s": 3.2},
-                                    "best_images_per_s": 3.2}},
-                    "profile": {"size": 128, "steps": 4, "batch": 8, "batch_1": layer, "batch_8": batched,
-                                "step_speedup_per_request": 1.6, "request_speedup_per_request": 1.67,
-                                "step_s_by_rows": {"1": 0.2, "2": 0.3, "8": 1.0}}},
-    }
+    return {"scenario": asdict(sc), "command": "python -m benchmarks.run", "started": "then", "wall_s": 60,
+            "machine": {"cpus": 2, "cpu_model": "cpu", "ram_gib": 8, "gpu": None, "torch": "2", "diffusers": "0",
+                        "load_average": [0.1, 0.1, 0.1]}, **data}
 
 
-def test_targets_compare_medians_and_say_met_or_by_how_much_missed():
-    by_name = {t["target"].split(",")[0].split(":")[-1].strip(): t for t in report.targets(canned_results())}
-    vs_serial = by_name["STEP_BATCH / REQUEST_BATCH serial"]
-    assert vs_serial["value"] == pytest.approx(3.0) and vs_serial["met"]
-    assert by_name["STEP_BATCH served images/s at concurrency 8 / offline limit (batch 8)"]["value"] == \
-        pytest.approx(3.0 / 3.2)
-    p99 = by_name["STEP_BATCH p99 / REQUEST_BATCH serial p99"]
-    assert p99["value"] == pytest.approx(0.4) and p99["met"]
-    slo = by_name["STEP_BATCH SLO attainment (3x solo latency)"]
-    assert slo["met"] is False and report.fmt_met(slo) == "missed (95% of the goal)"
+def test_closed_tables_give_medians_spreads_ratios_per_pipeline_and_the_offline_limit(tmp_path):
+    sc = scenarios.replace(scenarios.SCENARIOS["modes"], systems=(scenarios.M["serial"], scenarios.M["step"]),
+                           concurrency=(1, 8))
+    rows = [{"system": name, "label": scenarios.M[name].label, "variant": "", "concurrency": c,
+             "points": [_point(rate * f, batch) for f in (0.9, 1.0, 1.2)]}
+            for name, batch, rates in (("serial", 1.0, {1: 1.0, 8: 1.0}), ("step", 6.0, {1: 1.0, 8: 3.0}))
+            for c, rate in rates.items()]
+    offline = {"1": {"pipe": {"images_per_s": 1.0}, "runner": {"images_per_s": 1.1}, "best_images_per_s": 1.1},
+               "8": {"pipe": {"images_per_s": 2.0}, "runner": {"images_per_s": 4.0}, "best_images_per_s": 4.0}}
+    result = _result(sc, rows=rows, offline=offline)
+    table = cells(report.render(result))
+    assert table[0][:3] == ["system", "req/s c=1", "req/s c=8"] and table[0][-1] == "/ offline limit (batch 8)"
+    assert table[2][:3] == ["REQUEST_BATCH serial", "1.000 (0.900-1.200)", "1.000 (0.900-1.200)"]
+    assert table[3][0] == "STEP_BATCH continuous x8" and table[3][2] == "3.000 (2.700-3.600)"
+    assert table[3][-6:] == ["0.67", "-", "6.00", "0", "3.00x", "0.75x"]  # p99, first output, batch, errors, ratios
+    assert ["8", "2.000", "4.000"] in table
+    assert "`python -m benchmarks.run`, started then, 1.0 min" in report.render(result)
+    assert report.plot(result, tmp_path / "modes.png").read_bytes()[:4] == b"\x89PNG"
+    two = scenarios.replace(sc, systems=scenarios.serial_vs_step("bagel", 4) + scenarios.serial_vs_step("sd3", 4),
+                            concurrency=(4,))
+    rows = [{"system": s.name, "label": s.label, "variant": "", "concurrency": 4, "points": [_point(rate)]}
+            for s, rate in zip(two.systems, (2.0, 4.0, 1.0, 3.0))]
+    table = cells(report.render(_result(two, rows=rows, offline=None)))
+    assert [row[-1] for row in table[2:]] == ["1.00x", "2.00x", "1.00x", "3.00x"]  # each over its pipeline's serial
+    assert report.plot(_result(two, rows=rows), tmp_path / "one.png") is None  # one concurrency: no curve
 
 
-def test_the_mixed_sizes_target_compares_each_step_system_with_fused_waves():
-    results = canned_results()
-    results["systems"]["step"]["mixed_sizes"] = {"requests_per_s": 2.4}
-    results["systems"]["step_mixed"] = {"label": "STEP_BATCH x8, mixed_size_batching", "closed": {},
-                                        "mixed_sizes": {"requests_per_s": 3.0}}
-    sizes = [t for t in report.targets(results) if t["target"].startswith("Mixed sizes")]
-    assert [(round(t["value"], 3), t["met"]) for t in sizes] == [(1.2, False), (1.5, True)]
-    assert "STEP_BATCH x8, mixed_size_batching / REQUEST_BATCH fused x8 + 20 ms wait" in sizes[1]["target"]
+def test_poisson_tables_keep_each_systems_median_round_and_attainment_by_shape(tmp_path):
+    sc = scenarios.SCENARIOS["slo"]
+
+    def round_(slo: float, p99: float) -> dict:
+        return {"offered_rate": 1.0, "requests_per_s": 0.9, "slo_attainment": slo, "latency_p50_s": 1.0,
+                "latency_p99_s": p99, "first_preview_p50_s": 0.5, "timed_out": 0, "errors": 0, "requests": 4,
+                "duration_s": 10.0, "server": {"mean_batch_size": 1.5, "device_busy_s": 5.0},
+                "latencies_s": [0.5, 1.0, p99], "slo_by_shape": {"128x128/16": {"requests": 2, "attainment": slo},
+                                                                 "128x128/4": {"requests": 2, "attainment": 1.0}}}
+    rows = [{"system": "step", "label": "STEP", "points": [round_(0.5, 9.0), round_(0.75, 4.0), round_(1.0, 2.0)]}]
+    result = _result(sc, rows=rows)
+    table = cells(report.render(result))
+    assert table[2][:6] == ["STEP", "1.000", "0.900", "75 % (50-100)", "1.00", "4.00"]  # the median round's p99
+    assert table[3][1:] == ["128x128/4", "128x128/16"] and table[5][1:] == ["100% (2)", "75% (2)"]
+    assert report.plot(result, tmp_path / "slo.png").is_file()
 
 
-def test_repeated_side_loads_compare_round_by_round_and_keep_the_median_round():
-    from benchmarks.run import median_point
-
-    results = canned_results()
-    S = results["systems"]
-    step_rounds = [dict(S["step"]["poisson"], latency_p99_s=p99, slo_attainment=slo)
-                   for p99, slo in ((4.0, 0.9), (6.0, 0.7), (3.0, 0.95))]
-    serial_rounds = [dict(S["rb_serial"]["poisson"], latency_p99_s=p99) for p99 in (10.0, 10.0, 5.0)]
-    S["step"].update(poisson_points=step_rounds, poisson=median_point(step_rounds, "slo_attainment"))
-    S["rb_serial"].update(poisson_points=serial_rounds, poisson=median_point(serial_rounds, "slo_attainment"))
-    assert S["step"]["poisson"] is step_rounds[0]  # the median attainment's round, whole
-    S["step"]["mixed_sizes_points"] = [{"requests_per_s": r} for r in (2.4, 3.0, 2.0)]
-    S["step"]["mixed_sizes"] = median_point(S["step"]["mixed_sizes_points"], "requests_per_s")
-    S["rb_fused_wait"]["mixed_sizes_points"] = [{"requests_per_s": r} for r in (2.0, 2.0, 2.5)]
-    by_name = {t["target"].split(",")[0].split(":")[-1].strip(): t for t in report.targets(results)}
-    p99 = by_name["STEP_BATCH p99 / REQUEST_BATCH serial p99"]  # rounds 0.4, 0.6, 0.6
-    assert p99["value"] == pytest.approx(0.6) and p99["span"] == pytest.approx((0.4, 0.6)) and not p99["met"]
-    slo = by_name["STEP_BATCH SLO attainment (3x solo latency)"]
-    assert slo["value"] == pytest.approx(0.9) and report.fmt_target_value(slo) == "90% (70%-95%)"
-    [sizes] = [t for t in report.targets(results) if t["target"].startswith("Mixed sizes")]  # 1.2, 1.5, 0.8
-    assert sizes["value"] == pytest.approx(1.2) and sizes["span"] == pytest.approx((0.8, 1.5))
-    text = "\n".join(report.poisson_section(results, "img/"))
-    assert "| 90% (70%-95%) |" in text and "median round" in text and "slo_model" not in text
-    results["poisson_model"] = {"requests": 40, "on_time": [36, None, 35]}
-    text = "\n".join(report.poisson_section(results, "img/"))
-    assert "finishes more than 36, fewer than 36, 35 of its 40 requests" in text and "is 38 of these 40" in text
-    results["machine"]["gpu"] = "a GPU"  # the model's costs are the CPU's
-    assert "slo_model" not in "\n".join(report.poisson_section(results, "img/"))
-    results["machine"]["gpu"] = None
-    assert report.retries_note(S) == []
-    step_rounds[1]["server"] = {"mean_batch_size": 2.0, "batch_retries": 2}
-    assert report.retries_note(S) == ["- Batches that failed and ran again one request at a time (see the servers' "
-                                      "logs): `step` 2."]
-    assert "| 2.400 (2.000-3.000) |" in "\n".join(report.mixed_sizes_section(results))
-
-
-def test_report_writes_markdown_and_two_pngs_from_a_results_file(tmp_path):
-    source = tmp_path / "quick.json"
-    source.write_text(json.dumps(canned_results()))
-    doc, throughput, cdf = report.write_report(source, tmp_path / "docs" / "bench.md")
-    for png in (throughput, cdf):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = doc.read_text()
-    assert "## Targets" in text and "## GPU" in text and "not measured yet" in text.lower()
-    assert "| REQUEST_BATCH serial | 1.000 | 1.000 (0.900-1.100) |" in text  # median and spread over repeats
-    assert "What limits the missed targets" in text and "1.60x cheaper per request" in text
-    assert "One denoise step of n rows costs, in steps of one row: 2: 1.50x, 8: 5.00x" in text
-    assert "(img/bench-throughput.png)" in text
-
-
-def _tiny_point(rps: float, p50: float) -> dict:
-    return {"requests_per_s": rps, "latency_p50_s": p50, "latency_p99_s": 2 * p50, "errors": 0}
-
-
-def test_other_pipelines_table_gives_step_over_serial_and_old_results_render_without_it(tmp_path):
-    old = canned_results()
-    assert report.other_pipelines_section(old) == []
-    assert "Other pipelines" not in report.render(old, tmp_path / "old.json")
-    new = dict(old, other_pipelines={"flux": {"preset": "tiny", "systems": {
-        "flux_serial": {"label": "flux REQUEST_BATCH serial", "closed": {"1": _tiny_point(2.0, 0.5),
-                                                                         "8": _tiny_point(2.0, 4.0)}},
-        "flux_step": {"label": "flux STEP_BATCH continuous x8", "closed": {"1": _tiny_point(2.0, 0.5),
-                                                                           "8": _tiny_point(5.0, 1.5)}}}}})
-    text = "\n".join(report.other_pipelines_section(new))
-    assert "## Other pipelines (tiny presets)" in text and "not model speed" in text
-    assert "| flux | flux STEP_BATCH continuous x8 | 2.000 | 0.500 s | 1.000 s | 5.000 | 1.500 s | 3.000 s | 2.50x | 0 |" \
-        in text
-    assert "| flux | flux REQUEST_BATCH serial | 2.000 | 0.500 s | 1.000 s | 2.000 | 4.000 s | 8.000 s | - | 0 |" in text
-
-
-def test_tiny_pipeline_systems_are_serial_and_continuous_on_the_pipelines_own_repository(tmp_path):
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    serial, step = systems.tiny_pipeline_systems("sd3", max_num_seqs=8)
-    assert (serial.parameters["step_execution"], serial.parameters["max_num_seqs"]) == ("false", "1")
-    assert (step.parameters["step_execution"], step.parameters["max_num_seqs"]) == ("true", "8")
-    repo = systems.prepare_repository(step, Path("/models/sd3"), tmp_path)
-    config = text_format.Parse((repo / "sd3" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    params = {k: v.string_value for k, v in config.parameters.items()}
-    assert params["pipeline"] == "sd3" and params["max_sequence_length"] == "32"
-
+def test_priority_perf_analyzer_and_failed_scenarios_render():
+    rows = [{"label": "alone", "latencies_s": [0.1] * 10, "background_done": 0},
+            {"label": "under load", "latencies_s": [0.2] * 10, "background_done": 42}]
+    table = cells(report.render(_result(scenarios.SCENARIOS["priority"], rows=rows)))
+    assert table[3] == ["under load", "200", "200", "2.00x", "42"]
+    pa = {"command": "perf_analyzer -m qwen_image", "summary": perf_analyzer.parse_stdout(PA_STDOUT),
+          "export": {"e2e_mean_s": 2.0, "first_response_mean_s": 0.5, "responses_per_request": 3.0},
+          "avg_latency_matches": "last response", "comparison": {"loadgen_mean_s": 1.9, "relative_difference": 0.05}}
+    table = cells(report.render(_result(scenarios.SCENARIOS["perf-analyzer"], **pa)))
+    assert ["perf_analyzer 'Avg latency'", "2.088"] in table and ["0.857", "3.0", "last response", "0.05"] in table
+    failed = report.render(_result(scenarios.SCENARIOS["lora"], error="RuntimeError: no server"))
+    assert "Failed: `RuntimeError: no server`" in failed and "|" not in failed
 
 # -- against real servers (tiny model, 2 requests each) -----------------------------------------
 
@@ -307,7 +272,7 @@ def tiny_model():
 
 
 def _system_named(name: str) -> systems.System:
-    return next(s for s in systems.default_systems(max_num_seqs=4) if s.name == name)
+    return scenarios.M[name]
 
 
 def test_loadgen_streams_two_requests_through_step_batching(tiny_model, tmp_path):
@@ -333,23 +298,19 @@ def test_loadgen_drives_the_naive_baseline_and_flags_a_wrong_shape(tiny_model, t
     assert "image shape" in bad.records[0].check_error()  # the baseline makes 1 image where 2 were asked for
 
 
-def test_lora_workload_sends_the_lora_input_and_its_section_renders(tmp_path):
-    import json
 
-    from benchmarks import report
-    from benchmarks.loadgen import infer_inputs
 
-    specs = workloads.mixed_loras(6, 64, 4, ("", "toy_a", "toy_b"), seed=1)
-    assert [s.lora_name for s in specs] == ["", "toy_a", "toy_b"] * 2
-    assert "lora_name" not in {i.name() for i in infer_inputs(specs[0], streaming=True)}
-    assert "lora_name" in {i.name() for i in infer_inputs(specs[1], streaming=True)}
-    point = {"requests_per_s": 2.0, "server": {"mean_batch_size": 3.0}, "errors": 0}
-    results = {"started": "t", "workload": {"size": 64, "steps": 4, "loras": ["none", "toy_a"], "concurrency": 8,
-                                            "requests_per_point": 16, "repeats": 1},
-               "systems": {"lora_mixed": {"label": "mixed", "points": [point]},
-                           "lora_homogeneous": {"label": "homogeneous", "points": [{**point, "requests_per_s": 1.0}]}},
-               "mixed_over_homogeneous": 2.0, "mixed_over_homogeneous_fifo": 3.0}
-    (tmp_path / "lora.json").write_text(json.dumps(results))
-    text = "\n".join(report.lora_section(tmp_path / "lora.json"))
-    assert "| mixed | 2.000" in text and "| homogeneous | 1.000" in text and "2.00x" in text and "3.00x" in text
-    assert report.lora_section(tmp_path / "absent.json") == []
+def test_the_runner_writes_results_tables_and_a_plot_and_records_a_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_LOG_DIR", str(tmp_path / "logs"))
+    step = scenarios.System("step", "STEP x2", parameters=systems.engine(step_execution="true", max_num_seqs=2))
+    bad = scenarios.System("bad", "bad", parameters=systems.engine(max_num_seqs="many"))
+    tiny = dict(preset="tiny", sizes=(64,), steps=(2,), per_client=1, repeats=1)
+    monkeypatch.setitem(scenarios.SCENARIOS, "t-closed", scenarios.Scenario(
+        "t-closed", "closed", "closed", (step,), concurrency=(1, 2), **tiny))
+    monkeypatch.setitem(scenarios.SCENARIOS, "t-bad", scenarios.Scenario("t-bad", "bad", "closed", (bad,), **tiny))
+    assert run.main(["--scenario", "t-closed,t-bad", "--out", str(tmp_path)]) == 1
+    result = json.loads((tmp_path / "t-closed.json").read_text())
+    assert [(r["concurrency"], r["points"][0]["completed"]) for r in result["rows"]] == [(1, 2), (2, 2)]
+    assert result["command"].endswith("--scenario t-closed,t-bad --out " + str(tmp_path))
+    assert "| STEP x2 " in (tmp_path / "t-closed.md").read_text() and (tmp_path / "t-closed.png").is_file()
+    assert "max_num_seqs" in json.loads((tmp_path / "t-bad.json").read_text())["error"]

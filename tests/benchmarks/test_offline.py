@@ -1,29 +1,35 @@
-"""The offline limit and phase profile run on the tiny model (a smoke test: numbers are for benchmarks only)."""
+"""The offline limit, the phase profile and the packed forwards run on the tiny models, and their tables render
+(smoke tests: the numbers are the benchmarks' business)."""
 
 from __future__ import annotations
 
-from benchmarks import offline
+from benchmarks import offline, packing, report
 
 
 def test_offline_limit_and_profile_run_through_the_engines_runner(tiny_qwen_dir):
-    result = offline.run_offline(tiny_qwen_dir, size=64, steps=2, batch=2, repeats=1)
-    for batch in ("1", "2"):
-        row = result["limit"][batch]
-        assert set(row) == {"pipe", "runner", "best_images_per_s"}
+    adapter = offline.load_adapter(tiny_qwen_dir, "cpu", "float32")
+    limit = offline.OfflineLimit(adapter, 64, 2, [2, 1])
+    limit.warm()
+    limit.sample()
+    summary = limit.summary()
+    assert sorted(summary) == ["1", "2"]
+    for row in summary.values():
         assert row["runner"]["images_per_s"] > 0 and row["pipe"]["images_per_s"] > 0
-    profile = result["profile"]
-    assert profile["batch_2"]["denoise_step_s"] > 0 and profile["step_speedup_per_request"] > 0
-    assert sorted(profile["step_s_by_rows"]) == [1, 2] and min(profile["step_s_by_rows"].values()) > 0
+        assert row["best_images_per_s"] == max(row["pipe"]["images_per_s"], row["runner"]["images_per_s"])
+    profile = offline.phase_profile(adapter, 64, 2, 2, repeats=1)
+    assert profile["batch_2"]["denoise_step_s"] > 0 and sorted(profile["step_s_by_rows"]) == [1, 2]
+    text = "\n".join(report.profile_tables({"profile": profile}))
+    assert "| whole request (2 steps) |" in text and "| 2 " in text and "1.00x" in text
 
 
-def test_the_gpu_sync_count_runs_every_tick_kind_on_the_cpu():
-    """benchmarks/gpu_sync.py (run by gpu.sh) on the CPU, where there are no waits to count: the script and its
-    tick classification work before a GPU session spends time on them."""
-    from benchmarks import gpu_sync
-    from engine_lib.pipelines.registry import get_adapter_class
-    from tests.pipelines.parity_checks import load_tiny_adapter
-
-    adapter = load_tiny_adapter("hunyuan_image3", get_adapter_class("hunyuan_image3"))
-    summary = gpu_sync.count_waits(adapter, gpu_sync.OTHERS["hunyuan_image3"], steps=2, cuda=False)
-    assert set(summary) == {"admitting", "denoising only", "finishing"}
-    assert sum(kind["ticks"] for kind in summary.values()) >= 12 and summary["finishing"]["ticks"] > 0
+def test_one_round_times_every_pipeline_and_workload_three_ways_and_renders():
+    results = packing.run(repeats=1)
+    points = {(p["pipeline"], p["workload"]): p for p in results["points"]}
+    assert set(points) == {(pipeline, workload) for pipeline in ("qwen_image", "flux", "sd3")
+                           for workload in ("two sizes", "eight sizes")}
+    for point in points.values():
+        ms = point["median_ms"]
+        assert set(ms) == {"packed", "per_size", "padded"} and all(value > 0 for value in ms.values())
+        assert point["per_size_over_packed"] == ms["per_size"] / ms["packed"]
+    sd3 = points["sd3", "eight sizes"]["median_ms"]
+    assert f"| sd3 | eight sizes | {sd3['packed']:.1f} " in "\n".join(report.packing_tables(results))
