@@ -10,8 +10,18 @@ MODELS ?=
 setup:  ## create .venv with the pinned packages and a working perf_analyzer (idempotent)
 	@bash scripts/setup.sh
 
-models: setup  ## build the tiny random-weight pipelines offline into models/
+models: setup models/.built  ## build the tiny random-weight pipelines offline into models/
+
+# What the tiny builds depend on: when none of it changed since models/.built and every model
+# folder is there, `make models` (so `make demo`, `make serve`) starts without the check, which
+# imports torch and every pipeline. A missing model folder counts as a change (empty rules below).
+TINY_SOURCES := requirements.txt engine_lib/tiny_models.py $(shell find engine_lib/pipelines -type f -not -path '*/__pycache__/*')
+TINY_MODELS := $(patsubst model_repository/%/config.pbtxt,models/%-tiny/tiny_model.json,$(wildcard model_repository/*/config.pbtxt)) models/loras
+$(TINY_MODELS):
+
+models/.built: $(TINY_SOURCES) $(TINY_MODELS) | setup
 	@$(PY) -m engine_lib.tiny_models --pipeline all --preset tiny
+	@touch $@
 
 repository: setup  ## regenerate model_repository/<pipeline> input/output lists and docs tables from the adapters
 	@$(PY) -m engine_lib.serving.repository
