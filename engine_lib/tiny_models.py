@@ -11,7 +11,7 @@ files byte for byte, in any process. This module builds, saves and finds them
 ``tiny``, the smallest model that works, which tests call at 64x64; Qwen-Image
 also has ``bench`` and ``gpu``).
 
-Measured on the shared 2-core dev machine (load average about 3.5 from other
+Measured on a 2-core CPU machine (load average about 3.5 from other
 jobs; torch 2.13 CPU, float32, best of 5 calls), with
 ``OMP_NUM_THREADS=1 python -m engine_lib.tiny_models --pipeline P --preset S --measure [--size N --steps K]``:
 

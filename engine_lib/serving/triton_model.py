@@ -161,9 +161,9 @@ def _timeout_s(request) -> "float | None":
 
 def _exit_without_teardown() -> None:
     """Registered by finalize(): end the stub process at interpreter exit without tearing down
-    torch/diffusers modules. That teardown took 2-6 s on the shared dev machine (measured:
-    server stop 7.8 s -> 2.2 s), and nothing is left to clean up once finalize() has returned
-    and the stub has answered tritonserver."""
+    torch/diffusers modules. That teardown takes seconds on a CPU machine, longer than the rest
+    of a server stop, and nothing is left to clean up once finalize() has returned and the stub
+    has answered tritonserver."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
