@@ -136,7 +136,7 @@ def perf_analyzer_tables(result: dict) -> list[str]:
             ["first response, from --profile-export-file", num(e.get("first_response_mean_s"))],
             ["last response (end to end), from --profile-export-file", num(e.get("e2e_mean_s"))],
             ["load generator, same requests, before and after", num(cmp.get("loadgen_mean_s"))]]
-    return [f"`{result.get('command')}`: {result.get('summary', {}).get('decoupled_note', '')}\n",
+    return [f"`{result.get('perf_analyzer_command')}`: {s.get('decoupled_note', '')}\n",
             table(rows, ["mean latency", "seconds"]),
             table([[num(s.get("throughput_per_s")), num(e.get("responses_per_request"), 1),
                     result.get("avg_latency_matches") or "-", num(cmp.get("relative_difference"), 2)]],

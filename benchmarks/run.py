@@ -230,6 +230,7 @@ def run_perf_analyzer(sc: Scenario, log_dir: Path) -> dict:
         means = [loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-before"))]
         result = perf_analyzer.run(rs.target.url, rs.target.model, spec, c, sc.requests)
         means.append(loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-after")))
+    result["perf_analyzer_command"] = result.pop("command")
     result["loadgen_mean_latencies_s"] = means = [m["latency_mean_s"] for m in means if m["latency_mean_s"]]
     result["comparison"] = perf_analyzer.compare(result, statistics.mean(means) if means else None)
     return result

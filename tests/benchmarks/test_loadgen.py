@@ -253,10 +253,12 @@ def test_priority_perf_analyzer_and_failed_scenarios_render():
             {"label": "under load", "latencies_s": [0.2] * 10, "background_done": 42}]
     table = cells(report.render(_result(scenarios.SCENARIOS["priority"], rows=rows)))
     assert table[3] == ["under load", "200", "200", "2.00x", "42"]
-    pa = {"command": "perf_analyzer -m qwen_image", "summary": perf_analyzer.parse_stdout(PA_STDOUT),
+    pa = {"perf_analyzer_command": "perf_analyzer -m qwen_image", "summary": perf_analyzer.parse_stdout(PA_STDOUT),
           "export": {"e2e_mean_s": 2.0, "first_response_mean_s": 0.5, "responses_per_request": 3.0},
           "avg_latency_matches": "last response", "comparison": {"loadgen_mean_s": 1.9, "relative_difference": 0.05}}
     table = cells(report.render(_result(scenarios.SCENARIOS["perf-analyzer"], **pa)))
+    assert "`perf_analyzer -m qwen_image`: Detected decoupled model" in report.render(_result(
+        scenarios.SCENARIOS["perf-analyzer"], **pa))
     assert ["perf_analyzer 'Avg latency'", "2.088"] in table and ["0.857", "3.0", "last response", "0.05"] in table
     failed = report.render(_result(scenarios.SCENARIOS["lora"], error="RuntimeError: no server"))
     assert "Failed: `RuntimeError: no server`" in failed and "|" not in failed
