@@ -118,7 +118,7 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
 
 
 # ---------------------------------------------------------------------------
-# Sessions: one virtual client, one request in flight
+# Clients: one virtual client, one request in flight
 
 
 class StreamClient:

@@ -79,8 +79,8 @@ class OfflineLimit:
         else:
             requests = [DiffusionRequest(f"offline-{i}", request_params(self.adapter, p, self.size, self.steps, i))
                         for i, p in enumerate(prompts)]
-            result = ModelRunner(self.adapter).run_to_completion(requests)
-            assert not result.output.errors, result.output.errors
+            errors = ModelRunner(self.adapter).run_to_completion(requests).errors
+            assert not errors, errors
 
     def warm(self) -> None:
         """One untimed call per path and batch size (first-call and first-shape effects)."""
@@ -112,7 +112,7 @@ def request_params(adapter, prompt: str, size: int, steps: int, seed: int):
     """Validated params for one benchmark request (the adapter's own defaults for everything else)."""
     from engine_lib.config import EngineConfig
 
-    schema = adapter.input_schema(EngineConfig(max_height=max(size, 1024), max_width=max(size, 1024)))
+    schema = adapter.input_schema(EngineConfig())
     return schema.parse({"prompt": prompt, "height": size, "width": size, "num_inference_steps": steps, "seed": seed})
 
 
@@ -129,7 +129,7 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
     from engine_lib.pipelines.base import InputBatch
 
     def new_state(request_id: str, prompt: str, seed: int):
-        return adapter.state_class(request_id, request_params(adapter, prompt, size, steps, seed))
+        return adapter.new_state(request_id, request_params(adapter, prompt, size, steps, seed))
 
     out: dict = {"size": size, "steps": steps, "batch": batch}
     for n in (1, batch):

@@ -1,4 +1,4 @@
-"""What the load generator sends: request specs and the seeded workloads built from them.
+"""What the load generator sends: request specs and the deterministic workloads built from them.
 
 A workload is a deterministic list of `RequestSpec`s (seeded), so every system in
 one run sees exactly the same requests in the same order.
