@@ -9,79 +9,81 @@ against `EngineConfig` by a test.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from engine_lib.request import ConfigError
-from engine_lib.sched.base import ADMISSION_ORDERS
+from engine_lib.sched.policy import POLICIES
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `max_<input>` / `default_<input>` parameters a config has unless it sets them (a pipeline's own
+# declaration may be stricter: the smaller largest value wins, and a declared default stays).
+INPUT_MAX = {"height": 1024, "width": 1024, "num_inference_steps": 100, "num_images": 4, "num_frames": 257,
+             "prompt": 4096, "negative_prompt": 4096}  # text inputs: characters
+INPUT_DEFAULTS = {"height": "64", "width": "64", "num_inference_steps": "4"}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One model instance's engine settings (see docs/configuration.md)."""
 
-    # which pipeline and weights
+    # what runs, and where
     pipeline: str = "qwen_image"
     model_path: str = ""  # empty: $DIFFUSION_MODEL_PATH_<PIPELINE>, $DIFFUSION_MODEL_PATH, else the tiny model
     device: str = "auto"  # auto: cuda if available, else cpu; or cpu, cuda, cuda:N
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    # execution mode (the seed's table)
+    warmup: bool = True
+    # how requests share a forward
     step_execution: bool = False
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
-    max_head_bypass: int = 16  # later requests that may pass a waiting one (0: FIFO within a priority level)
-    admission_order: str = "arrival"  # within a priority level: "arrival", "shortest_remaining" or "deadline"
+    max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
+    cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
+    mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
+    # who goes first
+    scheduling_policy: str = "arrival"  # engine_lib/sched/policy.py: arrival, shortest_remaining, deadline, ...
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
     default_priority_level: int = 2  # a request without `priority` (or with 0)
     max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)
-    priority_batching: str = "mixed"  # step mode: "mixed" (levels share a forward) or "separate" (one level per batch)
-    max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
-    cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
+    # text encoding
     max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
-    decode_group_ticks: int = 2  # step mode: ticks a denoised request may wait to share a VAE call (0: none)
     prompt_cache_mb: int = 256  # prompt embeddings kept for repeated prompts (MiB, least recently used first); 0: off
     # LoRA per request (engine_lib/lora.py)
     lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
     max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
-    lora_batching: str = "mixed"  # step mode: "mixed" (any LoRAs share a forward) or "homogeneous" (one per batch)
-    mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
-    # limits, checked per request at the Triton edge
-    max_height: int = 1024
-    max_width: int = 1024
-    max_steps: int = 100
-    max_num_images: int = 4
-    max_num_frames: int = 257  # video pipelines: the most frames one request may ask for
-    max_prompt_chars: int = 4096
+    # what one request may ask for, checked at the Triton edge
+    input_max: Mapping[str, float] = field(default_factory=lambda: dict(INPUT_MAX))  # `max_<input>` parameters
+    input_defaults: Mapping[str, str] = field(default_factory=lambda: dict(INPUT_DEFAULTS))  # `default_<input>`
     max_queue: int = 64
-    # defaults for inputs a request leaves out
-    default_height: int = 64
-    default_width: int = 64
-    default_steps: int = 4
-    # start-up
-    warmup: bool = True
-    # tests only: make "still running" and "fails alone" facts instead of timing hopes (docs/configuration.md)
-    test_tick_budget_path: str = ""  # while this file holds 0, the engine waits before its next tick
-    test_fail_prompt: str = ""  # a request with exactly this prompt fails in the denoise step (INTERNAL)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
         """Parse Triton `parameters` (string values, or Triton's {"string_value": ...} dicts)."""
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
+        known = {f.name: f for f in fields(cls) if f.name not in ("input_max", "input_defaults")}
+        values: dict[str, Any] = {"input_max": dict(INPUT_MAX), "input_defaults": dict(INPUT_DEFAULTS)}
         for name, raw in params.items():
             if isinstance(raw, Mapping):
                 raw = raw.get("string_value", "")
-            if name not in known:
-                raise ConfigError(f"unknown parameter '{name}'; known parameters: {', '.join(sorted(known))}")
-            values[name] = _parse(name, known[name].type, str(raw))
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if name in known:
+                values[name] = _parse(name, known[name].type, str(raw))
+            elif near:  # `max_num_seq` is a typo of `max_num_seqs`, not the limit of an input "num_seq"
+                raise ConfigError(f"unknown parameter '{name}' (did you mean '{near[0]}'?)")
+            elif name.startswith("max_") and len(name) > 4:  # the pipeline's declaration checks the input name
+                limit = _parse(name, float, str(raw))
+                values["input_max"][name[4:]] = int(limit) if limit.is_integer() else limit
+            elif name.startswith("default_") and len(name) > 8:
+                values["input_defaults"][name[8:]] = str(raw).strip()
+            else:
+                raise ConfigError(f"unknown parameter '{name}'; known parameters: {', '.join(sorted(known))}, "
+                                  "max_<input>, default_<input>")
         config = cls(**values)
         config.validate()
         return config
@@ -101,20 +103,18 @@ class EngineConfig:
         if not 1 <= self.default_priority_level <= self.priority_levels:
             raise ConfigError(f"parameter 'default_priority_level': {self.default_priority_level} must be in "
                               f"[1, priority_levels={self.priority_levels}]")
-        for name in ("max_head_bypass", "max_preemptions", "max_batch_tokens", "prompt_cache_mb", "decode_group_ticks"):
+        for name in ("max_preemptions", "max_batch_tokens", "prompt_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
-        if self.admission_order not in ADMISSION_ORDERS:
-            raise ConfigError(f"parameter 'admission_order': {self.admission_order!r} is not one of "
-                              f"{', '.join(ADMISSION_ORDERS)}")
-        if self.priority_batching not in ("mixed", "separate"):
-            raise ConfigError(f"parameter 'priority_batching': {self.priority_batching!r} is not mixed or separate")
-        if self.lora_batching not in ("mixed", "homogeneous"):
-            raise ConfigError(f"parameter 'lora_batching': {self.lora_batching!r} is not mixed or homogeneous")
-        for name in ("max_num_seqs", "priority_levels", "max_loras", "max_height", "max_width", "max_steps", "max_num_images",
-                     "max_num_frames", "max_prompt_chars", "max_queue", "default_height", "default_width", "default_steps"):
+        if self.scheduling_policy not in POLICIES:
+            raise ConfigError(f"parameter 'scheduling_policy': {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(POLICIES)}")
+        for name in ("max_num_seqs", "priority_levels", "max_loras", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
+        for name, value in self.input_max.items():
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"parameter 'max_{name}': {value} must be a finite number >= 0")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         config = dataclasses.replace(self, **changes)

@@ -10,13 +10,11 @@ the loop.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig, EngineMode, select_mode
@@ -30,10 +28,9 @@ from engine_lib.request import (
     RequestCancelledError,
     SamplingParams,
 )
-from engine_lib.runner import ModelRunner, RunnerResult
-from engine_lib.sched.base import Scheduler
-from engine_lib.sched.request_scheduler import RequestScheduler, wait_for_admission
-from engine_lib.sched.step_scheduler import StepScheduler
+from engine_lib.runner import ModelRunner
+from engine_lib.sched import RunnerOutput, Scheduler, make_policy
+from engine_lib.testing import EngineHooks
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +94,17 @@ class DiffusionEngine:
     """Owns the device through one busy-loop thread; everything else only enqueues."""
 
     def __init__(self, adapter, config: EngineConfig, scheduler: Optional[Scheduler] = None,
-                 tick_listener: Optional[Callable[[TickStats], None]] = None):
+                 tick_listener: Optional[Callable[[TickStats], None]] = None, hooks: Optional[EngineHooks] = None):
         self.adapter = adapter
         self.config = config
         self.mode = select_mode(config, adapter)
         self.inputs = adapter.input_schema(config)  # the one validation of every request
         self.clock = PhaseClock()  # the engine thread's phases (the runner's too); the sender adds its own
-        self.runner = ModelRunner(adapter, fail_prompt=config.test_fail_prompt, clock=self.clock,
-                                  decode_group_ticks=config.decode_group_ticks)
+        hooks = hooks or EngineHooks()
+        self.runner = ModelRunner(adapter, clock=self.clock, before_forward=hooks.before_forward)
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
+        self._tick_gate = hooks.tick_gate
         # Shared with callers' threads, guarded by _cond: scheduler, _sinks, _pending_aborts, _closed.
         self._cond = threading.Condition()
         self._sinks: dict[str, Sink] = {}
@@ -118,18 +116,16 @@ class DiffusionEngine:
                     adapter.name, self.mode.value, config.max_num_seqs)
 
     def _make_scheduler(self) -> Scheduler:
-        adapter = self.adapter
-        if self.mode is EngineMode.REQUEST_BATCH:
-            return RequestScheduler(self.config.max_num_seqs, adapter.request_key, adapter.request_cost,
-                                    self.config.max_batch_tokens, self.config.max_head_bypass,
-                                    self.config.admission_order)
-        return StepScheduler(self.config.max_num_seqs, adapter.step_key, self.config.max_head_bypass,
-                             adapter.request_cost, self.config.max_batch_tokens, self.config.max_preemptions,
-                             self.config.admission_order, self.config.priority_batching == "separate")
+        step_batching = self.mode is EngineMode.STEP_BATCH
+        return Scheduler(self.config.max_num_seqs, self.adapter.step_key if step_batching else self.adapter.request_key,
+                         step_batching=step_batching, policy=make_policy(self.config.scheduling_policy),
+                         cost_fn=self.adapter.request_cost, max_batch_tokens=self.config.max_batch_tokens,
+                         max_preemptions=self.config.max_preemptions, group_decodes=self.adapter.batched_decode,
+                         admission_wait_s=self.config.request_batch_max_wait_ms / 1000.0)
 
     @classmethod
-    def make_engine(cls, config: EngineConfig, adapter=None,
-                    tick_listener: Optional[Callable[[TickStats], None]] = None) -> "DiffusionEngine":
+    def make_engine(cls, config: EngineConfig, adapter=None, tick_listener: Optional[Callable[[TickStats], None]] = None,
+                    hooks: Optional[EngineHooks] = None) -> "DiffusionEngine":
         """Load the adapter (unless given), build the engine, start its thread, warm up.
 
         The adapter loads on a thread of its own that ends before the engine's starts. With
@@ -144,7 +140,7 @@ class DiffusionEngine:
 
             with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:  # its thread ends on exit
                 adapter = loader.submit(load_adapter, config).result()
-        engine = cls(adapter, config, tick_listener=tick_listener)
+        engine = cls(adapter, config, tick_listener=tick_listener, hooks=hooks)
         try:
             if config.warmup:
                 engine.warmup()
@@ -186,7 +182,8 @@ class DiffusionEngine:
         passed to `sink(output)` from the engine thread (it must not block).
         `timeout_s` (Triton's request timeout): a request not started by then ends
         with RequestTimedOutError and costs no device time; one already running
-        runs to the end. Its `priority` input orders admission (0: the default level).
+        runs to the end (the `deadline` policy tries to finish it in time). Its
+        `priority` input orders admission (0: the default level).
         Raises InvalidInputError, EngineUnavailableError (closed, or `max_queue`
         requests already waiting), ValueError (duplicate active id).
         """
@@ -206,9 +203,9 @@ class DiffusionEngine:
                 raise ValueError(f"request id {request_id!r} is already active")
             request = DiffusionRequest(request_id, params,
                                        priority=params.get("priority") or self.config.default_priority_level,
-                                       total_steps=self.adapter.total_steps(params))
+                                       num_steps=self.adapter.total_steps(params))
             if timeout_s:
-                request.deadline = request.arrival_time + timeout_s
+                request.timeout_at = request.arrival_time + timeout_s
             self.scheduler.add_request(request)
             self._sinks[request_id] = sink
             self._cond.notify_all()
@@ -272,74 +269,48 @@ class DiffusionEngine:
             for request in expired:
                 self._emit_final(request, error=request.error)
                 logger.info("request %s timed out before it started", request.request_id)
-            if has_work and not self._tick_allowed():
+            if has_work and self._tick_gate is not None and not self._tick_gate():
+                with self._cond:
+                    self._cond.wait(timeout=0.01)
                 continue
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
 
-    def _tick_allowed(self) -> bool:
-        """Tests only (`test_tick_budget_path`): take one tick from the budget file, or wait while it holds 0.
-
-        Only ticks with requests to run count. The wait is short and on the engine's
-        condition, so aborts and close act at once. No path, or no file: every tick is allowed.
-        """
-        path = self.config.test_tick_budget_path
-        if not path:
-            return True
-        try:
-            budget = int(Path(path).read_text().strip() or "0")
-        except (OSError, ValueError):
-            return True
-        if budget > 0:
-            write_atomically(path, str(budget - 1))
-            return True
-        with self._cond:
-            self._cond.wait(timeout=0.01)
-        return False
-
     def _tick(self) -> None:
         with self._cond:
-            self._maybe_wait_for_admission()
             if self._closed:
                 return
             with self.clock.phase("schedule"):
                 sched_out = self.scheduler.schedule()
                 new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
                 running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
+            if sched_out.retry_after_s:  # a burst is still arriving: wait for it (an arrival wakes us)
+                self._cond.wait(timeout=sched_out.retry_after_s)
         self.runner.free(sched_out.finished_ids)
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
             return
         start = time.monotonic()
         try:
-            result = self.runner.execute_step(new, running)
+            result = self.runner.execute_step(new, running, frozenset(sched_out.hold_decode_ids))
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
-            result = RunnerResult()
+            result = RunnerOutput()
             for request in new + running:
-                result.fail(request.request_id, exc)
+                logger.warning("request %s failed: %s", request.request_id, result.fail(request.request_id, exc))
             self.runner.free([r.request_id for r in new + running])
         seconds = time.monotonic() - start
         with self._cond, self.clock.phase("schedule"):
             self.scheduler.observe_tick(seconds, sched_out)
-            ended = self.scheduler.update_from_output(sched_out, result.output)
+            ended = self.scheduler.update_from_output(sched_out, result)
         if self._tick_listener is not None:  # before the outputs: whoever reads a tick's final output sees it
             self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
 
-    def _maybe_wait_for_admission(self) -> None:
-        """Request mode only: let a burst accumulate before the first wave (the seed's four conditions)."""
-        wait_s = self.config.request_batch_max_wait_ms / 1000.0
-        if (self.mode is EngineMode.REQUEST_BATCH and wait_s > 0 and self.config.max_num_seqs > 1
-                and self.adapter.supports_request_batch and self.scheduler.num_running == 0
-                and self.scheduler.num_waiting > 0):
-            wait_for_admission(self._cond, lambda: self.scheduler.num_waiting, self.config.max_num_seqs,
-                               wait_s, lambda: self._closed or bool(self._pending_aborts))
-
     # -- output streams --------------------------------------------------------
-    def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerResult) -> None:
+    def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerOutput) -> None:
         ended_ids = {r.request_id for r in ended}
         for request in scheduled:
             chunk = result.chunks.get(request.request_id)  # streamed even in the tick its request ends
@@ -369,9 +340,3 @@ class DiffusionEngine:
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
             logger.exception("output sink for %s failed", output.request_id)
 
-
-def write_atomically(path: str, text: str) -> None:
-    """Replace a small file in one step, so a reader never sees it half written (the tick budget)."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    Path(tmp).write_text(text)
-    os.replace(tmp, path)

@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX
+from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 
 INT_RANGES = {"INT32": (-2**31, 2**31 - 1), "INT64": (-2**63, 2**63 - 1)}
 # How an input's value shapes a batched forward (see sched/keys.py):
@@ -53,8 +54,9 @@ class InputSpec:
 
     Text inputs (BYTES) count `low` as "must not be blank" (1) and `high` as the
     most characters; numbers are checked against `[low, high]` (inclusive) and,
-    for integers, `multiple_of`. `default_from` / `high_from` name EngineConfig
-    fields that supply the default or cap `high` (resolved by `InputSchema`).
+    for integers, `multiple_of`. A model's config may lower `high` (`max_<input>`)
+    and give an input without a declared default its default (`default_<input>`);
+    `high_from` names an EngineConfig field that caps `high` (resolved by `InputSchema`).
     """
 
     name: str
@@ -66,7 +68,6 @@ class InputSpec:
     high: Optional[float] = None
     multiple_of: int = 1
     choices: tuple[str, ...] = ()  # text inputs: the allowed values (compared lower-cased)
-    default_from: str = ""
     high_from: str = ""
     batch: str = "key"
     pipe_arg: str = ""  # the diffusers `__call__` argument this input is ("" if none)
@@ -207,24 +208,21 @@ def to_uint8(images: np.ndarray) -> np.ndarray:
 
 # -- the inputs every pipeline shares ----------------------------------------------------
 
-PROMPT = InputSpec("prompt", "BYTES", "the text to generate from", required=True, low=1, high_from="max_prompt_chars",
-                   batch="row", pipe_arg="prompt")
+PROMPT = InputSpec("prompt", "BYTES", "the text to generate from", required=True, low=1, batch="row", pipe_arg="prompt")
 NEGATIVE_PROMPT = InputSpec("negative_prompt", "BYTES", "what to steer away from (classifier-free guidance)",
-                            high_from="max_prompt_chars", batch="adapter", pipe_arg="negative_prompt")
-HEIGHT = InputSpec("height", "INT32", "image height in pixels", low=1, default_from="default_height",
-                   high_from="max_height", pipe_arg="height")
-WIDTH = InputSpec("width", "INT32", "image width in pixels", low=1, default_from="default_width",
-                  high_from="max_width", pipe_arg="width")
-NUM_INFERENCE_STEPS = InputSpec("num_inference_steps", "INT32", "denoising steps", low=1, default_from="default_steps",
-                                high_from="max_steps", batch="steps", pipe_arg="num_inference_steps")
+                            batch="adapter", pipe_arg="negative_prompt")
+HEIGHT = InputSpec("height", "INT32", "image height in pixels", low=1, pipe_arg="height")
+WIDTH = InputSpec("width", "INT32", "image width in pixels", low=1, pipe_arg="width")
+NUM_INFERENCE_STEPS = InputSpec("num_inference_steps", "INT32", "denoising steps", low=1, batch="steps",
+                                pipe_arg="num_inference_steps")
 SEED = InputSpec("seed", "INT64", "random seed: the same seed and inputs give the same output", default=RANDOM,
                  low=SEED_RANGE[0], high=SEED_RANGE[1], batch="row")
-NUM_IMAGES = InputSpec("num_images", "INT32", "images per prompt", default=1, low=1, high_from="max_num_images",
+NUM_IMAGES = InputSpec("num_images", "INT32", "images per prompt", default=1, low=1,
                        pipe_arg="num_images_per_prompt")
 PREVIEW_INTERVAL = InputSpec("preview_interval", "INT32", "0: final response only; k: a preview every k steps",
                              default=0, low=0, high=INT_RANGES["INT32"][1], batch="row")
 
-NUM_FRAMES = InputSpec("num_frames", "INT32", "video frames to generate", low=1, high_from="max_num_frames",
+NUM_FRAMES = InputSpec("num_frames", "INT32", "video frames to generate", low=1,
                        pipe_arg="num_frames")
 
 PRIORITY = InputSpec("priority", "INT32", "1: most urgent; larger: less urgent; 0: the model's default_priority_level",
@@ -253,6 +251,13 @@ class InputSchema:
 
     def __init__(self, pipeline: str, specs: Sequence[InputSpec], config: Any, check: Optional[Check] = None):
         self.pipeline = pipeline
+        declared = {spec.name for spec in specs}
+        for prefix, given in (("max", config.input_max), ("default", config.input_defaults)):
+            # the built-in limits name inputs other pipelines declare; a deployer's typo is refused
+            unknown = sorted(set(given) - declared - set(INPUT_MAX) - set(INPUT_DEFAULTS))
+            if unknown:
+                raise ConfigError(f"parameter '{prefix}_{unknown[0]}': {pipeline} has no input {unknown[0]!r} "
+                                  f"(its inputs: {', '.join(sorted(declared))})")
         self.specs: dict[str, InputSpec] = {spec.name: _resolve(spec, config) for spec in specs}
         self._check = check
 
@@ -281,14 +286,24 @@ class InputSchema:
 
 
 def _resolve(spec: InputSpec, config: Any) -> InputSpec:
-    """Take the default and the cap from EngineConfig where the spec names a field."""
-    changes = {}
-    if spec.default_from:
-        changes["default"] = getattr(config, spec.default_from)
+    """The spec under one config: its `max_<input>` (or `high_from` field) lowers `high`, its
+    `default_<input>` is the default of an input that declares none (checked like a sent value)."""
+    high = config.input_max.get(spec.name)
     if spec.high_from:
-        cap = getattr(config, spec.high_from)
-        changes["high"] = cap if spec.high is None else min(spec.high, cap)
-    return replace(spec, **changes) if changes else spec
+        high = getattr(config, spec.high_from)
+    if high is not None and spec.high is not None:
+        high = min(spec.high, high)
+    spec = spec if high is None else replace(spec, high=high)
+    if spec.low is not None and spec.high is not None and spec.high < spec.low and spec.datatype != "BYTES":
+        raise ConfigError(f"parameter 'max_{spec.name}': {spec.high} is below the least allowed value {spec.low}")
+    text = config.input_defaults.get(spec.name)
+    if text is not None and spec.default is None:
+        try:
+            value = text if spec.datatype == "BYTES" else float(text) if spec.datatype == "FP32" else int(text)
+            spec = replace(spec, default=spec.check(value))
+        except (ValueError, InvalidInputError) as exc:
+            raise ConfigError(f"parameter 'default_{spec.name}': {text!r} is not a valid {spec.name} ({exc})") from None
+    return spec
 
 
 def replace_spec(specs: Sequence[InputSpec], name: str, **changes: Any) -> tuple[InputSpec, ...]:

@@ -127,14 +127,14 @@ class DiffusionRequest:
     step_index: int = 0
     error: Optional[EngineError] = None
     priority: int = 1  # 1 most urgent; the engine resolves the `priority` input (0: the model's default)
-    deadline: Optional[float] = None  # time.monotonic() by which it must have started (Triton's timeout)
+    timeout_at: Optional[float] = None  # time.monotonic() when Triton's request timeout runs out
     num_preemptions: int = 0  # times it was paused between steps for a more urgent request
-    num_passed: int = 0  # later requests of its priority admitted while it waited (bounded: max_head_bypass)
-    total_steps: Optional[int] = None  # the adapter's count when not num_inference_steps (chunked video)
+    num_passed: int = 0  # later requests of its priority admitted while it waited (bounded by the scheduler)
+    num_steps: int = 0  # denoise steps (ticks) it runs: the adapter's `total_steps` (0: num_inference_steps)
 
-    @property
-    def num_steps(self) -> int:
-        return self.total_steps or self.params.num_inference_steps
+    def __post_init__(self) -> None:
+        if not self.num_steps:
+            self.num_steps = int(self.params.num_inference_steps)
 
 
 @dataclass

@@ -6,43 +6,26 @@ previews at their boundaries, one batched decode of the requests that finished.
 Request mode and step mode both run here (they differ only in who the scheduler
 admits when), so they share fault isolation and previews. The runner never
 imports the scheduler: it reads request ids and parameters and reports a
-`RunnerOutput`. All of its state is owned by the engine's busy-loop thread.
+`RunnerOutput`; it decides nothing about who runs (the scheduler's plan says
+whose decode waits). All of its state is owned by the engine's busy-loop thread.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from engine_lib import host_copy
 from engine_lib.phases import PhaseClock
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, Prediction, RequestState, move_tensors
-from engine_lib.request import DiffusionRequest, EngineError, PipelineError
-from engine_lib.sched.base import RunnerOutput
+from engine_lib.request import DiffusionRequest, PipelineError
+from engine_lib.sched.outputs import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
-DECODE_GROUP = 4  # a group this large decodes at once: one VAE call's cost per image stops falling (measured)
-
-
-@dataclass
-class RunnerResult:
-    """One tick's results: progress for the scheduler, final outputs and previews for the streams."""
-
-    output: RunnerOutput = field(default_factory=RunnerOutput)
-    outputs: dict[str, Outputs] = field(default_factory=dict)  # request id -> named arrays (finished requests)
-    previews: dict[str, Outputs] = field(default_factory=dict)
-    chunks: dict[str, Outputs] = field(default_factory=dict)  # what a request decoded as it went (video chunks)
-    forward_size: int = 0  # requests in the tick's denoise forward (not those only waiting for their decode)
-    batch_retries: int = 0  # batched denoise forwards that failed and ran again one request at a time
-
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        error = exc if isinstance(exc, EngineError) else PipelineError(f"{type(exc).__name__}: {exc}")
-        self.output.errors[request_id] = error
-        logger.warning("request %s failed: %s", request_id, error)
+BeforeForward = Callable[[list[RequestState]], None]  # may raise: the forward fails as a pipeline error would
 
 
 class ModelRunner:
@@ -50,19 +33,16 @@ class ModelRunner:
 
     `float_outputs`: hand back the pipeline's own float outputs instead of the
     declared dtypes (tests and benchmarks compare them before the uint8 rounding).
-    `fail_prompt` (tests only, the `test_fail_prompt` parameter): a batch holding a
-    request with exactly this prompt fails its denoise forward, as a pipeline error would.
+    `before_forward`: called with the states of every denoise forward before it runs
+    (tests inject failures with it; see engine_lib/testing.py).
     """
 
-    def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False, fail_prompt: str = "",
-                 clock: Optional[PhaseClock] = None, decode_group_ticks: int = 0):
+    def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False,
+                 clock: Optional[PhaseClock] = None, before_forward: Optional[BeforeForward] = None):
         self.adapter = adapter
         self.float_outputs = float_outputs
-        self.fail_prompt = fail_prompt
+        self.before_forward = before_forward
         self.clock = clock or PhaseClock()  # seconds per phase of the tick (engine_lib/phases.py)
-        # see _decode_now; only for adapters whose post_decode batches its states (one VAE call for several)
-        self.decode_group_ticks = decode_group_ticks if adapter.batched_decode else 0
-        self._held: dict[str, int] = {}  # denoised, decode held for a group: request id -> ticks held
         self._output_specs = {spec.name: spec for spec in adapter.outputs}
         self.states: dict[str, RequestState] = {}  # owned by the busy-loop thread
         self._input_batch: Optional[InputBatch] = None
@@ -70,10 +50,12 @@ class ModelRunner:
         self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
         self.host = host_copy.HostCopier()
 
-    def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest]) -> RunnerResult:
+    def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
+                     hold_decode_ids: frozenset[str] = frozenset()) -> RunnerOutput:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
-        previews at their boundaries, and one batched decode of the requests that finished."""
-        result = RunnerResult()
+        previews at their boundaries, and one batched decode of the requests that finished denoising
+        (but those in `hold_decode_ids`, whose decode the scheduler holds for a later tick)."""
+        result = RunnerOutput()
         with self.clock.phase("prepare"):
             for request in new:
                 self._prepare(request, result)
@@ -86,60 +68,60 @@ class ModelRunner:
         result.forward_size = len(denoising)
         if denoising:
             self._denoise(denoising, result)
-        done = [s for s in active if s.request_id not in result.output.errors]
+        done = [s for s in active if s.request_id not in result.errors]
         for state in done:
-            result.output.step_index[state.request_id] = state.step_index
+            result.step_index[state.request_id] = state.step_index
         with self.clock.phase("decode"):
             self._collect_chunks(done, result)
-        done = [s for s in done if s.request_id not in result.output.errors]
+        done = [s for s in done if s.request_id not in result.errors]
         with self.clock.phase("previews"):
             self._emit_previews([s for s in done if not s.denoise_completed], result)
-        denoised = [s for s in done if s.denoise_completed]
-        priority = {r.request_id: r.priority for r in new + running}
-        decode_now = self._decode_now(denoised, [s for s in done if not s.denoise_completed], priority)
-        result.output.decoding.update({s.request_id for s in denoised} - {s.request_id for s in decode_now})
-        self._decode(decode_now, result)
+        self._decode([s for s in done if s.denoise_completed and s.request_id not in hold_decode_ids], result)
         with self.clock.phase("convert"):
             self._to_host(result)
-        self.free(list(result.output.errors) + list(result.output.finished))
+        self.free(list(result.errors) + list(result.finished))
         return result
 
-    def run_to_completion(self, requests: list[DiffusionRequest]) -> RunnerResult:
+    def run_to_completion(self, requests: list[DiffusionRequest]) -> RunnerOutput:
         """Run requests admitted together, tick by tick, until each has finished or failed.
 
         For offline callers (benchmarks, tests): what a request-mode wave does in
         the engine, without the engine's threads. Returns the final outputs and
         errors (previews are dropped).
         """
-        total = RunnerResult()
+        total = RunnerOutput()
         new, running = list(requests), []
         while new or running:
             tick = self.execute_step(new, running)
             total.outputs.update(tick.outputs)
-            total.output.finished |= tick.output.finished
-            total.output.errors.update(tick.output.errors)
-            ended = tick.output.finished | set(tick.output.errors)
+            total.finished |= tick.finished
+            total.errors.update(tick.errors)
+            ended = tick.finished | set(tick.errors)
             new, running = [], [r for r in new + running if r.request_id not in ended]
         return total
 
-    def _prepare(self, request: DiffusionRequest, result: RunnerResult) -> None:
+    @staticmethod
+    def _fail(result: RunnerOutput, request_id: str, exc: BaseException) -> None:
+        logger.warning("request %s failed: %s", request_id, result.fail(request_id, exc))
+
+    def _prepare(self, request: DiffusionRequest, result: RunnerOutput) -> None:
         state = self.adapter.state_class(request.request_id, request.params, step_index=request.step_index,
                                          num_steps=request.num_steps)
         try:
             self.adapter.prepare_encode(state)
         except Exception as exc:  # noqa: BLE001 - the request ends alone with its error
-            result.fail(request.request_id, exc)
+            self._fail(result, request.request_id, exc)
             return
         self.states[request.request_id] = state
 
-    def _denoise(self, states: list[RequestState], result: RunnerResult) -> None:
+    def _denoise(self, states: list[RequestState], result: RunnerOutput) -> None:
         """One batched denoise forward, then the scheduler steps: batched where the adapter can
         (`step_batch`), else each request's own."""
         try:
             batch, prediction = self._predict(states)
         except Exception as exc:  # noqa: BLE001
             if len(states) == 1:
-                result.fail(states[0].request_id, exc)
+                self._fail(result, states[0].request_id, exc)
                 return
             # denoise_step mutates nothing, so each request can simply be retried alone.
             logger.warning("batched denoise of %d requests failed (%s); retrying one by one", len(states), exc)
@@ -158,39 +140,18 @@ class ModelRunner:
                 try:
                     self.adapter.step_scheduler(state, pred)
                 except Exception as exc:  # noqa: BLE001
-                    result.fail(state.request_id, exc)
+                    self._fail(result, state.request_id, exc)
 
     def _predict(self, states: list[RequestState]) -> tuple[InputBatch, Prediction]:
-        if self.fail_prompt and any(s.params.get("prompt") == self.fail_prompt for s in states):
-            raise PipelineError(f"injected failure for the prompt {self.fail_prompt!r} (test_fail_prompt)")
+        if self.before_forward is not None:
+            self.before_forward(states)
         with self.clock.phase("gather"):
             batch = InputBatch.gather(states, previous=self._input_batch)
         self._input_batch = batch
         with self.clock.phase("forward"), torch.inference_mode():
             return batch, self.adapter.denoise_step(batch, states=states)
 
-    def _decode_now(self, denoised: list[RequestState], denoising: list[RequestState],
-                    priority: dict[str, int]) -> list[RequestState]:
-        """The denoised requests to decode this tick. With `decode_group_ticks` N > 0, requests that finish
-        denoising in nearby ticks decode in one VAE call: a denoised request waits (at most N ticks) while
-        another running request, as urgent or more, will finish within its wait, and the group is still
-        small. In continuous batching requests finish one tick apart, and one VAE call for several images
-        costs much less per image than one call each (docs/benchmarks.md)."""
-        if not denoised or self.decode_group_ticks <= 0:
-            return denoised
-        most_urgent = min(priority.get(s.request_id, 0) for s in denoised)
-        soonest = min((s.num_steps - s.step_index for s in denoising
-                       if priority.get(s.request_id, 0) <= most_urgent), default=None)
-        held = [self._held.get(s.request_id, 0) for s in denoised]
-        if soonest is None or len(denoised) >= DECODE_GROUP or max(held) + soonest > self.decode_group_ticks:
-            for state in denoised:
-                self._held.pop(state.request_id, None)
-            return denoised
-        for state in denoised:
-            self._held[state.request_id] = self._held.get(state.request_id, 0) + 1
-        return []
-
-    def _collect_chunks(self, states: list[RequestState], result: RunnerResult) -> None:
+    def _collect_chunks(self, states: list[RequestState], result: RunnerOutput) -> None:
         for state in states:
             try:
                 with torch.inference_mode():
@@ -198,18 +159,18 @@ class ModelRunner:
                 if chunk is not None:
                     result.chunks[state.request_id] = self._declared(chunk, as_float=self.float_outputs)
             except Exception as exc:  # noqa: BLE001
-                result.fail(state.request_id, exc)
+                self._fail(result, state.request_id, exc)
 
-    def _emit_previews(self, states: list[RequestState], result: RunnerResult) -> None:
+    def _emit_previews(self, states: list[RequestState], result: RunnerOutput) -> None:
         for state in states:
             k = state.params.get("preview_interval", 0)
             if k > 0 and state.step_index % k == 0:
                 try:
                     result.previews[state.request_id] = self._declared(self.adapter.preview(state), as_float=False)
                 except Exception as exc:  # noqa: BLE001
-                    result.fail(state.request_id, exc)
+                    self._fail(result, state.request_id, exc)
 
-    def _decode(self, states: list[RequestState], result: RunnerResult) -> None:
+    def _decode(self, states: list[RequestState], result: RunnerOutput) -> None:
         if not states:
             return
         try:
@@ -221,14 +182,14 @@ class ModelRunner:
                 outputs = [self._declared(o, as_float=self.float_outputs) for o in outputs]
         except Exception as exc:  # noqa: BLE001
             if len(states) == 1:
-                result.fail(states[0].request_id, exc)
+                self._fail(result, states[0].request_id, exc)
                 return
             for state in states:
                 self._decode([state], result)
             return
         for state, named in zip(states, outputs):
             result.outputs[state.request_id] = named
-            result.output.finished.add(state.request_id)
+            result.finished.add(state.request_id)
             if "video" in named:  # [N, F, H, W, 3]
                 self.frames_generated += named["video"].shape[0] * named["video"].shape[1]
 
@@ -244,7 +205,7 @@ class ModelRunner:
         return {name: host_copy.convert(specs[name], a) if isinstance(a, torch.Tensor) else specs[name].convert(a)
                 for name, a in outputs.items()}
 
-    def _to_host(self, result: RunnerResult) -> None:
+    def _to_host(self, result: RunnerOutput) -> None:
         """Every tensor of the tick's outputs, previews and chunks to numpy, with one host synchronisation."""
         slots = [(named, name) for group in (result.outputs, result.previews, result.chunks)
                  for named in group.values() for name, value in named.items() if isinstance(value, torch.Tensor)]
@@ -265,7 +226,6 @@ class ModelRunner:
         """Drop the step state of ended or aborted requests."""
         for request_id in request_ids:
             self._paused.discard(request_id)
-            self._held.pop(request_id, None)
             if self.states.pop(request_id, None) is not None and self._input_batch is not None:
                 self._input_batch = None
 

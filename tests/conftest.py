@@ -24,7 +24,7 @@ def tiny_qwen_dir() -> Path:
 
 
 class TickBudget:
-    """The engine's test tick budget (`test_tick_budget_path`), seen from a test.
+    """An engine's tick budget (engine_lib/testing.py's `FileTickBudget`), seen from a test.
 
     `hold()` stops the engine before its next tick; `allow(n)` lets exactly n more
     ticks (denoise steps of the running batch) run, then holds again; `release()`
@@ -39,7 +39,7 @@ class TickBudget:
         return self.allow(0)
 
     def allow(self, ticks: int) -> "TickBudget":
-        from engine_lib.engine import write_atomically
+        from engine_lib.testing import write_atomically
 
         write_atomically(str(self.path), str(ticks))
         return self
@@ -61,6 +61,13 @@ class TickBudget:
             return int(self.path.read_text() or 0)
         except FileNotFoundError:
             return None
+
+
+    def hooks(self):
+        """EngineHooks for an in-process engine held by this budget."""
+        from engine_lib.testing import EngineHooks, FileTickBudget
+
+        return EngineHooks(tick_gate=FileTickBudget(str(self.path)))
 
 
 @pytest.fixture

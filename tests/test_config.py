@@ -6,8 +6,13 @@ import dataclasses
 
 import pytest
 
+from engine_lib import interface
 from engine_lib.config import EngineConfig
+from engine_lib.interface import InputSchema
 from engine_lib.request import ConfigError
+
+SHARED = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
+          interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES)
 
 
 def parse(**params) -> EngineConfig:
@@ -78,14 +83,38 @@ def test_unknown_parameter_rejected_and_named():
     assert "max_num_seqs" in str(info.value)  # the known names are listed
 
 
-@pytest.mark.parametrize("name", ["max_height", "max_width", "max_steps", "max_num_images", "max_prompt_chars",
-                                  "max_queue", "default_height", "default_width", "default_steps"])
-def test_limits_must_be_positive_integers(name):
+@pytest.mark.parametrize("name", ["max_queue", "max_num_seqs", "max_loras"])
+def test_counts_must_be_positive_integers(name):
     with pytest.raises(ConfigError, match=f"'{name}'"):
         parse(**{name: "0"})
     with pytest.raises(ConfigError, match=f"'{name}'"):
         parse(**{name: "x"})
     assert getattr(parse(**{name: "7"}), name) == 7
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "inf", "nan"])
+def test_an_input_limit_must_be_a_finite_number(text):
+    with pytest.raises(ConfigError, match="'max_height'"):
+        parse(max_height=text)
+
+
+def test_input_limits_and_defaults_reach_the_declared_inputs():
+    config = parse(max_height="256", max_num_inference_steps="50", default_width="48", max_prompt="20")
+    specs = InputSchema("qwen_image", SHARED, config).specs
+    assert (specs["height"].high, specs["num_inference_steps"].high, specs["width"].default) == (256, 50, 48)
+    assert specs["prompt"].high == 20 and specs["width"].high == 1024  # the built-in limit stays
+    assert config.input_max["height"] == 256 and isinstance(config.input_max["height"], int)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_heigth": "256"}, "'max_heigth': qwen_image has no input 'heigth'"),
+    ({"default_seeds": "1"}, "'default_seeds': qwen_image has no input 'seeds'"),
+    ({"max_height": "0"}, "'max_height': 0 is below the least allowed value 1"),
+    ({"default_height": "2048"}, "'default_height': '2048' is not a valid height"),
+    ({"default_height": "tall"}, "'default_height': 'tall' is not a valid height")])
+def test_a_bad_input_limit_or_default_fails_the_load_naming_it(params, message):
+    with pytest.raises(ConfigError, match=message):
+        InputSchema("qwen_image", SHARED, parse(**params))
 
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])

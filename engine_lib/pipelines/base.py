@@ -258,8 +258,13 @@ class PipelineAdapter(ABC):
         return step_batch_key(params, self.key_inputs(), self.key_fields(params))
 
     def total_steps(self, params: SamplingParams) -> int:
-        """Denoise steps (ticks) this request runs: `num_inference_steps`, times the chunks of a chunked video."""
+        """Denoise steps (ticks) this request runs: `num_inference_steps`, times the chunks of a chunked video.
+        The engine sets a request's `num_steps` from it; its step state takes the request's."""
         return int(params.num_inference_steps)
+
+    def new_state(self, request_id: str, params: SamplingParams) -> RequestState:
+        """A fresh step state for a request that is not in an engine (tests, offline callers)."""
+        return self.state_class(request_id, params, num_steps=self.total_steps(params))
 
     def request_cost(self, params: SamplingParams) -> int:
         """Latent tokens x rows this request adds to one forward (`max_batch_tokens`); 0: unknown."""

@@ -90,7 +90,7 @@ class FlowMatchAdapter(DiffusersAdapter):
     Options: `cfg_batching` (default True): CFG cond and uncond as one forward of
     2B rows (False: two forwards of B rows); `max_sequence_length`: the text
     length used when a request leaves it unset (default: the pipeline's own);
-    `lora_dir`, `max_loras`, `lora_batching` (engine_lib/lora.py).
+    `lora_dir`, `max_loras` (engine_lib/lora.py).
     """
 
     outputs = (IMAGE,)
@@ -122,7 +122,6 @@ class FlowMatchAdapter(DiffusersAdapter):
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._batched_step_exact: dict[tuple, bool] = {}  # (dtype, device type) -> step_batch equals per request
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
-        self.lora_batching = self.options.get("lora_batching") or "mixed"
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
 
     # -- limits --------------------------------------------------------------
@@ -155,15 +154,14 @@ class FlowMatchAdapter(DiffusersAdapter):
         return (params.lora_name, float(params.lora_scale)) if params.lora_name else None
 
     def request_key(self, params: SamplingParams) -> RequestBatchKey:
-        """Request mode: one LoRA (and scale) per wave, the seed's homogeneous activation."""
+        """Request mode: one LoRA (and scale) per wave, activated once for all of it."""
         return request_batch_key(params, self.key_inputs(), self.key_fields(params) + (("lora", self.row_lora(params)),))
 
     def step_key(self, params: SamplingParams) -> StepBatchKey:
-        """Step mode: LoRAs apply per row, so they split batches only with lora_batching=homogeneous."""
-        lora = (("lora", self.row_lora(params)),) if self.lora_batching == "homogeneous" else ()
+        """Step mode: LoRAs apply per row, so they never split a batch."""
         skips = self.step_key_skips if self.mixed_size_batching else ()
         inputs = tuple(name for name in self.key_inputs() if name not in skips)
-        return step_batch_key(params, inputs, self.key_fields(params) + lora)
+        return step_batch_key(params, inputs, self.key_fields(params))
 
     def request_cost(self, params: SamplingParams) -> int:
         """Image tokens (one per size_multiple x size_multiple pixels) x images x CFG passes."""
@@ -270,8 +268,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         state.scheduler = scheduler
         state.sigma_steps = scheduler.sigmas[1:] - scheduler.sigmas[:-1]  # as step() computes each dt
         state.schedule = Schedule([timesteps])
-        state.num_steps = state.schedule.num_steps
-        state.step_index = 0
+        assert state.schedule.num_steps == state.num_steps, "the schedule runs the request's total_steps"
 
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[FlowMatchState]) -> torch.Tensor:

@@ -123,5 +123,5 @@ def adapter_options(config: EngineConfig, model_path: str) -> dict:
     if not lora_dir and model_path == str(default_model_dir(config.pipeline)):
         lora_dir = str(default_lora_dir(config.pipeline))
     return {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
-            "lora_dir": lora_dir or None, "max_loras": config.max_loras, "lora_batching": config.lora_batching,
+            "lora_dir": lora_dir or None, "max_loras": config.max_loras,
             "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20}

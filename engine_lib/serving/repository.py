@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX
 from engine_lib.interface import PROGRESS_OUTPUTS, RANDOM, InputSpec, encoded_outputs
 from engine_lib.pipelines import registry
 
@@ -61,7 +62,7 @@ parameters: {{ key: "step_execution", value: {{ string_value: "{step_execution}"
 parameters: {{ key: "max_num_seqs", value: {{ string_value: "{max_num_seqs}" }} }}
 parameters: {{ key: "max_height", value: {{ string_value: "1024" }} }}
 parameters: {{ key: "max_width", value: {{ string_value: "1024" }} }}
-parameters: {{ key: "max_steps", value: {{ string_value: "100" }} }}
+parameters: {{ key: "max_num_inference_steps", value: {{ string_value: "100" }} }}
 {count_limit}
 parameters: {{ key: "max_queue", value: {{ string_value: "64" }} }}
 parameters: {{ key: "warmup", value: {{ string_value: "true" }} }}
@@ -137,8 +138,8 @@ def capability_table() -> str:
 def _default(spec: InputSpec) -> str:
     if spec.required:
         return "required"
-    if spec.default_from:
-        return f"`{spec.default_from}`"
+    if spec.default is None and spec.name in INPUT_DEFAULTS:
+        return f"`default_{spec.name}`"
     if spec.default is RANDOM:
         return "random"
     return "none" if spec.default is None else f"`{spec.default}`"
@@ -150,14 +151,22 @@ def _number(value: float, datatype: str) -> str:
     return {2**31 - 1: "2^31-1", 2**63 - 1: "2^63-1"}.get(int(value), str(int(value)))
 
 
+def _high(spec: InputSpec) -> str:
+    """The largest value as the docs show it: the parameter that sets it, else the declared number."""
+    if spec.high_from:
+        return f"`{spec.high_from}`"
+    if spec.name in INPUT_MAX:
+        return f"`max_{spec.name}`" if spec.high is None else f"min({_number(spec.high, spec.datatype)}, `max_{spec.name}`)"
+    return "" if spec.high is None else _number(spec.high, spec.datatype)
+
+
 def _allowed(spec: InputSpec) -> str:
     if spec.datatype == "BYTES":
         if spec.choices:
             return ", ".join(f"`{c}`" for c in spec.choices)
-        most = f"`{spec.high_from}`" if spec.high_from else str(spec.high)
-        return ("not blank, " if spec.low else "") + f"at most {most} characters"
+        return ("not blank, " if spec.low else "") + f"at most {_high(spec)} characters"
     low = "" if spec.low is None else _number(spec.low, spec.datatype)
-    high = f"`{spec.high_from}`" if spec.high_from else ("" if spec.high is None else _number(spec.high, spec.datatype))
+    high = _high(spec)
     if spec.datatype == "FP32":
         return f">= {low}" if not high else f"[{low}, {high}]"
     return f"[{low}, {high}]" + (f" ({spec.low_note})" if spec.low_note else "")

@@ -81,11 +81,13 @@ class TritonPythonModel:
         # Heavy (torch + diffusers): imported once the configuration is known to be valid.
         from engine_lib.engine import DiffusionEngine  # noqa: PLC0415
         from engine_lib.pipelines.registry import resolve_model_path  # noqa: PLC0415
+        from engine_lib.testing import hooks_from_environment  # noqa: PLC0415
 
         self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name,
                                     priority_levels=self.config.priority_levels)
         try:
-            self.engine = DiffusionEngine.make_engine(self.config, tick_listener=self.metrics.tick)
+            self.engine = DiffusionEngine.make_engine(self.config, tick_listener=self.metrics.tick,
+                                                      hooks=hooks_from_environment(self.model_name))
             self.adapter = self.engine.adapter
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None

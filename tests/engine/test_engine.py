@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import INPUT_MAX, EngineConfig
 from engine_lib.engine import DiffusionEngine, EngineMode
 from engine_lib.interface import to_uint8
+from engine_lib.sched import scheduler
+from engine_lib.testing import EngineHooks, FailPrompt
 from engine_lib.request import (ConfigError, EngineUnavailableError, InvalidInputError, PipelineError,
                                 RequestCancelledError)
 
@@ -31,10 +33,11 @@ def adapter(tiny_qwen_dir):
     return load_adapter(EngineConfig(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
 
 
-def make(adapter, step_execution=False, max_num_seqs=1, **kw):
-    kw.setdefault("max_steps", 1000)  # some tests need a request that outlasts their checks
-    config = EngineConfig(step_execution=step_execution, max_num_seqs=max_num_seqs, warmup=False, **kw)
-    return DiffusionEngine(adapter, config)
+def make(adapter, step_execution=False, max_num_seqs=1, hooks=None, **kw):
+    config = EngineConfig(step_execution=step_execution, max_num_seqs=max_num_seqs, warmup=False,
+                          input_max={**INPUT_MAX, "num_inference_steps": 1000},  # requests that outlast their checks
+                          **kw)
+    return DiffusionEngine(adapter, config, hooks=hooks)
 
 
 def params(seed=0, steps=3, size=64, **kw):
@@ -113,7 +116,7 @@ def test_eight_concurrent_requests_each_end_once(adapter, step_execution, max_nu
 
 
 def test_abort_mid_denoise_frees_state_even_when_idle(adapter, tick_budget):
-    engine = make(adapter, step_execution=True, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=True, max_num_seqs=2, hooks=tick_budget.hooks())
     try:
         tick_budget.allow(1)  # one step, then the engine holds: the request is mid-denoise, and stays so
         stream = engine.add_request("long", params(steps=5, preview_interval=1))
@@ -130,7 +133,7 @@ def test_abort_mid_denoise_frees_state_even_when_idle(adapter, tick_budget):
 
 
 def test_abort_waiting_request(adapter, tick_budget):
-    engine = make(adapter, step_execution=True, max_num_seqs=1, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=True, max_num_seqs=1, hooks=tick_budget.hooks())
     try:
         tick_budget.allow(1)  # admits "running" alone (capacity 1), one step, then holds
         running = engine.add_request("running", params(steps=3, preview_interval=1))
@@ -147,7 +150,7 @@ def test_abort_waiting_request(adapter, tick_budget):
 
 
 def test_close_ends_every_stream_and_joins_promptly(adapter, tick_budget):
-    engine = make(adapter, step_execution=True, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=True, max_num_seqs=2, hooks=tick_budget.hooks())
     tick_budget.hold()
     streams = [engine.add_request(f"c{i}", params(seed=i, steps=5, preview_interval=1)) for i in range(4)]
     run_held(engine, tick_budget, waiting=4, ticks=1)  # two run one step, two wait; then it holds, all open
@@ -169,7 +172,7 @@ def test_close_ends_every_stream_and_joins_promptly(adapter, tick_budget):
 
 def test_queue_limit_rejects_with_unavailable(adapter, tick_budget):
     engine = make(adapter, step_execution=True, max_num_seqs=1, max_queue=2,
-                  test_tick_budget_path=str(tick_budget.path))
+                  hooks=tick_budget.hooks())
     try:
         tick_budget.allow(1)
         streams = [engine.add_request("a", params(steps=3, preview_interval=1))]
@@ -186,7 +189,7 @@ def test_queue_limit_rejects_with_unavailable(adapter, tick_budget):
 
 
 def test_invalid_input_and_duplicate_id_rejected(adapter, tick_budget):
-    engine = make(adapter, step_execution=True, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=True, hooks=tick_budget.hooks())
     try:
         with pytest.raises(InvalidInputError, match="height"):
             engine.add_request("bad", params(size=60))
@@ -314,51 +317,28 @@ def test_make_engine_raises_the_loading_error_itself(monkeypatch):
         DiffusionEngine.make_engine(EngineConfig(warmup=False))
 
 
-def test_admission_wait_is_asked_before_a_new_wave(adapter, monkeypatch):
-    """The engine asks `wait_for_admission` (unit-tested with a fake clock in tests/sched) before a new wave,
-    with its capacity and max wait; arrivals during the wait join the wave."""
-    import engine_lib.engine as engine_module
-
-    calls = []
-
-    def spy(cond, num_waiting, capacity, max_wait_s, stopped, **kw):
-        calls.append((num_waiting(), capacity, max_wait_s))
-        while num_waiting() < capacity:  # as the real wait does when arrivals keep coming in time
-            cond.wait(timeout=0.01)
-        return "capacity"
-
-    monkeypatch.setattr(engine_module, "wait_for_admission", spy)
+def test_request_mode_waits_for_a_burst_and_runs_it_as_one_wave(adapter, monkeypatch):
+    """With a max wait the first request waits for arrivals (the scheduler's decision, unit-tested with a fake
+    clock in tests/sched); the burst runs as one wave of four, one tick per denoise step."""
+    monkeypatch.setattr(scheduler, "BURST_STABLE_S", 60.0)  # only a full wave (or the 60 s limit) ends the wait
     ticks = []
-    engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=2000, warmup=False),
+    engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=60000, warmup=False),
                              tick_listener=ticks.append)
     try:
         streams = [engine.add_request("w0", params(seed=0))]
-        assert wait_until(lambda: calls)
+        time.sleep(0.2)  # room for a wrongly started wave to show
+        assert ticks == []
         streams += [engine.add_request(f"w{i}", params(seed=i)) for i in range(1, 4)]
         assert all(drain(s)[-1].error is None for s in streams)
-        assert calls == [(1, 4, 2.0)]
-        assert [t.batch_size for t in ticks] == [4, 4, 4]  # one wave of four, one tick per denoise step
+        assert [t.batch_size for t in ticks] == [4, 4, 4]
         assert_ended(engine, *streams)
     finally:
         engine.close()
 
 
-def test_no_admission_wait_without_a_max_wait_or_in_step_mode(adapter, monkeypatch):
-    import engine_lib.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "wait_for_admission", lambda *a, **k: pytest.fail("waited"))
-    for config in (EngineConfig(max_num_seqs=4, warmup=False),
-                   EngineConfig(max_num_seqs=4, step_execution=True, request_batch_max_wait_ms=2000, warmup=False)):
-        engine = DiffusionEngine(adapter, config)
-        try:
-            assert engine.add_request("r", params()).result(timeout=60).error is None
-        finally:
-            engine.close()
-
-
 def test_request_mode_aborts_at_a_step_boundary(adapter, tick_budget):
     """A wave runs step by step, so an abort frees its member at once and the others go on."""
-    engine = make(adapter, step_execution=False, max_num_seqs=2, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=False, max_num_seqs=2, hooks=tick_budget.hooks())
     try:
         tick_budget.hold()
         doomed = engine.add_request("doomed", params(steps=4, preview_interval=1))
@@ -376,8 +356,9 @@ def test_request_mode_aborts_at_a_step_boundary(adapter, tick_budget):
 
 
 def test_an_injected_failure_fails_its_request_alone(adapter):
-    """`test_fail_prompt`: the request fails in the batched denoise step with INTERNAL, batch-mates finish."""
-    engine = make(adapter, step_execution=True, max_num_seqs=4, test_fail_prompt="boom")
+    """An injected failure (engine_lib/testing.py): the request fails in the batched denoise step with INTERNAL,
+    its batch-mates finish."""
+    engine = make(adapter, step_execution=True, max_num_seqs=4, hooks=EngineHooks(before_forward=FailPrompt("boom")))
     try:
         streams = [engine.add_request(f"g{i}", params(seed=i)) for i in range(3)]
         streams.insert(1, engine.add_request("bad", params(prompt="boom")))
@@ -414,7 +395,7 @@ def test_every_mode_gives_the_diffusers_image(adapter, step_execution, max_num_s
 
 def test_a_tick_with_nothing_to_run_takes_nothing_from_the_budget(adapter, tick_budget):
     """An abort that leaves the engine idle wakes its loop; that wake-up must not spend the next request's tick."""
-    engine = make(adapter, step_execution=True, test_tick_budget_path=str(tick_budget.path))
+    engine = make(adapter, step_execution=True, hooks=tick_budget.hooks())
     try:
         tick_budget.allow(1)
         first = engine.add_request("first", params(steps=3, preview_interval=1))
@@ -435,19 +416,16 @@ def test_a_tick_with_nothing_to_run_takes_nothing_from_the_budget(adapter, tick_
         engine.close()
 
 
-@pytest.mark.parametrize("parameters, expected", [
-    ({}, ("arrival", False)),
-    ({"admission_order": "shortest_remaining", "priority_batching": "separate"}, ("shortest_remaining", True))])
-def test_the_scheduling_parameters_reach_the_step_scheduler(adapter, parameters, expected):
+@pytest.mark.parametrize("parameters, expected", [({}, "arrival"),
+                                                  ({"scheduling_policy": "separate_priorities"}, "separate_priorities")])
+def test_the_scheduling_policy_reaches_the_scheduler(adapter, parameters, expected):
     engine = make(adapter, step_execution=True, max_num_seqs=2, **parameters)
     try:
-        assert (engine.scheduler.admission_order, engine.scheduler.separate_priorities) == expected
+        assert engine.scheduler.policy.name == expected and engine.scheduler.step_batching
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("name, value, allowed", [("priority_batching", "isolated", "mixed or separate"),
-                                                  ("admission_order", "srpt", "arrival, shortest_remaining")])
-def test_an_unknown_scheduling_parameter_value_fails_the_load_naming_it(name, value, allowed):
-    with pytest.raises(ConfigError, match=f"'{name}'.*{allowed}"):
-        EngineConfig.from_parameters({name: value})
+def test_an_unknown_scheduling_policy_fails_the_load_naming_it():
+    with pytest.raises(ConfigError, match="'scheduling_policy'.*arrival, shortest_remaining"):
+        EngineConfig.from_parameters({"scheduling_policy": "srpt"})

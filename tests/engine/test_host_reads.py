@@ -81,9 +81,9 @@ def reads_per_tick(adapter, inputs: list[dict]) -> list[Counter]:
     while new or running:
         with HostReads() as reads:
             result = runner.execute_step(new, running)
-        assert not result.output.errors, result.output.errors
+        assert not result.errors, result.errors
         ticks.append(reads.seen)
-        running = [r for r in new + running if r.request_id not in result.output.finished]
+        running = [r for r in new + running if r.request_id not in result.finished]
         new = []
     return ticks
 

@@ -23,6 +23,7 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.base import InputBatch, PipelineAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
 from engine_lib.runner import ModelRunner
+from engine_lib.sched import Scheduler
 
 # Batch-size dependent CPU float32 kernels move pixels by about 1e-6 (measured; see
 # docs/pipelines.md); this bound is two orders of magnitude above that.
@@ -71,13 +72,16 @@ class DriveResult:
 
 
 def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4,
-                float_output: bool = False, decode_group_ticks: int = 0) -> DriveResult:
-    """Run arrivals through `ModelRunner.execute_step` tick by tick (step mode: requests join between steps).
+                float_output: bool = False, group_decodes: bool = False) -> DriveResult:
+    """Run arrivals through the scheduler and `ModelRunner.execute_step` tick by tick, as the engine's loop
+    does in step mode (requests join between steps in arrival order; every request shares one key).
 
     Previews follow each request's preview_interval; `float_output` keeps the pipeline's
-    float images (before the uint8 rounding every served image gets).
+    float images (before the uint8 rounding every served image gets); `group_decodes`: the
+    scheduler's decode groups (else each request decodes the tick it finishes denoising).
     """
-    runner = ModelRunner(adapter, float_outputs=float_output, decode_group_ticks=decode_group_ticks)
+    runner = ModelRunner(adapter, float_outputs=float_output)
+    sched = Scheduler(capacity, lambda params: None, max_head_bypass=0, group_decodes=group_decodes)
     result = DriveResult()
     predict = runner._predict
 
@@ -89,29 +93,28 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
     runner._predict = counted_predict
     primary = adapter.outputs[0].name  # image, video
     pending = sorted(arrivals, key=lambda a: a.tick)
-    running: list[DiffusionRequest] = []
     tick = 0
-    while pending or running:
-        new = []
-        while pending and pending[0].tick <= tick and len(running) + len(new) < capacity:
+    while pending or sched.has_requests:
+        while pending and pending[0].tick <= tick:
             arrival = pending.pop(0)
             params = parse(adapter, arrival.params)
-            new.append(DiffusionRequest(arrival.request_id, params, total_steps=adapter.total_steps(params)))
-        if new or running:
+            sched.add_request(DiffusionRequest(arrival.request_id, params, num_steps=adapter.total_steps(params)))
+        plan = sched.schedule()
+        runner.free(plan.finished_ids)
+        if not plan.is_empty:
+            new = [sched.get_request(i) for i in plan.new_ids]
+            running = [sched.get_request(i) for i in plan.running_ids]
             result.batch_sizes.append(len(new) + len(running))
-            out = runner.execute_step(new, running)
-            running = running + new
+            out = runner.execute_step(new, running, frozenset(plan.hold_decode_ids))
             for request_id, preview in out.previews.items():
-                result.previews.setdefault(request_id, []).append((out.output.step_index[request_id],
-                                                                   preview.get(primary)))
+                result.previews.setdefault(request_id, []).append((out.step_index[request_id], preview.get(primary)))
             for request_id, chunk in out.chunks.items():
                 result.chunks.setdefault(request_id, []).append(chunk)
             for request_id, outputs in out.outputs.items():
                 result.images[request_id] = outputs[primary]
                 result.finished_at[request_id] = tick
-            result.errors.update(out.output.errors)
-            ended = set(out.output.finished) | set(out.output.errors)
-            running = [r for r in running if r.request_id not in ended]
+            result.errors.update(out.errors)
+            sched.update_from_output(plan, out)
         tick += 1
     assert not result.errors, result.errors
     assert not runner.states, "the runner freed every ended request's state"
@@ -126,7 +129,7 @@ def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, d
     while len(images) < len(arrivals):
         for rid, (at, p) in arrivals.items():
             if at == tick:
-                state = adapter.state_class(rid, p)
+                state = adapter.new_state(rid, p)
                 adapter.prepare_encode(state)
                 states[rid] = state
         active = [s for s in states.values() if not s.denoise_completed]
@@ -147,7 +150,7 @@ def run_wave(adapter: PipelineAdapter, all_params: list, float_output: bool = Fa
     """Request mode: one wave admitted together and run to completion (`ModelRunner.run_to_completion`)."""
     requests = [DiffusionRequest(f"r{i}", parse(adapter, p)) for i, p in enumerate(all_params)]
     result = ModelRunner(adapter, float_outputs=float_output).run_to_completion(requests)
-    assert not result.output.errors, result.output.errors
+    assert not result.errors, result.errors
     return [result.outputs[r.request_id][adapter.outputs[0].name] for r in requests]
 
 
@@ -176,7 +179,7 @@ def assert_close_images(actual: np.ndarray, expected: np.ndarray, to_uint8) -> f
 PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse on the moon", "a bowl of fruit"]
 LONG_PROMPT = "a small dog running in the green grass next to a river"
 # What the tests may ask for; every other limit is the shipped default.
-TEST_CONFIG = EngineConfig(max_steps=1000, max_num_images=4)
+TEST_CONFIG = EngineConfig.from_parameters({"max_num_inference_steps": "1000", "max_num_images": "4"})
 
 
 def parse(adapter: PipelineAdapter, inputs) -> SamplingParams:

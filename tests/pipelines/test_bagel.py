@@ -73,7 +73,7 @@ def test_the_tiny_preset_is_the_golden_checkpoint():
 @pytest.mark.parametrize("case", CASES)
 def test_prompt_noise_and_schedule_are_the_references(adapter, golden, case):
     p = params(adapter, case)
-    state = adapter.state_class("r", p)
+    state = adapter.new_state("r", p)
     adapter.prepare_encode(state)
     assert adapter.pipe.token_ids(p.prompt) == golden[f"case_{case}_prompt_token_ids"].tolist()
     np.testing.assert_array_equal(state.latents.numpy(), golden[f"case_{case}_init_noise"])

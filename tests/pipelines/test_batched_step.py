@@ -49,7 +49,7 @@ def test_batched_steps_equal_per_request_steps_bit_for_bit(adapter, monkeypatch)
 def prepared(adapter, *prompts):
     states = []
     for i, prompt in enumerate(prompts):
-        state = adapter.state_class(f"r{i}", parse(adapter, {"prompt": prompt, "num_inference_steps": 4, "seed": i}))
+        state = adapter.new_state(f"r{i}", parse(adapter, {"prompt": prompt, "num_inference_steps": 4, "seed": i}))
         adapter.prepare_encode(state)
         states.append(state)
     return states
@@ -94,7 +94,7 @@ def test_a_ragged_batch_steps_request_by_request():
     adapter = load_tiny_adapter("qwen_image", QwenImageAdapter)
     states = []
     for i, size in enumerate((64, 128)):
-        state = adapter.state_class(f"r{i}", parse(adapter, {"prompt": "x", "height": size, "width": size,
+        state = adapter.new_state(f"r{i}", parse(adapter, {"prompt": "x", "height": size, "width": size,
                                                              "num_inference_steps": 4, "seed": i}))
         adapter.prepare_encode(state)
         states.append(state)

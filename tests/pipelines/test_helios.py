@@ -52,7 +52,7 @@ def test_the_video_is_the_pipelines_own_and_the_chunks_are_it_end_to_end(adapter
 
 def test_a_request_counts_its_steps_over_every_chunk(adapter):
     p = parse(adapter, dict(prompt="x", num_frames=97, num_inference_steps=3))
-    assert adapter.total_steps(p) == 9 and DiffusionRequest("r", p, total_steps=adapter.total_steps(p)).num_steps == 9
+    assert adapter.total_steps(p) == 9 and DiffusionRequest("r", p, num_steps=adapter.total_steps(p)).num_steps == 9
 
 
 def test_requests_one_after_another_equal_their_solo_runs(adapter):
@@ -62,7 +62,7 @@ def test_requests_one_after_another_equal_their_solo_runs(adapter):
     runner = ModelRunner(adapter, float_outputs=True)
     for i, inputs in enumerate(cases):
         p = parse(adapter, inputs)
-        result = runner.run_to_completion([DiffusionRequest(f"r{i}", p, total_steps=adapter.total_steps(p))])
+        result = runner.run_to_completion([DiffusionRequest(f"r{i}", p, num_steps=adapter.total_steps(p))])
         np.testing.assert_array_equal(result.outputs[f"r{i}"]["video"], run_solo(adapter, inputs)[0])
 
 

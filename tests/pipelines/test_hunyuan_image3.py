@@ -80,7 +80,7 @@ def test_sequence_positions_noise_and_schedule_are_the_references(adapter, golde
     cos, sin = rope_2d(positions, 16, 10000.0)
     np.testing.assert_array_equal(cos.numpy(), golden[f"case_{case}_rope_cos"][0])
     np.testing.assert_array_equal(sin.numpy(), golden[f"case_{case}_rope_sin"][0])
-    state = adapter.state_class("r", p)
+    state = adapter.new_state("r", p)
     adapter.prepare_encode(state)
     np.testing.assert_array_equal(state.latents.numpy(), golden[f"case_{case}_init_noise"][0])
     np.testing.assert_array_equal(state.sigmas.numpy(), golden[f"case_{case}_sigmas"])
@@ -123,7 +123,7 @@ def test_batched_requests_joining_at_different_steps_equal_their_solo_runs(adapt
 def test_guidance_at_most_one_runs_the_conditional_pass_alone(adapter, golden):
     """The reference crashes here; ours runs one row: the conditional prediction, unguided."""
     p = params(adapter, "a", guidance_scale=1.0)
-    state = adapter.state_class("r", p)
+    state = adapter.new_state("r", p)
     adapter.prepare_encode(state)
     assert state.context.uncond is None
     latents, images = step_latents(adapter, {"r": (0, p)})

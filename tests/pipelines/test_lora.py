@@ -130,8 +130,8 @@ def test_a_file_dropped_in_is_usable_and_a_corrupt_one_fails_alone(setup):
         good = DiffusionRequest("good", parse(adapter, BASE))
         bad = DiffusionRequest("bad", parse(adapter, {**BASE, "lora_name": "broken"}))
         result = ModelRunner(adapter).run_to_completion([good, bad])
-        assert set(result.output.errors) == {"bad"} and "good" in result.outputs
-        assert "lora_name" in str(result.output.errors["bad"]) and "could not be loaded" in str(result.output.errors["bad"])
+        assert set(result.errors) == {"bad"} and "good" in result.outputs
+        assert "lora_name" in str(result.errors["bad"]) and "could not be loaded" in str(result.errors["bad"])
         assert len(adapter.loras.loaded) <= 2, "max_loras bounds what stays loaded"
     finally:
         (lora_dir / "toy_c.safetensors").unlink()

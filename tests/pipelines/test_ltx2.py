@@ -51,7 +51,7 @@ def run(adapter, requests: dict, capacity=4, step_mode=True, float_outputs=True)
     if not step_mode:
         reqs = [DiffusionRequest(rid, parse(adapter, inputs)) for rid, (_, inputs) in requests.items()]
         result = runner.run_to_completion(reqs)
-        assert not result.output.errors, result.output.errors
+        assert not result.errors, result.errors
         return result.outputs
     pending = sorted(requests.items(), key=lambda item: item[1][0])
     running, outputs, tick = [], {}, 0
@@ -61,9 +61,9 @@ def run(adapter, requests: dict, capacity=4, step_mode=True, float_outputs=True)
             rid, (_, inputs) = pending.pop(0)
             new.append(DiffusionRequest(rid, parse(adapter, inputs)))
         out = runner.execute_step(new, running)
-        assert not out.output.errors, out.output.errors
+        assert not out.errors, out.errors
         outputs.update(out.outputs)
-        running = [r for r in running + new if r.request_id not in out.output.finished]
+        running = [r for r in running + new if r.request_id not in out.finished]
         tick += 1
     return outputs
 
@@ -111,7 +111,7 @@ def test_each_guidance_pass_is_one_forward_over_the_requests_that_need_it(adapte
     try:
         states = []
         for i, name in enumerate(("defaults", "unguided", "stg only")):
-            state = adapter.state_class(f"r{i}", parse(adapter, CASES[name]))
+            state = adapter.new_state(f"r{i}", parse(adapter, CASES[name]))
             adapter.prepare_encode(state)
             states.append(state)
         rows.clear()

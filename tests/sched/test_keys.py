@@ -106,7 +106,7 @@ def test_adapter_extra_fields_split_and_merge(key_fn):
 
 
 def test_importing_sched_does_not_import_torch():
-    code = ("import sys, engine_lib.sched, engine_lib.sched.keys, engine_lib.sched.request_scheduler, "
-            "engine_lib.sched.step_scheduler, engine_lib.interface; sys.exit(3 if 'torch' in sys.modules else 0)")
+    code = ("import sys, engine_lib.sched, engine_lib.sched.keys, engine_lib.sched.scheduler, engine_lib.config, "
+            "engine_lib.sched.policy, engine_lib.interface; sys.exit(3 if 'torch' in sys.modules else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"rc={result.returncode} stderr={result.stderr}"

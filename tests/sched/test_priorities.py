@@ -1,4 +1,4 @@
-"""Priorities, preemption at step boundaries, deadlines and the compute budget in the schedulers
+"""Priorities, preemption at step boundaries, timeouts and the compute budget in the scheduler
 (hand-made runner outputs, no model)."""
 
 from __future__ import annotations
@@ -6,21 +6,21 @@ from __future__ import annotations
 import pytest
 
 from engine_lib.request import DiffusionRequest, RequestStatus, RequestTimedOutError, SamplingParams
-from engine_lib.sched import RequestScheduler, RunnerOutput, StepScheduler, step_batch_key
+from engine_lib.sched import RunnerOutput, Scheduler, make_policy, step_batch_key
 from engine_lib.sched.keys import request_batch_key
 
 _clock = iter(range(1, 10**6))
 
 
-def req(request_id: str, priority: int = 2, steps: int = 4, height: int = 64, deadline=None) -> DiffusionRequest:
+def req(request_id: str, priority: int = 2, steps: int = 4, height: int = 64, timeout_at=None) -> DiffusionRequest:
     params = SamplingParams({"prompt": request_id, "height": height, "num_inference_steps": steps})
-    return DiffusionRequest(request_id, params, arrival_time=float(next(_clock)), priority=priority, deadline=deadline)
+    return DiffusionRequest(request_id, params, arrival_time=float(next(_clock)), priority=priority,
+                            timeout_at=timeout_at)
 
 
-def step(max_num_seqs=2, max_preemptions=1, max_batch_tokens=0, max_head_bypass=16) -> StepScheduler:
-    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass,
-                         cost_fn=lambda p: p["height"], max_batch_tokens=max_batch_tokens,
-                         max_preemptions=max_preemptions)
+def step(max_num_seqs=2, max_preemptions=1, max_batch_tokens=0, max_head_bypass=16) -> Scheduler:
+    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
+                     cost_fn=lambda p: p["height"], max_batch_tokens=max_batch_tokens, max_preemptions=max_preemptions)
 
 
 def tick(sched):
@@ -137,22 +137,22 @@ def test_preemption_frees_budget_as_well_as_seats():
 
 
 def test_request_mode_waves_follow_priority_and_the_budget():
-    sched = RequestScheduler(4, lambda p: request_batch_key(p, ("height",)), cost_fn=lambda p: p["height"],
-                             max_batch_tokens=128)
+    sched = Scheduler(4, lambda p: request_batch_key(p, ("height",)), step_batching=False, cost_fn=lambda p: p["height"],
+                      max_batch_tokens=128)
     add(sched, req("low1", 3), req("urgent1", 1), req("urgent2", 1), req("urgent3", 1))
     out, _ = tick(sched)
     assert out.new_ids == ["urgent1", "urgent2"]  # the budget takes two of 64
 
 
-def test_a_request_whose_deadline_passes_before_it_starts_times_out_and_a_started_one_does_not():
+def test_a_request_whose_timeout_runs_out_before_it_starts_times_out_and_a_started_one_does_not():
     sched = step(max_num_seqs=1, max_preemptions=1)
-    running = req("running", 3, deadline=5.0)
+    running = req("running", 3, timeout_at=5.0)
     add(sched, running)
     tick(sched)
-    late, on_time = req("late", 3, deadline=10.0), req("on-time", 3, deadline=100.0)
+    late, on_time = req("late", 3, timeout_at=10.0), req("on-time", 3, timeout_at=100.0)
     add(sched, late, on_time)
     add(sched, req("urgent", 1))
-    tick(sched)  # "running" is paused: it started, so its deadline no longer applies
+    tick(sched)  # "running" is paused: it started, so its timeout no longer applies
     expired = sched.expire(now=50.0)
     assert expired == [late] and late.status is RequestStatus.FAILED
     assert isinstance(late.error, RequestTimedOutError) and "timed out" in str(late.error)
@@ -167,9 +167,9 @@ def test_negative_preemption_bound_is_refused(max_preemptions):
         step(max_preemptions=max_preemptions)
 
 
-def separate(max_num_seqs=4, max_preemptions=1) -> StepScheduler:
-    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), 16, max_preemptions=max_preemptions,
-                         separate_priorities=True)
+def separate(max_num_seqs=4, max_preemptions=1) -> Scheduler:
+    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_preemptions=max_preemptions,
+                     policy=make_policy("separate_priorities"))
 
 
 def test_separate_priorities_an_urgent_request_pauses_the_whole_less_urgent_set_and_runs_alone():

@@ -1,4 +1,4 @@
-"""RequestScheduler with hand-made runner outputs (no model), and the admission wait.
+"""The scheduler's request batching with hand-made runner outputs (no model), and the admission wait.
 
 A wave is admitted when nothing runs and then advances one denoise step per tick
 (the runner's one loop); nothing joins it until every member has ended.
@@ -6,13 +6,10 @@ A wave is admitted when nothing runs and then advances one denoise step per tick
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
-from engine_lib.sched import RequestScheduler, RunnerOutput, request_batch_key, request_scheduler, wait_for_admission
+from engine_lib.sched import RunnerOutput, Scheduler, request_batch_key
 
 
 def req(request_id: str, **overrides) -> DiffusionRequest:
@@ -24,7 +21,7 @@ def finish_all(sched_out) -> RunnerOutput:
     return RunnerOutput(finished=set(sched_out.scheduled_ids))
 
 
-def one_step(sched: RequestScheduler, sched_out) -> RunnerOutput:
+def one_step(sched: Scheduler, sched_out) -> RunnerOutput:
     """What the runner reports after one denoise step of every scheduled request."""
     return RunnerOutput(step_index={rid: sched.get_request(rid).step_index + 1 for rid in sched_out.scheduled_ids})
 
@@ -33,13 +30,13 @@ def key(params):
     return request_batch_key(params, ("height",))
 
 
-def make(max_num_seqs: int = 1) -> RequestScheduler:
-    return RequestScheduler(max_num_seqs, key)
+def make(max_num_seqs: int = 1) -> Scheduler:
+    return Scheduler(max_num_seqs, key, step_batching=False)
 
 
 def test_rejects_capacity_below_one():
     with pytest.raises(ValueError):
-        RequestScheduler(0, key)
+        Scheduler(0, key, step_batching=False)
 
 
 def test_single_request_lifecycle():
@@ -214,103 +211,75 @@ def test_scheduled_request_without_result_is_an_internal_error():
 
 # --- admission wait ---------------------------------------------------------------------
 
-class Queue:
-    """A waiting count behind a condition, as the engine has it."""
+class Clock:
+    def __init__(self):
+        self.now = 0.0
 
-    def __init__(self, count: int = 1):
-        self.cond = threading.Condition()
-        self.count = count
-        self.stop = False
-
-    def arrive(self, n: int = 1) -> None:
-        with self.cond:
-            self.count += n
-            self.cond.notify_all()
-
-    def wait(self, capacity: int, max_wait_s: float) -> tuple[str, float]:
-        with self.cond:
-            start = time.monotonic()
-            reason = wait_for_admission(self.cond, lambda: self.count, capacity, max_wait_s, lambda: self.stop)
-            return reason, time.monotonic() - start
+    def __call__(self) -> float:
+        return self.now
 
 
-def arrive_later(queue: Queue, delays: list[float]) -> threading.Thread:
-    def run():
-        for delay in delays:
-            time.sleep(delay)
-            queue.arrive()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+def waiting_wave(max_num_seqs: int = 4, wait_s: float = 10.0) -> tuple[Scheduler, Clock]:
+    sched = Scheduler(max_num_seqs, key, step_batching=False, admission_wait_s=wait_s)
+    sched.clock = clock = Clock()
+    return sched, clock
 
 
-def test_admission_wait_returns_at_once_when_capacity_already_waits():
-    reason, elapsed = Queue(count=4).wait(capacity=4, max_wait_s=5.0)
-    assert reason == "capacity" and elapsed < 1.0
+def test_admission_wait_admits_at_once_when_a_full_wave_waits():
+    sched, clock = waiting_wave(max_num_seqs=2)
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    out = sched.schedule()
+    assert out.new_ids == ["a", "b"] and out.retry_after_s == 0
 
 
-def test_admission_wait_ends_when_capacity_reached_by_arrivals_from_another_thread(monkeypatch):
-    # A long stable window: however slowly this machine runs the arrival thread, only capacity ends the wait.
-    monkeypatch.setattr(request_scheduler, "STABLE_WINDOW_S", 60.0)
-    queue = Queue(count=1)
-    thread = arrive_later(queue, [0.01, 0.01, 0.01])
-    reason, elapsed = queue.wait(capacity=4, max_wait_s=600.0)
-    thread.join()
-    assert reason == "capacity" and queue.count == 4
+def test_admission_wait_holds_a_growing_burst_until_it_is_stable_for_the_window():
+    sched, clock = waiting_wave(wait_s=10.0)  # the window: 50 ms (the wait's end is 10 s away)
+    sched.add_request(req("a"))
+    out = sched.schedule()
+    assert out.is_empty and out.retry_after_s == pytest.approx(0.05)
+    clock.now = 0.03
+    sched.add_request(req("b"))  # the burst grows: the window starts again
+    out = sched.schedule()
+    assert out.is_empty and out.retry_after_s == pytest.approx(0.05)
+    clock.now = 0.08
+    assert sched.schedule().new_ids == ["a", "b"]
 
 
-def test_admission_wait_ends_when_count_is_stable():
-    reason, elapsed = Queue(count=1).wait(capacity=4, max_wait_s=10.0)
-    assert reason == "stable"
-    assert elapsed >= 0.04  # the window is 50 ms (the deadline is 10 s away)
+def test_admission_wait_window_is_a_fifth_of_a_short_wait():
+    sched, clock = waiting_wave(wait_s=0.1)
+    sched.add_request(req("a"))
+    assert sched.schedule().retry_after_s == pytest.approx(0.02)
+    clock.now = 0.02
+    assert sched.schedule().new_ids == ["a"]
 
 
-def test_admission_wait_stable_window_is_a_fifth_of_a_short_max_wait():
-    reason, elapsed = Queue(count=1).wait(capacity=4, max_wait_s=0.1)
-    assert reason == "stable" and elapsed >= 0.015
+def test_admission_wait_ends_at_its_limit_while_arrivals_continue():
+    sched, clock = waiting_wave(max_num_seqs=1000, wait_s=0.2)
+    waits = []
+    for i in range(100):
+        sched.add_request(req(f"r{i}"))
+        out = sched.schedule()
+        if out.new_ids:
+            break
+        waits.append(out.retry_after_s)
+        clock.now += 0.01  # an arrival every 10 ms
+    assert clock.now == pytest.approx(0.2) and len(out.new_ids) == 21 and max(waits) <= 0.05 + 1e-9
 
 
-def test_admission_wait_ends_when_stopped(monkeypatch):
-    monkeypatch.setattr(request_scheduler, "STABLE_WINDOW_S", 60.0)  # neither "stable" nor the deadline first
-    queue = Queue(count=1)
-
-    def stop_later():
-        time.sleep(0.02)
-        with queue.cond:
-            queue.stop = True
-            queue.cond.notify_all()
-
-    threading.Thread(target=stop_later, daemon=True).start()
-    reason, elapsed = queue.wait(capacity=1000, max_wait_s=600.0)
-    assert reason == "stopped"
+def test_admission_wait_starts_afresh_after_the_queue_empties():
+    sched, clock = waiting_wave(wait_s=0.2)
+    sched.add_request(req("a"))
+    sched.schedule()
+    sched.abort(["a"])
+    sched.schedule()
+    clock.now = 5.0  # long after the first burst's wait would have ended
+    sched.add_request(req("b"))
+    out = sched.schedule()
+    assert out.is_empty and out.retry_after_s > 0
 
 
-def test_admission_wait_stopped_before_it_starts():
-    queue = Queue(count=1)
-    queue.stop = True
-    assert queue.wait(capacity=4, max_wait_s=10.0)[0] == "stopped"
-
-
-def test_admission_wait_with_a_fake_clock_never_blocks_past_the_deadline():
-    now = [0.0]
-
-    class FakeCondition:
-        def wait(self, timeout):
-            assert 0 < timeout <= 0.05 + 1e-9
-            now[0] += timeout
-
-    reason = wait_for_admission(FakeCondition(), lambda: 1, 4, 0.2, lambda: False, clock=lambda: now[0])
-    assert reason == "stable" and now[0] == pytest.approx(0.04)
-
-
-def test_admission_wait_with_a_fake_clock_ends_at_the_deadline_while_arrivals_continue():
-    now = [0.0]
-    count = [0]
-
-    class FakeCondition:
-        def wait(self, timeout):
-            now[0] += min(timeout, 0.01)  # an arrival wakes it every 10 ms
-            count[0] += 1
-
-    reason = wait_for_admission(FakeCondition(), lambda: count[0], 1000, 0.2, lambda: False, clock=lambda: now[0])
-    assert reason == "deadline" and now[0] == pytest.approx(0.2)
+def test_step_batching_never_waits_for_a_burst():
+    sched = Scheduler(4, key, step_batching=True, admission_wait_s=10.0)
+    sched.add_request(req("a"))
+    assert sched.schedule().new_ids == ["a"]

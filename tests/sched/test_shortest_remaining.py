@@ -1,4 +1,4 @@
-"""`admission_order=shortest_remaining` in the schedulers: fewest steps left first within a priority level,
+"""`scheduling_policy=shortest_remaining` in the scheduler: fewest steps left first within a priority level,
 preemption of the running request with the most steps left, and the `max_head_bypass` bound that keeps a
 long request from starving (hand-made runner outputs, no model)."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine_lib.sched import RequestScheduler, StepScheduler, step_batch_key
+from engine_lib.sched import Scheduler, make_policy, step_batch_key
 from engine_lib.sched.keys import request_batch_key
 from tests.sched.test_priorities import add, admission_order, req, tick
 
 
-def srpt(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, order="shortest_remaining") -> StepScheduler:
-    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass,
-                         max_preemptions=max_preemptions, admission_order=order)
+def srpt(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, order="shortest_remaining") -> Scheduler:
+    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
+                     max_preemptions=max_preemptions, policy=make_policy(order))
 
 
 def test_the_waiting_request_with_fewest_steps_left_goes_first_then_the_oldest():
@@ -77,14 +77,14 @@ def test_max_head_bypass_0_is_arrival_order():
 
 
 def test_request_mode_admits_the_shortest_wave_first():
-    sched = RequestScheduler(2, lambda p: request_batch_key(p, ("height",)), max_head_bypass=16,
-                             admission_order="shortest_remaining")
+    sched = Scheduler(2, lambda p: request_batch_key(p, ("height",)), step_batching=False,
+                      policy=make_policy("shortest_remaining"))
     add(sched, req("long", steps=16), req("short-a", steps=4), req("short-b", steps=4))
     out = sched.schedule()
     assert out.new_ids == ["short-a", "short-b"]
 
 
 @pytest.mark.parametrize("value", ["srpt", "", "Shortest_Remaining"])
-def test_an_unknown_admission_order_is_refused(value):  # the engine's parameter: tests/engine/test_engine.py
-    with pytest.raises(ValueError, match="admission_order"):
+def test_an_unknown_policy_is_refused(value):  # the engine's parameter: tests/engine/test_engine.py
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
         srpt(order=value)

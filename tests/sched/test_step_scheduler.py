@@ -1,11 +1,11 @@
-"""StepScheduler with hand-made runner outputs (no model): progress, joining, errors, abort."""
+"""The scheduler's step batching with hand-made runner outputs (no model): progress, joining, errors, abort."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
-from engine_lib.sched import RunnerOutput, SchedulerOutput, StepScheduler, step_batch_key
+from engine_lib.sched import RunnerOutput, Scheduler, SchedulerOutput, step_batch_key
 
 
 def req(request_id: str, steps: int = 3, **overrides) -> DiffusionRequest:
@@ -13,14 +13,15 @@ def req(request_id: str, steps: int = 3, **overrides) -> DiffusionRequest:
     return DiffusionRequest(request_id, SamplingParams(values))
 
 
-def make(max_num_seqs: int = 4) -> StepScheduler:
-    return StepScheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)))
+def make(max_num_seqs: int = 4) -> Scheduler:
+    """Strict queue order (no request passes a waiting one)."""
+    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=0)
 
 
 class FakeRunner:
     """Advances every scheduled request one step, as the real runner's tick does."""
 
-    def __init__(self, sched: StepScheduler):
+    def __init__(self, sched: Scheduler):
         self.sched = sched
         self.prepared: list[str] = []
 
@@ -30,7 +31,7 @@ class FakeRunner:
         return RunnerOutput(step_index=progress, **extra)
 
 
-def run_tick(sched: StepScheduler, runner: FakeRunner):
+def run_tick(sched: Scheduler, runner: FakeRunner):
     out = sched.schedule()
     ended = sched.update_from_output(out, runner.tick(out))
     return out, ended
@@ -207,7 +208,7 @@ def test_abort_mid_run_and_waiting():
 
 
 def test_compatible_requests_pass_an_incompatible_head_at_most_max_head_bypass_times():
-    sched = StepScheduler(4, lambda p: step_batch_key(p, ("height",)), max_head_bypass=2)
+    sched = Scheduler(4, lambda p: step_batch_key(p, ("height",)), max_head_bypass=2)
     runner = FakeRunner(sched)
     sched.add_request(req("run", steps=10))
     run_tick(sched, runner)
@@ -223,7 +224,7 @@ def test_compatible_requests_pass_an_incompatible_head_at_most_max_head_bypass_t
 
 
 def test_without_bypass_an_incompatible_head_blocks_everyone_behind_it():
-    sched = make(4)  # max_head_bypass=0: the seed's FIFO
+    sched = make(4)  # max_head_bypass=0: strict arrival order
     runner = FakeRunner(sched)
     sched.add_request(req("run", steps=10))
     run_tick(sched, runner)
@@ -231,3 +232,56 @@ def test_without_bypass_an_incompatible_head_blocks_everyone_behind_it():
     sched.add_request(req("a"))
     out, _ = run_tick(sched, runner)
     assert out.new_ids == [] and sched.num_waiting == 2
+
+
+# --- decode groups ------------------------------------------------------------------------
+
+def grouping(max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), group_decodes=True)
+
+
+def decode_ticks(sched: Scheduler, arrivals: dict[int, list]) -> dict[str, int]:
+    """Tick (every scheduled request a step; a denoised one finishes when its decode is not held) until all
+    have ended: request id -> the tick it finished. `arrivals`: tick -> requests added before it."""
+    finished, tick = {}, 0
+    while sched.has_requests or any(t >= tick for t in arrivals):
+        for request in arrivals.get(tick, []):
+            sched.add_request(request)
+        out = sched.schedule()
+        progress = {rid: min(sched.get_request(rid).step_index + 1, sched.get_request(rid).num_steps)
+                    for rid in out.scheduled_ids}
+        decoded = {rid for rid in out.scheduled_ids
+                   if progress[rid] == sched.get_request(rid).num_steps and rid not in out.hold_decode_ids}
+        for request in sched.update_from_output(out, RunnerOutput(step_index=progress, finished=decoded)):
+            finished[request.request_id] = tick
+        tick += 1
+    return finished
+
+
+def test_requests_finishing_a_tick_apart_decode_together_within_the_hold():
+    sched = grouping()
+    assert decode_ticks(sched, {0: [req("r0")], 1: [req("r1")], 2: [req("r2")]}) == {"r0": 4, "r1": 4, "r2": 4}
+
+
+def test_a_decode_is_not_held_when_no_one_finishes_within_the_hold():
+    sched = grouping()
+    assert decode_ticks(sched, {0: [req("r0")], 3: [req("r3")]}) == {"r0": 2, "r3": 5}
+
+
+def test_a_full_decode_group_does_not_wait():
+    sched = grouping()
+    group = [req(f"g{i}") for i in range(4)]
+    assert decode_ticks(sched, {0: group, 1: [req("late")]}) == {**{f"g{i}": 2 for i in range(4)}, "late": 3}
+
+
+def test_a_more_urgent_request_does_not_wait_for_a_less_urgent_one():
+    sched = grouping()
+    urgent = DiffusionRequest("urgent", req("urgent").params, priority=1)
+    background = DiffusionRequest("background", req("background").params, priority=2)
+    assert decode_ticks(sched, {0: [urgent], 1: [background]}) == {"urgent": 2, "background": 3}
+
+
+def test_request_batching_never_holds_a_decode():
+    sched = Scheduler(4, lambda p: step_batch_key(p, ("height",)), step_batching=False, group_decodes=True)
+    sched.add_request(req("a", steps=1))
+    assert sched.schedule().hold_decode_ids == set()

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 
 from engine_lib.serving.launcher import REPO_ROOT, TritonServer, proc_stat
+from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
-FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's test_fail_prompt
+FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
 
 
 def free_port() -> int:
@@ -121,15 +122,16 @@ class ProbedServer(TritonServer):
 
 
 def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(), instance_group: str = "",
-                 **parameters: str) -> ProbedServer:
+                 fail_prompt: str = "", **parameters: str) -> ProbedServer:
     """Serve the qwen_image entry with `parameters` overridden; its tick budget file is `server.budget`
-    (absent until a test holds the engine)."""
+    (absent until a test holds the engine); a batch holding `fail_prompt` fails its forward."""
     budget = TickBudget(tmp_dir / "tick_budget")
-    repo = write_repository(tmp_dir / "repository", instance_group, model_path=model_path,
-                            test_tick_budget_path=str(budget.path), **parameters)
+    repo = write_repository(tmp_dir / "repository", instance_group, model_path=model_path, **parameters)
+    hooks = {"tick_budget_path": str(budget.path), **({"fail_prompt": fail_prompt} if fail_prompt else {})}
     server = ProbedServer(
         repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), address="127.0.0.1",
         log_path=tmp_dir / "tritonserver.log", exit_timeout_s=exit_timeout_s, extra_args=extra_args,
+        env=hooks_environment(qwen_image=hooks),
     )
     server.budget = budget
     return server.start(timeout_s=300)
@@ -138,7 +140,7 @@ def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, request):
     """The shipped qwen_image configuration on the tiny model, shared by the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), test_fail_prompt=FAIL_PROMPT)
+    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT)
     yield srv
     srv.cleanup()
 

@@ -1,4 +1,4 @@
-"""`admission_order=deadline` through a real tritonserver: requests carry Triton's request timeout
+"""`scheduling_policy=deadline` through a real tritonserver: requests carry Triton's request timeout
 (tritonclient's `timeout=`), the engine measures its ticks, and a request that can still finish by its
 deadline goes before an older one with an earlier deadline that it could no longer make. Order-based and
 held by the tick budget; the one margin is the estimate: the hopeless request's work at the measured rate
@@ -17,7 +17,8 @@ LABELS = dict(model="qwen_image")
 @pytest.fixture(scope="module")
 def deadline_server(tmp_path_factory, request):
     server = start_server(tmp_path_factory.mktemp("deadlines"), model_path(request), step_execution="true",
-                          max_num_seqs="1", max_preemptions="0", admission_order="deadline", max_steps="1000")
+                          max_num_seqs="1", max_preemptions="0", scheduling_policy="deadline",
+                          max_num_inference_steps="1000")
     yield server
     server.cleanup()
 

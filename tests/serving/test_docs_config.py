@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX, EngineConfig
 from engine_lib.serving.launcher import REPO_ROOT
 
 ROW = re.compile(r"^\|\s*`([a-z_]+)`\s*\|\s*`([^`]*)`\s*\|")
@@ -17,16 +17,27 @@ def documented_defaults() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in rows if m}
 
 
-def test_table_lists_exactly_the_engine_config_fields():
+PER_INPUT = {"input_max": ("max_", INPUT_MAX), "input_defaults": ("default_", INPUT_DEFAULTS)}
+
+
+def test_tables_list_exactly_the_engine_config_parameters():
+    """Every field, and for the per-input ones (`max_<input>`, `default_<input>`) every built-in entry."""
     documented = documented_defaults()
-    fields = [f.name for f in dataclasses.fields(EngineConfig)]
-    assert sorted(documented) == sorted(fields)
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in PER_INPUT]
+    names += [prefix + name for prefix, entries in PER_INPUT.values() for name in entries]
+    assert sorted(documented) == sorted(names)
 
 
 def test_documented_defaults_parse_to_the_real_defaults():
-    documented = documented_defaults()
     defaults = EngineConfig()
-    for name, text in documented.items():
+    for name, text in documented_defaults().items():
         value = "" if text == '""' else text
-        parsed = getattr(EngineConfig.from_parameters({name: value}), name)
-        assert parsed == getattr(defaults, name), f"{name}: documented {text!r}, default {getattr(defaults, name)!r}"
+        parsed = EngineConfig.from_parameters({name: value})
+        for field, (prefix, _) in PER_INPUT.items():
+            if name.startswith(prefix) and name not in {f.name for f in dataclasses.fields(EngineConfig)}:
+                key = name.removeprefix(prefix)
+                assert getattr(parsed, field)[key] == getattr(defaults, field)[key], name
+                break
+        else:
+            assert getattr(parsed, name) == getattr(defaults, name), \
+                f"{name}: documented {text!r}, default {getattr(defaults, name)!r}"

@@ -22,6 +22,7 @@ from PIL import Image
 
 from engine_lib.pipelines import registry
 from engine_lib.serving.launcher import REPO_ROOT
+from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 
 from .conftest import ProbedServer, free_port, set_parameter
@@ -54,12 +55,11 @@ def server(tmp_path_factory, model_dirs):
         text = set_parameter(config.read_text(), "model_path", str(model_dirs[name]))
         if name in MIXED_SIZES:
             text = set_parameter(text, "mixed_size_batching", "true")
-        if name in budgets:
-            text = set_parameter(text, "test_tick_budget_path", str(budgets[name].path))
         config.write_text(text)
     srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
-                       env={"OMP_NUM_THREADS": "1"})  # two model processes share the CPU cores
+                       env={"OMP_NUM_THREADS": "1",  # two model processes share the CPU cores
+                            **hooks_environment(**{name: {"tick_budget_path": str(b.path)} for name, b in budgets.items()})})
     srv.budgets = budgets
     srv.start(timeout_s=300)
     yield srv

@@ -1,6 +1,6 @@
 """Priorities, preemption at step boundaries, shortest-remaining admission, deadlines and the compute
 budget through a real tritonserver (step mode, two running slots, max_batch_tokens 128: two 64x64 images
-of the tiny model, 64 latent tokens each; `admission_order=shortest_remaining`, which orders requests only
+of the tiny model, 64 latent tokens each; `scheduling_policy=shortest_remaining`, which orders requests only
 within a priority level, so the priority tests use distinct levels). Order-based, held by the tick budget:
 no timing in the asserts."""
 
@@ -19,7 +19,7 @@ LABELS = dict(model="qwen_image")
 def prio_server(tmp_path_factory, request):
     server = start_server(tmp_path_factory.mktemp("priorities"), model_path(request), step_execution="true",
                           max_num_seqs="2", max_batch_tokens="128", max_preemptions="1",
-                          admission_order="shortest_remaining")
+                          scheduling_policy="shortest_remaining")
     yield server
     server.cleanup()
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from engine_lib.serving.launcher import proc_stat
+from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 
 from .conftest import free_port, model_path, running, write_repository
@@ -38,8 +39,7 @@ class Launcher:
 
     def __init__(self, tmp: Path, model_dir: str):
         self.budget = TickBudget(tmp / "tick_budget")
-        self.repo = write_repository(tmp / "repository", model_path=model_dir,
-                                     test_tick_budget_path=str(self.budget.path))
+        self.repo = write_repository(tmp / "repository", model_path=model_dir)
         self.http, self.grpc, self.metrics, self.front = (free_port() for _ in range(4))
         self.log_path = tmp / "launcher.log"
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_ADDRESS", "TRITON_ADMIN_KEY", "MODELS")}
@@ -48,7 +48,8 @@ class Launcher:
                 [sys.executable, "-m", "engine_lib.serving.launcher", "serve", f"--model-repository={self.repo}",
                  f"--http-port={self.http}", f"--grpc-port={self.grpc}", f"--metrics-port={self.metrics}",
                  f"--openai-port={self.front}", f"--log-file={tmp / 'tritonserver.log'}", "--stub-drain=3"],
-                env={**env, "OPENAI_API_KEY": ""}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env={**env, "OPENAI_API_KEY": "", **hooks_environment(qwen_image={"tick_budget_path": str(self.budget.path)})},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.triton_log = tmp / "tritonserver.log"
 
     grpc_url = property(lambda self: f"127.0.0.1:{self.grpc}")

@@ -21,8 +21,9 @@ from engine_lib.request import DiffusionOutput, InvalidInputError, SamplingParam
 from engine_lib.serving.sender import error_message
 from engine_lib.serving.tensors import NUMPY_DTYPES, output_arrays, read_inputs
 
-CONFIG = EngineConfig(max_height=256, max_width=128, max_steps=50, max_num_images=3, max_prompt_chars=20,
-                      default_height=32, default_width=48, default_steps=5)
+CONFIG = EngineConfig.from_parameters(dict(max_height="256", max_width="128", max_num_inference_steps="50",
+                                           max_num_images="3", max_prompt="20", max_negative_prompt="20",
+                                           default_height="32", default_width="48", default_num_inference_steps="5"))
 GUIDANCE = InputSpec("guidance_scale", "FP32", "guidance", default=7.0, low=0)
 TRUE_CFG = InputSpec("true_cfg_scale", "FP32", "true CFG", default=1.0, low=0)
 SPECS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,

@@ -10,7 +10,7 @@ from .streaming import RequestStream, post_json
 VALID = dict(prompt="a valid prompt", height=32, width=32, num_inference_steps=2)
 
 # (case name, inputs, the input the error must name). Values outside what the shipped
-# config allows: max_height/max_width 1024, max_steps 100, max_num_images 4, max_prompt_chars 4096.
+# config allows: max_height/max_width 1024, max_num_inference_steps 100, max_num_images 4, prompts of 4096 characters.
 BAD_INPUTS = [
     ("empty prompt", dict(VALID, prompt=""), "prompt"),
     ("blank prompt", dict(VALID, prompt="   "), "prompt"),

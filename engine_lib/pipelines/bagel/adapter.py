@@ -116,7 +116,6 @@ class BagelAdapter(PipelineAdapter):
         state.device_timesteps = state.timesteps.to(self.device)  # (admission: a copy here may wait)
         state.guidance = Guidance(p.guidance_scale, p.cfg_img_scale, tuple(p.cfg_interval), p.cfg_renorm_type,
                                   p.cfg_renorm_min)
-        state.num_steps, state.step_index = p.num_inference_steps, 0
 
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[BagelState]) -> torch.Tensor:

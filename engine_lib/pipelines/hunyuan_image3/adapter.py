@@ -29,7 +29,7 @@ HUNYUAN_INPUTS = (
     interface.PROMPT,
     replace(interface.HEIGHT, batch="row"),
     replace(interface.WIDTH, batch="row"),
-    replace(interface.NUM_INFERENCE_STEPS, default=GENERATION_DEFAULTS["diff_infer_steps"], default_from="",
+    replace(interface.NUM_INFERENCE_STEPS, default=GENERATION_DEFAULTS["diff_infer_steps"],
             doc="denoising steps (default: the model folder's generation_config.json, else 4)"),
     interface.SEED,
     interface.output_format("png"),
@@ -110,7 +110,6 @@ class HunyuanImage3Adapter(PipelineAdapter):
         state.latents = self.pipe.initial_noise(p.seed, state.context)
         state.sigmas = self.pipe.sigmas(p.num_inference_steps, p.flow_shift)
         state.device_sigmas = state.sigmas.to(self.device)  # (admission: a copy here may wait)
-        state.num_steps, state.step_index = p.num_inference_steps, 0
 
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[HunyuanState]) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Objects tests inject into an engine, so that "still running" and "fails alone" are facts, not timing hopes.
+
+None of them is configuration: an engine gets them through `EngineHooks` (in-process tests), and
+a served model gets them only when tritonserver was started with `DIFFUSION_TEST_HOOKS` in its
+environment, a JSON object mapping a model name to its hooks, e.g.
+`{"qwen_image": {"tick_budget_path": "/tmp/x/budget", "fail_prompt": "boom"}}`.
+A production server never sets it, and its engine then runs no hook at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from engine_lib.request import PipelineError
+
+ENVIRONMENT = "DIFFUSION_TEST_HOOKS"
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """tick_gate: asked before each tick that has requests to run; False: not yet (the engine asks again
+    shortly; aborts and close still act at once). before_forward: called with the states of each denoise
+    forward; raising fails that forward as a pipeline error would."""
+
+    tick_gate: Optional[Callable[[], bool]] = None
+    before_forward: Optional[Callable[[list], None]] = None
+
+
+class FileTickBudget:
+    """A tick gate another process can steer: the file holds how many ticks may still run (each allowed
+    tick takes one); at 0 the engine waits. No file: every tick is allowed."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self) -> bool:
+        try:
+            budget = int(Path(self.path).read_text().strip() or "0")
+        except (OSError, ValueError):
+            return True
+        if budget > 0:
+            write_atomically(self.path, str(budget - 1))
+            return True
+        return False
+
+
+class FailPrompt:
+    """Fails every denoise forward that holds a request with exactly this prompt (its batch-mates are
+    then retried alone and finish)."""
+
+    def __init__(self, prompt: str):
+        self.prompt = prompt
+
+    def __call__(self, states: list) -> None:
+        if any(s.params.get("prompt") == self.prompt for s in states):
+            raise PipelineError(f"injected failure for the prompt {self.prompt!r}")
+
+
+def hooks_from_environment(model_name: str) -> Optional[EngineHooks]:
+    """The hooks `DIFFUSION_TEST_HOOKS` names for this model, if any."""
+    text = os.environ.get(ENVIRONMENT)
+    if not text:
+        return None
+    spec = json.loads(text).get(model_name) or {}
+    budget, prompt = spec.get("tick_budget_path"), spec.get("fail_prompt")
+    if not budget and not prompt:
+        return None
+    return EngineHooks(tick_gate=FileTickBudget(budget) if budget else None,
+                       before_forward=FailPrompt(prompt) if prompt else None)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace a small file in one step, so a reader never sees it half written."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
+def hooks_environment(**models: dict) -> dict[str, str]:
+    """The environment entry that gives each named model its hooks, e.g.
+    `hooks_environment(qwen_image={"tick_budget_path": path})`."""
+    return {ENVIRONMENT: json.dumps(models)}
