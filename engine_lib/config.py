@@ -148,7 +148,8 @@ class EngineMode(enum.Enum):
 
 
 def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
-    """The seed's table, plus the load-time capability checks (the message names the setting).
+    """The execution-mode table (docs/architecture.md), plus the load-time capability checks (the message
+    names the setting).
 
     `adapter` is an adapter class or instance (its capability flags are class attributes).
     """

@@ -1,6 +1,6 @@
 """ModelRunner: the one denoise loop, and the only place requests become tensors and tensors outputs.
 
-Each tick runs the seed's step contract over the scheduled requests: prepare
+Each tick runs the step contract (docs/pipelines.md) over the scheduled requests: prepare
 the new ones, one batched denoise forward, each request's own scheduler step,
 previews at their boundaries, one batched decode of the requests that finished.
 Request mode and step mode both run here (they differ only in who the scheduler
