@@ -191,6 +191,8 @@ def plot(result: dict, path: Path) -> Optional[Path]:
             ax.annotate(f"offline limit, batch {batch}", (sc["concurrency"][0], row["best_images_per_s"]), fontsize=8)
         ax.set(xscale="log", xlabel="concurrency (closed loop)", ylabel="requests/s", xticks=sc["concurrency"])
         ax.set_xticklabels([str(c) for c in sc["concurrency"]])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
     else:
         for row in result["rows"]:
             point = median_round(row["points"])

@@ -67,9 +67,10 @@ def model_path(sc: Scenario, pipeline: str) -> Path:
     return path
 
 
-def specs(sc: Scenario, n: int, seed: int, **overrides) -> list:
+def specs(sc: Scenario, n: int, seed: int, priority: int = 0, **overrides) -> list:
+    """n requests of the scenario's workload (with `overrides` of its fields), at `priority` (0: not sent)."""
     sc = replace(sc, **overrides)
-    return workloads.generate(n, sc.sizes, sc.steps, seed, sc.preview_interval, sc.loras, sc.num_frames)
+    return workloads.generate(n, sc.sizes, sc.steps, seed, sc.preview_interval, sc.loras, sc.num_frames, priority)
 
 
 @contextlib.contextmanager

@@ -309,9 +309,15 @@ def test_the_runner_writes_results_tables_and_a_plot_and_records_a_failure(tmp_p
     monkeypatch.setitem(scenarios.SCENARIOS, "t-closed", scenarios.Scenario(
         "t-closed", "closed", "closed", (step,), concurrency=(1, 2), **tiny))
     monkeypatch.setitem(scenarios.SCENARIOS, "t-bad", scenarios.Scenario("t-bad", "bad", "closed", (bad,), **tiny))
-    assert run.main(["--scenario", "t-closed,t-bad", "--out", str(tmp_path)]) == 1
+    monkeypatch.setitem(scenarios.SCENARIOS, "t-priority", scenarios.Scenario(
+        "t-priority", "priority", "priority", (step,), requests=2, background=1, **tiny))
+    assert run.main(["--scenario", "t-closed,t-bad,t-priority", "--out", str(tmp_path)]) == 1
     result = json.loads((tmp_path / "t-closed.json").read_text())
     assert [(r["concurrency"], r["points"][0]["completed"]) for r in result["rows"]] == [(1, 2), (2, 2)]
-    assert result["command"].endswith("--scenario t-closed,t-bad --out " + str(tmp_path))
+    assert result["command"].endswith("--scenario t-closed,t-bad,t-priority --out " + str(tmp_path))
     assert "| STEP x2 " in (tmp_path / "t-closed.md").read_text() and (tmp_path / "t-closed.png").is_file()
     assert "max_num_seqs" in json.loads((tmp_path / "t-bad.json").read_text())["error"]
+    priority = json.loads((tmp_path / "t-priority.json").read_text())
+    assert "error" not in priority, priority["error"]
+    assert [(len(r["latencies_s"]), r["background_done"] > 0) for r in priority["rows"]] == [
+        (2, False), (2, True), (2, True)]  # alone, under load at priority 1, under load at the background's
