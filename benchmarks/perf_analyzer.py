@@ -121,7 +121,7 @@ def run(url: str, model: str, spec: RequestSpec, concurrency: int, request_count
         data_path.write_text(json.dumps(input_data(spec)))
         cmd = command(url, model, data_path, export_path, concurrency, request_count)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        result = {"command": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)),
+        result = {"command": " ".join(Path(c).name if i == 0 or c.startswith(tmp) else c for i, c in enumerate(cmd)),
                   "returncode": proc.returncode, "concurrency": concurrency, "request_count": request_count,
                   "explanation": EXPLANATION}
         if proc.returncode != 0:
