@@ -61,17 +61,24 @@ Running:
                           CORE_FILES always run. Left-out mutants are listed; they do not
                           fail the run
     --show                print each caught mutant's failing test
+    --no-fork             run each pytest in a fresh interpreter instead of a child forked from
+                          the runner after it imported torch, diffusers and transformers once
+                          (WARM_PACKAGES; much faster for the engine's and pipelines' tests)
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import atexit
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,10 +88,19 @@ RECENT_HOURS = 6
 
 # The core set: fast mutants on the central guarantees, run by CI on every change.
 CORE = (
-    "01-engine-final-keeps-its-sink",            # one final response per request (engine)
+    "01-engine-final-keeps-its-sink",             # one final response per request (engine)
+    "07-sender-failed-send-ends-nothing",         # one final response per request (sender)
+    "09-step-scheduler-ignores-keys",             # only compatible requests share a step batch
+    "02-runner-denoise-failure-fails-the-batch",  # a failing batched forward fails only its requests
+    "03-runner-decode-failure-fails-the-batch",   # so does a failing batched decode
+    "11-scheduler-error-fails-everyone",          # an error for one request fails only that request
+    "04-engine-close-forgets-open-streams",       # the engine's close ends every open stream
+    "05-sender-drain-forgets-open-streams",       # the sender's shutdown ends every open stream
+)
     "07-sender-failed-send-ends-nothing",        # one final response per request (sender)
     "09-step-scheduler-ignores-keys",            # only compatible requests share a step batch
     "02-runner-denoise-failure-fails-the-batch",  # a failing batched forward fails only its own requests
+    "03-runner-decode-failure-fails-the-batch",  # ... and so does a failing batched decode
     "11-scheduler-error-fails-everyone",         # a scheduling error fails only its own request
     "04-engine-close-forgets-open-streams",      # close ends every open stream
     "05-sender-drain-forgets-open-streams",      # shutdown ends every open stream
@@ -234,19 +250,81 @@ def copy_tree(target: Path) -> None:
             (target / name).symlink_to(ROOT / name)
 
 
-def run_tests(tree: Path, tests: list[str], show: bool = False) -> bool:
-    """Whether the tests pass in `tree`. A test that pytest cannot find is an error, not a failure."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *tests]
-    result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
-    if result.returncode in (3, 4, 5):  # internal error, usage error (a test not found), no tests collected
-        lines = (result.stdout + result.stderr).strip().splitlines()
-        raise MutantError(f"pytest could not run {' '.join(tests)} (exit {result.returncode}): "
-                          + " / ".join(lines[-3:]))
-    if show and result.returncode != 0:
-        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
+# Third-party packages whose modules (those engine_lib imports) the runner imports once, before it forks
+# each test run from its own process: their import is most of a small test's time (tiny pipelines load in
+# seconds, diffusers and transformers take longer to import). engine_lib itself is never imported here.
+WARM_PACKAGES = ("torch", "numpy", "PIL", "safetensors", "transformers", "diffusers", "peft")
+
+
+def warm_imports() -> None:
+    """Import the WARM_PACKAGES modules that engine_lib's files name (what `import`s they hold, also inside functions)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as tests/conftest.py sets it before torch is imported
+    wanted: set[tuple[str, str]] = set()
+    for path in sorted((ROOT / "engine_lib").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wanted.update((alias.name, "") for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                wanted.update((node.module, alias.name) for alias in node.names)
+    for module, name in sorted(wanted):
+        if module.split(".")[0] in WARM_PACKAGES:
+            try:
+                getattr(importlib.import_module(module), name) if name else importlib.import_module(module)
+            except Exception:  # a name this version lacks: the tests will say so themselves
+                pass
+
+
+def pytest_in_child(tree: Path, args: list[str], output: Path) -> int:
+    """pytest.main(args) in a child forked from this process, with `tree` first on the import path; its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        atexit._clear()  # this process's own exit handlers (its temporary directory's removal) are not the child's
+        try:
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(tree)
+            os.environ.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")  # for the processes tests start
+            sys.path.insert(0, str(tree))
+            sys.dont_write_bytecode = True
+            import pytest
+
+            code = int(pytest.main(args))
+            atexit._run_exitfuncs()  # those the tests registered, as a fresh interpreter would run them
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def run_tests(tree: Path, tests: list[str], show: bool = False, fork: bool = True) -> bool:
+    """Whether the tests pass in `tree`. A test that pytest cannot find is an error, not a failure.
+
+    With `fork`, pytest runs in a child of this process (after warm_imports), else in a fresh interpreter."""
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line", *tests]
+    if fork:
+        output = tree.parent / f"{tree.name}.out"
+        returncode = pytest_in_child(tree, args, output)
+        text = output.read_text(errors="replace")
+    else:
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        result = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=tree, env=env,
+                                capture_output=True, text=True)
+        returncode, text = result.returncode, result.stdout + result.stderr
+    if returncode in (3, 4, 5):  # internal error, usage error (a test not found), no tests collected
+        lines = text.strip().splitlines()
+        raise MutantError(f"pytest could not run {' '.join(tests)} (exit {returncode}): " + " / ".join(lines[-3:]))
+    if show and returncode != 0:
+        failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
         print("    " + "\n    ".join(failed[-3:]), flush=True)
-    return result.returncode == 0
+    return returncode == 0
 
 
 def git(*args: str) -> str:
@@ -336,6 +414,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--budget", type=float, metavar="SECONDS")
     parser.add_argument("--show", action="store_true")
+    parser.add_argument("--no-fork", action="store_true")
     args = parser.parse_args(argv)
     try:
         mutants = [read_mutant(p) for p in sorted(MUTANTS.glob("*.mutant"))]
@@ -360,13 +439,16 @@ def main(argv: list[str]) -> int:
 def run(chosen: list[Mutant], args: argparse.Namespace) -> int:
     start = time.monotonic()
     print(f"{len(chosen)} mutants selected", flush=True)
+    if not args.no_fork:
+        warm_imports()
+        print(f"imported {', '.join(WARM_PACKAGES)} for the test runs ({time.monotonic() - start:.0f} s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         if not args.no_baseline:
             clean = Path(tmp) / "clean"
             copy_tree(clean)
             every_test = sorted({t for m in chosen for t in m.tests})
             began = time.monotonic()
-            if not run_tests(clean, every_test, show=True):
+            if not run_tests(clean, every_test, show=True, fork=not args.no_fork):
                 print(f"the tests fail without any planted bug: {' '.join(every_test)}")
                 return 1
             print(f"baseline: the selected mutants' tests pass without them ({time.monotonic() - began:.0f} s)",
@@ -384,7 +466,7 @@ def run(chosen: list[Mutant], args: argparse.Namespace) -> int:
             try:
                 for path, text in planted(m, lambda path: (tree / path).read_text()).items():
                     (tree / path).write_text(text)
-                caught = not run_tests(tree, m.tests, args.show)
+                caught = not run_tests(tree, m.tests, args.show, fork=not args.no_fork)
             except MutantError as error:
                 print(f"{m.name}: {error}")
                 return 1
