@@ -41,8 +41,8 @@ mutants: models  ## plant each bug of tests/mutants/ and check the tests catch i
 bench: models  ## every scenario of benchmarks/scenarios.py, or one: make bench SCENARIO=<name> (results: benchmarks/results/)
 	@$(PY) -m benchmarks.run $(if $(SCENARIO),--scenario $(SCENARIO)) $(BENCH_ARGS)
 
-bench-quick: models  ## a few scenarios with fewer requests and repeats (results: benchmarks/results/quick/)
-	@$(PY) -m benchmarks.run --quick $(BENCH_ARGS)
+bench-quick: models  ## a few scenarios with fewer requests and repeats, or SCENARIO=<name> (results: benchmarks/results/quick/)
+	@$(PY) -m benchmarks.run --quick $(if $(SCENARIO),--scenario $(SCENARIO)) $(BENCH_ARGS)
 
 clean:
 	rm -rf models out build .pytest_cache
