@@ -97,14 +97,6 @@ CORE = (
     "04-engine-close-forgets-open-streams",       # the engine's close ends every open stream
     "05-sender-drain-forgets-open-streams",       # the sender's shutdown ends every open stream
 )
-    "07-sender-failed-send-ends-nothing",        # one final response per request (sender)
-    "09-step-scheduler-ignores-keys",            # only compatible requests share a step batch
-    "02-runner-denoise-failure-fails-the-batch",  # a failing batched forward fails only its own requests
-    "03-runner-decode-failure-fails-the-batch",  # ... and so does a failing batched decode
-    "11-scheduler-error-fails-everyone",         # a scheduling error fails only its own request
-    "04-engine-close-forgets-open-streams",      # close ends every open stream
-    "05-sender-drain-forgets-open-streams",      # shutdown ends every open stream
-)
 
 # The engine's core files: under --budget, the mutants of these files always run when they changed.
 CORE_FILES = (
