@@ -379,7 +379,8 @@ def select(mutants: list[Mutant], args: argparse.Namespace) -> list[Mutant]:
     return sorted(chosen, key=lambda m: (m.rank, m.name))
 
 
-def check(mutants: list[Mutant]) -> int:
+def check(mutants: list[Mutant], quiet: bool = False) -> int:
+    """Plant each mutant into the repository's text in memory; report those that do not apply (1 if any)."""
     bad = 0
     for m in mutants:
         try:
@@ -390,7 +391,8 @@ def check(mutants: list[Mutant]) -> int:
         except MutantError as error:
             print(error)
             bad += 1
-    print(f"{len(mutants) - bad} of {len(mutants)} mutants apply" + ("" if not bad else ": update the others"))
+    if bad or not quiet:
+        print(f"{len(mutants) - bad} of {len(mutants)} mutants apply" + ("" if not bad else ": update the others"))
     return 1 if bad else 0
 
 
@@ -431,6 +433,8 @@ def main(argv: list[str]) -> int:
 def run(chosen: list[Mutant], args: argparse.Namespace) -> int:
     start = time.monotonic()
     print(f"{len(chosen)} mutants selected", flush=True)
+    if check(chosen, quiet=True):  # every one must apply before any test runs
+        return 1
     if not args.no_fork:
         warm_imports()
         print(f"imported {', '.join(WARM_PACKAGES)} for the test runs ({time.monotonic() - start:.0f} s)", flush=True)
