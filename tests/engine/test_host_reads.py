@@ -1,9 +1,8 @@
 """No tick reads from the device once its requests are admitted, checked on the CPU.
 
 On CUDA a denoising tick must not wait for the device, and a finishing tick only
-once, for its outputs (engine_lib/host_copy.py). `benchmarks/gpu_sync.py` counts
-the real waits on a GPU; the operations that cause them can be seen on the CPU
-too, with a TorchDispatchMode: a tensor's value read on the host (`item()`,
+once, for its outputs (engine_lib/host_copy.py). The operations that make it wait
+can be seen on the CPU too, with a TorchDispatchMode: a tensor's value read on the host (`item()`,
 `int(t)`, `bool(t)`, `torch.equal`), shapes that depend on values (`nonzero`,
 boolean indexing), and tensors made from host data (`torch.tensor(list)`, on CUDA
 a copy from pageable memory that waits). Admission ticks may do these (diffusers'
