@@ -55,11 +55,11 @@ Running:
     --no-baseline         skip the baseline (when the same tree's full test suite just passed,
                           as in CI)
     --budget SECONDS      run the selected mutants in priority order (the core set, then those
-                          whose target file changed, then the rest) and leave out the ones
-                          that would start once SECONDS have passed since the first mutant
-                          started; the core set and the mutants of changed files in
-                          CORE_FILES always run. Left-out mutants are listed; they do not
-                          fail the run
+                          of changed files in CORE_FILES, then those whose target file
+                          changed, then the rest) and leave out the ones that would start
+                          once SECONDS have passed since the first mutant started; the core
+                          set always runs. Left-out mutants are listed; they do not fail
+                          the run
     --show                print each caught mutant's failing test
     --no-fork             run each pytest in a fresh interpreter instead of a child forked from
                           the runner after it imported torch, diffusers and transformers once
@@ -98,7 +98,7 @@ CORE = (
     "05-sender-drain-forgets-open-streams",       # the sender's shutdown ends every open stream
 )
 
-# The engine's core files: under --budget, the mutants of these files always run when they changed.
+# The engine's core files: under --budget, the mutants of these files run first when they changed.
 CORE_FILES = (
     "engine_lib/engine.py",
     "engine_lib/runner.py",
@@ -135,10 +135,12 @@ class Mutant:
 
     @property
     def rank(self) -> int:
-        """Run order: 0 always runs (the core set, a changed core file), then 1 (a changed target), then 2."""
-        if self.core or any(is_core_file(path) for path in self.changed_targets):
+        """Run order: 0 always runs (the core set), then 1 (a changed core file), 2 (a changed target), 3."""
+        if self.core:
             return 0
-        return 1 if self.changed_targets else 2
+        if any(is_core_file(path) for path in self.changed_targets):
+            return 1
+        return 2 if self.changed_targets else 3
 
     @property
     def name(self) -> str:
