@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.request import SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
+from engine_lib.sched.outputs import Outputs
 
-Outputs = dict  # output name -> numpy array (or, from an adapter, a tensor on its device)
 Prediction = Union[torch.Tensor, dict]  # one tensor per row, or several by name (video + audio)
 
 

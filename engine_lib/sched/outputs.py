@@ -43,7 +43,7 @@ class SchedulerOutput:
         return not self.new_ids and not self.running_ids
 
 
-Outputs = dict[str, Any]  # output name -> array (numpy once the runner hands it over)
+Outputs = dict[str, Any]  # output name -> numpy array (or, from an adapter, a tensor on its device)
 
 
 @dataclass
