@@ -10,6 +10,7 @@ import pytest
 
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, request_batch_key
+from tests.sched.test_deadline_order import Clock
 
 
 def req(request_id: str, **overrides) -> DiffusionRequest:
@@ -210,14 +211,6 @@ def test_scheduled_request_without_result_is_an_internal_error():
 
 
 # --- admission wait ---------------------------------------------------------------------
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def waiting_wave(max_num_seqs: int = 4, wait_s: float = 10.0) -> tuple[Scheduler, Clock]:
     sched = Scheduler(max_num_seqs, key, step_batching=False, admission_wait_s=wait_s)
