@@ -150,3 +150,18 @@ def held(server):
     """The shared server's tick budget, released (and the engine running freely) after the test."""
     yield server.budget
     server.budget.release()
+
+
+@pytest.fixture(scope="session")
+def secured(tmp_path_factory, request):
+    """`make serve`'s launcher with every key it takes set (tests/serving/launched.py, SECURED_ENV),
+    shared by the session's security tests. Tests must leave it serving."""
+    from .launched import SECURED_ENV, Launcher  # noqa: PLC0415 (launched imports this module)
+
+    launched = Launcher(tmp_path_factory.mktemp("secured"), model_path(request), env=SECURED_ENV)
+    try:
+        launched.wait_serving(300)
+        yield launched
+    finally:
+        launched.budget.release()
+        launched.kill()
