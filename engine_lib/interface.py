@@ -16,6 +16,7 @@ Torch-free, so the serving edge and the schedulers read it without a model.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import secrets
@@ -46,6 +47,10 @@ class _Random:
 
 RANDOM = _Random()
 SEED_RANGE = (0, 2**63 - 1)
+# The largest guidance scale of every pipeline: diffusers' defaults are 1 to 10 (Flux 3.5, Qwen-Image 4, SD3 7,
+# LTX-2 audio 7) and sweeps rarely pass 30, so 100 refuses no real use, while the guided prediction (at most ~100x
+# the cond-uncond difference) stays finite even in float16. Without a bound 1e38 gave black images "successfully".
+GUIDANCE_HIGH = 100.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class InputSpec:
     def __post_init__(self) -> None:
         assert self.datatype in ("BYTES", "INT32", "INT64", "FP32"), f"{self.name}: datatype {self.datatype}"
         assert self.batch in BATCH_ROLES, f"{self.name}: batch role {self.batch!r}"
+        # A float knob without bounds lets 1e38 through, and the image comes back black, counted a success.
+        assert self.datatype != "FP32" or None not in (self.low, self.high), f"{self.name}: FP32 needs low and high"
 
     @property
     def triton_type(self) -> str:
@@ -264,8 +271,7 @@ class InputSchema:
     def parse(self, values: Mapping[str, Any]) -> SamplingParams:
         unknown = sorted(name for name in values if name not in self.specs)
         if unknown:
-            uses = ", ".join(name for name, spec in self.specs.items() if not spec.unused)
-            raise InvalidInputError(unknown[0], f"{self.pipeline} does not use this input (it uses: {uses})")
+            raise self.unknown(unknown[0])
         parsed = {}
         for name, spec in self.specs.items():
             value = values.get(name)
@@ -283,6 +289,13 @@ class InputSchema:
         if self._check is not None:
             self._check(params)
         return params
+
+    def unknown(self, name: str) -> InvalidInputError:
+        """The error for a name that is no input of this pipeline: the nearest input, and every one it uses."""
+        uses = [name for name, spec in self.specs.items() if not spec.unused]
+        near = difflib.get_close_matches(name, uses, n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        return InvalidInputError(name, f"{self.pipeline} does not use this input ({hint}it uses: {', '.join(uses)})")
 
 
 def _resolve(spec: InputSpec, config: Any) -> InputSpec:

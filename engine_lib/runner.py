@@ -52,8 +52,8 @@ class ModelRunner:
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
                      hold_decode_ids: frozenset[str] = frozenset()) -> RunnerOutput:
-        """prepare_encode the new requests, one batched denoise step, per-request scheduler steps,
-        previews at their boundaries, and one batched decode of the requests that finished denoising
+        """prepare_encode the new requests, one batched denoise step, per-request scheduler steps (a
+        request whose latents are no longer finite fails alone), previews at their boundaries, and one batched decode of the requests that finished denoising
         (but those in `hold_decode_ids`, whose decode the scheduler holds for a later tick)."""
         result = RunnerOutput()
         with self.clock.phase("prepare"):
@@ -68,6 +68,7 @@ class ModelRunner:
         result.forward_size = len(denoising)
         if denoising:
             self._denoise(denoising, result)
+            self._fail_non_finite([s for s in denoising if s.request_id not in result.errors], result)
         done = [s for s in active if s.request_id not in result.errors]
         for state in done:
             result.step_index[state.request_id] = state.step_index
@@ -141,6 +142,24 @@ class ModelRunner:
                     self.adapter.step_scheduler(state, pred)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(result, state.request_id, exc)
+
+    def _fail_non_finite(self, states: list[RequestState], result: RunnerOutput) -> None:
+        """Fail (alone) each request whose latents hold NaN or inf after this step: its image would be
+        garbage (black) counted as a success, and the rows beside it are unaffected. Cost per tick: one
+        isfinite reduction over each request's latents, and one device sync for all of them (the flags are
+        stacked and read at once), so the host waits for the step before it plans the next tick; a
+        transformer forward dwarfs the kernel launches that overlap would have hidden."""
+        checked = [(s, _latents(s)) for s in states]
+        checked = [(s, tensors) for s, tensors in checked if tensors]
+        if not checked:
+            return
+        with torch.inference_mode():
+            flags = torch.stack([torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+                                 for _, tensors in checked])
+        for (state, _), finite in zip(checked, flags.tolist()):
+            if not finite:
+                self._fail(result, state.request_id, PipelineError(
+                    f"non-finite latents after step {state.step_index} of {state.num_steps}"))
 
     def _predict(self, states: list[RequestState]) -> tuple[InputBatch, Prediction]:
         if self.before_forward is not None:
@@ -232,3 +251,12 @@ class ModelRunner:
     @property
     def num_states(self) -> int:
         return len(self.states)
+
+
+def _latents(state: RequestState) -> list[torch.Tensor]:
+    """A state's latents: every pipeline's state holds them as `latents`, one tensor or one per modality
+    (LTX-2's video and audio)."""
+    latents = getattr(state, "latents", None)
+    if isinstance(latents, dict):
+        return [t for t in latents.values() if isinstance(t, torch.Tensor)]
+    return [latents] if isinstance(latents, torch.Tensor) else []

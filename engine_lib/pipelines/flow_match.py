@@ -55,8 +55,9 @@ def max_sequence_length(default: int, high: int) -> InputSpec:
 
 
 TRUE_CFG_SCALE = InputSpec("true_cfg_scale", "FP32", "true CFG scale: > 1 with a negative_prompt runs a second pass",
-                           default=1.0, low=0, batch="adapter", pipe_arg="true_cfg_scale")
-GUIDANCE_SCALE = InputSpec("guidance_scale", "FP32", "guidance scale", low=0, pipe_arg="guidance_scale")
+                           default=1.0, low=0, high=interface.GUIDANCE_HIGH, batch="adapter", pipe_arg="true_cfg_scale")
+GUIDANCE_SCALE = InputSpec("guidance_scale", "FP32", "guidance scale", low=0, high=interface.GUIDANCE_HIGH,
+                           pipe_arg="guidance_scale")
 # The inputs every flow-matching image pipeline takes; subclasses add max_sequence_length and guidance.
 IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
                 interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,

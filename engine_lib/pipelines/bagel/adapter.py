@@ -38,9 +38,10 @@ BAGEL_INPUTS = (
     interface.output_format("png"),
     interface.PRIORITY,
     InputSpec("guidance_scale", "FP32", "text CFG scale (BAGEL's cfg_text_scale); <= 1: no CFG", default=4.0, low=0,
-              high=100, batch="row", pipe_arg="guidance_scale"),
+              high=interface.GUIDANCE_HIGH, batch="row", pipe_arg="guidance_scale"),
     InputSpec("cfg_img_scale", "FP32", "image CFG scale (text to image has no image context: it scales towards "
-              "the conditional velocity)", default=1.0, low=0, high=100, batch="row", pipe_arg="cfg_img_scale"),
+              "the conditional velocity)", default=1.0, low=0, high=interface.GUIDANCE_HIGH, batch="row",
+              pipe_arg="cfg_img_scale"),
     InputSpec("cfg_interval", "FP32", "CFG runs at timesteps t with start < t <= end (t falls from 1 to 0)",
               default=(0.4, 1.0), low=0, high=1, count=2, batch="row", pipe_arg="cfg_interval"),
     InputSpec("cfg_renorm_type", "BYTES", "how the guided velocity is rescaled to the conditional one's norm",

@@ -62,7 +62,7 @@ HELIOS_INPUTS = (
     replace(interface.NUM_INFERENCE_STEPS, doc="denoising steps per chunk"),
     interface.SEED,
     InputSpec("guidance_scale", "FP32", "classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") "
-              "as a second pass", default=5.0, low=0, high=100, batch="row", pipe_arg="guidance_scale"),
+              "as a second pass", default=5.0, low=0, high=interface.GUIDANCE_HIGH, batch="row", pipe_arg="guidance_scale"),
     InputSpec("max_sequence_length", "INT32", "text tokens each prompt is encoded to", default=512, low=1, high=512,
               batch="row", pipe_arg="max_sequence_length"),
     InputSpec("preview_interval", "INT32", "0: chunk and final responses only; k: a progress response every k "

@@ -35,8 +35,8 @@ HUNYUAN_INPUTS = (
     interface.output_format("png"),
     interface.PRIORITY,
     InputSpec("guidance_scale", "FP32", "CFG scale (diff_guidance_scale; default: generation_config.json's); "
-              "<= 1: the conditional pass alone", default=GENERATION_DEFAULTS["diff_guidance_scale"], low=0, high=100,
-              batch="row", pipe_arg="guidance_scale"),
+              "<= 1: the conditional pass alone", default=GENERATION_DEFAULTS["diff_guidance_scale"], low=0,
+              high=interface.GUIDANCE_HIGH, batch="row", pipe_arg="guidance_scale"),
     InputSpec("flow_shift", "FP32", "schedule shift s: sigma -> s sigma / (1 + (s - 1) sigma) (default: "
               "generation_config.json's)", default=GENERATION_DEFAULTS["flow_shift"], low=0.01, high=100, batch="row",
               pipe_arg="flow_shift"),

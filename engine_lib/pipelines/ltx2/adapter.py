@@ -41,7 +41,7 @@ STG_BLOCK = 28  # LTX2Pipeline.__call__'s spatio_temporal_guidance_blocks=[28] (
 
 
 def _scale(name: str, default: float, doc: str, low: float = 0.0) -> InputSpec:
-    return InputSpec(name, "FP32", doc, default=default, low=low, high=100, batch="row", pipe_arg=name)
+    return InputSpec(name, "FP32", doc, default=default, low=low, high=interface.GUIDANCE_HIGH, batch="row", pipe_arg=name)
 
 
 LTX2_INPUTS = (
