@@ -15,13 +15,21 @@ the server: tritonserver 2.51 otherwise spends its whole exit timeout waiting fo
 idle HTTP keep-alive connections and then exits without unloading anything.
 
 `OpenAIFrontDoor` runs the front door (engine_lib/serving/openai_api: the OpenAI
-Images API and strict generate endpoints) as a second process next to it.
+Images API and strict generate endpoints) as a second process next to it, and `GrpcGate`
+the gRPC gate (grpc_gate.py), the public gRPC port in front of tritonserver's own, which
+refuses oversized messages before tritonserver reads them.
 
 CLI (for `make serve` and the Docker image): `python -m engine_lib.serving.launcher serve`
 starts both under a `Supervisor` (supervisor.py) that restarts a server or stub that dies.
-Environment: TRITON_ADDRESS (127.0.0.1; 0.0.0.0 listens on every interface), HTTP_PORT,
-GRPC_PORT, METRICS_PORT (8000, 8001, 8002), OPENAI_PORT (9000; 0: no front door),
-OPENAI_API_KEY (a bearer key the front door asks for), MODEL_REPOSITORY
+Environment: TRITON_ADDRESS (127.0.0.1; 0.0.0.0: the gRPC, metrics and front door ports listen on every
+interface), TRITON_HTTP_ADDRESS (tritonserver's HTTP port, which one request can crash: 127.0.0.1 whatever
+TRITON_ADDRESS says), HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), GRPC_MAX_MESSAGE_BYTES (the
+gate's limit on a gRPC message, 16 MiB; 0: no gate, tritonserver's gRPC port is the public one; with the
+gate tritonserver's own listens on 127.0.0.1, on a free port), OPENAI_PORT (9000; 0: no front door),
+OPENAI_API_KEY (a bearer key the front door asks for), OPENAI_PRIORITY_KEYS (front door bearer keys that
+may ask for priority up to a level: `key=1,key2=2`), DIFFUSION_PRIORITY_KEY (the request parameter
+`priority_key` a request needs to ask for a priority more urgent than the model's default; default: a
+random one per launch; the models and the front door get it in their environment), MODEL_REPOSITORY
 (<repo>/model_repository), EXIT_TIMEOUT_SECS (30), TRITON_ADMIN_KEY (the repository API's
 key; default: a random one per launch), TRITONSERVER (a tritonserver binary to use instead
 of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images),
@@ -37,6 +45,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -47,7 +56,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -59,6 +68,7 @@ DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is expo
 # own exit timeout still covers is only its wait for idle HTTP connections.
 DRAINED_EXIT_TIMEOUT_S = 3
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
+PRIORITY_KEY_ENV = "DIFFUSION_PRIORITY_KEY"  # the key of priorities above a model's default (serve())
 MODELS_ENV = "MODELS"  # the models `make serve` and `make demo` load at start (select_models)
 DEFAULT_MODELS = ("qwen_image",)  # one model: the server is ready in seconds; MODELS=all loads every one
 
@@ -74,6 +84,26 @@ def _env_int(name: str, default: int) -> int:
 
 def default_address() -> str:
     return os.environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS
+
+
+def default_http_address() -> str:
+    """tritonserver's HTTP address: TRITON_HTTP_ADDRESS, else loopback whatever TRITON_ADDRESS says. One
+    request can crash that port (a deeply nested JSON body: SIGSEGV, every model restarts) or have its
+    integers wrapped; clients belong on the front door, and only an operator who puts a body-size-capping
+    proxy in front of it opts in."""
+    return os.environ.get("TRITON_HTTP_ADDRESS", "").strip() or DEFAULT_ADDRESS
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as sock:
+        sock.bind((DEFAULT_ADDRESS, 0))
+        return sock.getsockname()[1]
+
+
+def connect_host(address: str) -> str:
+    """Where to connect to a port that listens on `address` (every interface: loopback)."""
+    return "127.0.0.1" if address in ("0.0.0.0", "") else address
 
 
 def repository_models(repository: os.PathLike | str) -> list[str]:
@@ -188,6 +218,8 @@ class TritonServer:
         env: Optional[Mapping[str, str]] = None,
         admin_key: Optional[str] = None,
         load_models: Sequence[str] = ("*",),
+        http_address: Optional[str] = None,
+        grpc_address: Optional[str] = None,
     ):
         self.model_repository = Path(
             model_repository or os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY
@@ -195,7 +227,9 @@ class TritonServer:
         self.http_port = http_port or _env_int("HTTP_PORT", 8000)
         self.grpc_port = grpc_port or _env_int("GRPC_PORT", 8001)
         self.metrics_port = metrics_port or _env_int("METRICS_PORT", 8002)
-        self.address = address or default_address()
+        self.address = address or default_address()  # metrics (and gRPC and HTTP unless given)
+        self.http_address = http_address or default_http_address()
+        self.grpc_address = grpc_address or self.address
         self.admin_key = admin_key
         self.load_models = list(load_models)  # with an admin key: the models loaded at start ("*": all)
         self.unloaded_cleanly: Optional[bool] = None  # set by stop(): every model unloaded before the exit
@@ -215,20 +249,16 @@ class TritonServer:
 
     # -- addresses ---------------------------------------------------------------
     @property
-    def _host(self) -> str:
-        return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
-
-    @property
     def http_url(self) -> str:
-        return f"{self._host}:{self.http_port}"
+        return f"{connect_host(self.http_address)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self._host}:{self.grpc_port}"
+        return f"{connect_host(self.grpc_address)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self._host}:{self.metrics_port}/metrics"
+        return f"http://{connect_host(self.address)}:{self.metrics_port}/metrics"
 
     # -- lifecycle -----------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
@@ -238,8 +268,8 @@ class TritonServer:
             str(binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={backend_dir}",
-            f"--http-address={self.address}",
-            f"--grpc-address={self.address}",
+            f"--http-address={self.http_address}",
+            f"--grpc-address={self.grpc_address}",
             f"--metrics-address={self.address}",
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
@@ -471,13 +501,7 @@ class OpenAIFrontDoor:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, "-m", "engine_lib.serving.openai_api", "--triton", self.triton_grpc_url,
                    "--host", self.host, "--port", str(self.port)]
-        if self.log_path is None:
-            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-        else:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        self.process = spawn(command, env, self.log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -512,6 +536,65 @@ class OpenAIFrontDoor:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+class GrpcGate:
+    """The gRPC gate (grpc_gate.py) as a child process: the public gRPC port, which refuses a message over
+    `max_message_bytes` before tritonserver (on loopback, at `upstream`) sees it and forwards the rest.
+
+    Like the front door it lives as long as the launcher; a restarted server comes back at the same
+    `upstream`. `start()` waits until its port accepts connections; a process that exits first, or a
+    timeout, raises TritonServerError with its output's tail. `stop()` is bounded (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, upstream: str, host: str, port: int, max_message_bytes: int,
+                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None):
+        self.upstream = upstream
+        self.host = host
+        self.port = port
+        self.max_message_bytes = max_message_bytes
+        self.log_path = Path(log_path) if log_path else None  # None: the launcher's console
+        self.env = dict(os.environ if env is None else env)
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"{connect_host(self.host)}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "GrpcGate":
+        from engine_lib.serving.grpc_gate import MAX_MESSAGE_ENV  # noqa: PLC0415 (imports grpc)
+
+        env = {**self.env, MAX_MESSAGE_ENV: str(self.max_message_bytes)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        self.process = spawn([sys.executable, "-m", "engine_lib.serving.grpc_gate", "--listen",
+                              f"{self.host}:{self.port}", "--upstream", self.upstream], env, self.log_path)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TritonServerError(f"the gRPC gate exited with code {self.process.returncode} on port "
+                                        f"{self.port}; its output:\n{self.log_tail()}")
+            try:
+                socket.create_connection((connect_host(self.host), self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TritonServerError(f"the gRPC gate did not listen on port {self.port} within {timeout_s:.0f} s; "
+                                f"its output:\n{self.log_tail()}")
+
+    stop = OpenAIFrontDoor.stop  # the same bounded stop and log tail as the front door's
+    log_tail = OpenAIFrontDoor.log_tail
+
+
+def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Optional[Path]) -> subprocess.Popen:
+    """A child of the launcher (front door, gate) that dies with it, its output appended to `log_path`
+    (None: the console)."""
+    if log_path is None:
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent)
 
 
 def proc_stat(pid: int | str) -> list[str]:
@@ -616,6 +699,7 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
     """Run tritonserver (supervised) and the front door in the foreground until Ctrl-C or SIGTERM."""
+    from engine_lib.serving.grpc_gate import max_message_bytes  # noqa: PLC0415 (imports grpc)
     from engine_lib.serving.supervisor import RESTARTS_ENV, Supervisor  # noqa: PLC0415 (it imports this module)
 
     parser = argparse.ArgumentParser(prog="python -m engine_lib.serving.launcher")
@@ -626,7 +710,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--grpc-port", type=int, default=None, help="default: $GRPC_PORT or 8001")
     p.add_argument("--metrics-port", type=int, default=None, help="default: $METRICS_PORT or 8002")
     p.add_argument("--address", default=None,
-                   help=f"the address every port listens on; default: $TRITON_ADDRESS or {DEFAULT_ADDRESS}")
+                   help="the address the gRPC, metrics and front door ports listen on (tritonserver's HTTP port: "
+                        f"$TRITON_HTTP_ADDRESS or {DEFAULT_ADDRESS}); default: $TRITON_ADDRESS or {DEFAULT_ADDRESS}")
     p.add_argument("--log-file", default=None, help="default: the console")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -648,6 +733,18 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         print(f"launcher: {exc}", file=sys.stderr, flush=True)
         return 2
     admin_key = os.environ.get("TRITON_ADMIN_KEY", "").strip() or secrets.token_urlsafe(24)
+    # The key a request needs to ask for more than the model's default priority. tritonserver (so its
+    # stubs) and the front door read it from their environment, never from a command line (ps shows those).
+    priority_key = os.environ.get(PRIORITY_KEY_ENV, "").strip() or secrets.token_urlsafe(24)
+    try:
+        max_message = max_message_bytes()
+    except ValueError as exc:
+        print(f"launcher: {exc}", file=sys.stderr, flush=True)
+        return 2
+    grpc_port = args.grpc_port or _env_int("GRPC_PORT", 8001)
+    # With the gate, tritonserver's own gRPC port is internal: loopback, on a port chosen once, so that a
+    # restarted server comes back where the gate and the front door look for it.
+    internal_grpc_port = free_port() if max_message else grpc_port
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -656,28 +753,40 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
 
     def make_server(restarts: int) -> TritonServer:
         began[0] = time.monotonic()
-        return TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-                            metrics_port=args.metrics_port, address=address, log_path=args.log_file or "/dev/stdout",
-                            log_verbose=args.log_verbose, admin_key=admin_key, env={RESTARTS_ENV: str(restarts)},
-                            load_models=models)
+        return TritonServer(args.model_repository, http_port=args.http_port, grpc_port=internal_grpc_port,
+                            metrics_port=args.metrics_port, address=address,
+                            grpc_address=DEFAULT_ADDRESS if max_message else address,
+                            log_path=args.log_file or "/dev/stdout", log_verbose=args.log_verbose, admin_key=admin_key,
+                            env={RESTARTS_ENV: str(restarts), PRIORITY_KEY_ENV: priority_key}, load_models=models)
 
-    front_doors: list[OpenAIFrontDoor] = []
-    failed = threading.Event()  # the front door could not start, or exited on its own
+    # The gate and the front door, each started once for the launcher's life (they reconnect to a restarted
+    # server by themselves), and stopped after it.
+    children: dict[str, GrpcGate | OpenAIFrontDoor] = {}
+    failed = threading.Event()  # one of them could not start, or exited on its own
 
-    def on_ready(server: TritonServer) -> None:
-        if openai_port and not front_doors:  # one front door for the launcher's life: it reconnects by itself
-            env = {**os.environ, "TRITON_ADMIN_KEY": admin_key}
+    def start_once(name: str, child: Callable[[], GrpcGate | OpenAIFrontDoor]) -> bool:
+        if name not in children:
             try:
-                front_doors.append(OpenAIFrontDoor(server.grpc_url, host=address, port=openai_port,
-                                                   log_path=args.log_file, env=env).start())
+                children[name] = child().start()
             except TritonServerError as exc:
                 print(f"launcher: {exc}", file=sys.stderr, flush=True)
                 failed.set()
                 stop.set()
-                return
-            threading.Thread(target=_stop_when_exits, args=(front_doors[0], stop, failed), daemon=True).start()
-        front = f", front door {front_doors[0].url}" if front_doors else ""
-        print(f"launcher: ready in {time.monotonic() - began[0]:.1f} s (grpc {server.grpc_url}, http {server.http_url}"
+                return False
+            threading.Thread(target=_stop_when_exits, args=(children[name], name, stop, failed), daemon=True).start()
+        return True
+
+    def on_ready(server: TritonServer) -> None:
+        if max_message and not start_once("the gRPC gate", lambda: GrpcGate(
+                server.grpc_url, address, grpc_port, max_message, log_path=args.log_file)):
+            return
+        front_env = {**os.environ, "TRITON_ADMIN_KEY": admin_key, PRIORITY_KEY_ENV: priority_key}
+        if openai_port and not start_once("the front door", lambda: OpenAIFrontDoor(
+                server.grpc_url, host=address, port=openai_port, log_path=args.log_file, env=front_env)):
+            return
+        grpc_url = children["the gRPC gate"].url if max_message else server.grpc_url
+        front = f", front door {children['the front door'].url}" if openai_port else ""
+        print(f"launcher: ready in {time.monotonic() - began[0]:.1f} s (grpc {grpc_url}, http {server.http_url}"
               f"{front}); Ctrl-C stops", flush=True)
 
     loading = "every model" if models == ["*"] else ", ".join(models)
@@ -685,19 +794,21 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     supervisor = Supervisor(make_server, stop, on_ready=on_ready, start_timeout_s=args.start_timeout,
                             stub_drain_s=args.stub_drain)
     code = supervisor.run()
-    for front_door in front_doors:
-        print("launcher: stopping the front door", flush=True)
-        front_door.stop()
+    for name in ("the front door", "the gRPC gate"):  # after the drain: running requests came through them
+        if name in children:
+            print(f"launcher: stopping {name}", flush=True)
+            children[name].stop()
     code = 1 if failed.is_set() else code
     print(f"launcher: stopped (exit code {code})", flush=True)
     return code
 
 
-def _stop_when_exits(front_door: OpenAIFrontDoor, stop: threading.Event, failed: threading.Event) -> None:
-    """The front door exiting on its own ends the launcher (a supervisor above restarts both)."""
+def _stop_when_exits(child: GrpcGate | OpenAIFrontDoor, name: str, stop: threading.Event,
+                     failed: threading.Event) -> None:
+    """The front door or the gate exiting on its own ends the launcher (a supervisor above restarts it all)."""
     while not stop.wait(0.5):
-        if front_door.process.poll() is not None:
-            print(f"launcher: the front door exited (code {front_door.process.returncode}); stopping", flush=True)
+        if child.process.poll() is not None:
+            print(f"launcher: {name} exited (code {child.process.returncode}); stopping", flush=True)
             failed.set()
             stop.set()
 
