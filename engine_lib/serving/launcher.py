@@ -68,6 +68,11 @@ DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is expo
 # own exit timeout still covers is only its wait for idle HTTP connections.
 DRAINED_EXIT_TIMEOUT_S = 3
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
+# Triton's admin-like protocols, closed to clients without the admin key (HTTP and gRPC). shared-memory
+# (system and CUDA) would let a client register any /dev/shm region, a Python stub's own included, as an
+# output buffer and have inference overwrite it; the others load and unload models, read statistics, and
+# change trace and log settings. health, metadata, inference and model-config stay open for clients.
+RESTRICTED_PROTOCOLS = ("shared-memory", "model-repository", "statistics", "trace", "logging")
 PRIORITY_KEY_ENV = "DIFFUSION_PRIORITY_KEY"  # the key of priorities above a model's default (serve())
 MODELS_ENV = "MODELS"  # the models `make serve` and `make demo` load at start (select_models)
 DEFAULT_MODELS = ("qwen_image",)  # one model: the server is ready in seconds; MODELS=all loads every one
@@ -283,9 +288,9 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if self.admin_key:
+            restricted = f"{','.join(RESTRICTED_PROTOCOLS)}:{ADMIN_HEADER}={self.admin_key}"
             args += ["--model-control-mode=explicit", *(f"--load-model={m}" for m in self.load_models),
-                     f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self.admin_key}",
-                     f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self.admin_key}"]
+                     f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return args + self.extra_args
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
@@ -308,6 +313,8 @@ class TritonServer:
         )
         try:
             self._reaper = start_reaper(self.process.pid, self.shm_prefix)
+            if self.admin_key:
+                hide_argument(self.process, self.admin_key)
             self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
@@ -601,6 +608,33 @@ def proc_stat(pid: int | str) -> list[str]:
     """The fields of /proc/<pid>/stat after the command name (which may hold spaces): [0] the state, [1] the
     parent's pid, [11] and [12] user and system CPU ticks. OSError once the process is gone."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def hide_argument(process: subprocess.Popen, secret: str, timeout_s: float = 10.0) -> None:
+    """Overwrite `secret` with '*'s in a child's command line, so that ps and /proc/<pid>/cmdline stop showing it.
+
+    tritonserver 2.51 takes its restricted-API keys on its command line only (no environment variable or
+    file), which any user of the host can read. It parses its options into strings of its own in main(),
+    before it starts a thread (`tritonserver --help` parses and exits without one), so once it has a
+    second thread its argv area is not read again and is overwritten here through /proc/<pid>/mem (a
+    parent may write its child's memory, also under Yama ptrace_scope 1). Until then (milliseconds) the
+    key is visible. A failed write is logged and the server serves on.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(os.listdir(f"/proc/{process.pid}/task")) < 2 and time.monotonic() < deadline:
+            if process.poll() is not None:
+                return  # exited at once: wait_ready reports it
+            time.sleep(0.01)
+        start, end = (int(field) for field in proc_stat(process.pid)[45:47])  # arg_start, arg_end (fields 48, 49)
+        memory = os.open(f"/proc/{process.pid}/mem", os.O_RDWR)
+        try:
+            argv = os.pread(memory, end - start, start)
+            os.pwrite(memory, argv.replace(secret.encode(), b"*" * len(secret.encode())), start)
+        finally:
+            os.close(memory)
+    except OSError as exc:
+        print(f"launcher: the admin key stays visible in tritonserver's command line: {exc}", flush=True)
 
 
 def die_with_parent() -> None:

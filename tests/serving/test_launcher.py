@@ -166,11 +166,12 @@ def test_loopback_unless_told_otherwise(monkeypatch):
     assert "--grpc-address=0.0.0.0" in TritonServer(Path("/models")).command(Path("/backends"))
 
 
-def test_an_admin_key_protects_the_repository_api_of_an_explicit_mode_server():
+def test_an_admin_key_protects_the_admin_apis_of_an_explicit_mode_server():
     server = TritonServer(Path("/models"), admin_key="k", load_models=["flux"], exit_timeout_s=120)
     command = server.command(Path("/backends"))
-    assert {"--model-control-mode=explicit", "--load-model=flux", "--http-restricted-api=model-repository:admin-key=k",
-            "--grpc-restricted-protocol=model-repository:admin-key=k"} <= set(command)
+    restricted = "shared-memory,model-repository,statistics,trace,logging:admin-key=k"
+    assert {"--model-control-mode=explicit", "--load-model=flux", f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}"} <= set(command)
     # The drain is the launcher's unload (up to 120 s); tritonserver's own exit timeout only covers idle connections.
     assert "--exit-timeout-secs=3" in command
     assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))
