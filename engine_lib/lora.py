@@ -70,7 +70,8 @@ class LoraLibrary:
         return self.folder / f"{name}.safetensors"
 
     def check(self, name: str) -> None:
-        """Refuse a name that is not a file stem of the folder, naming `lora_name` and the available ones."""
+        """Refuse a name that is not a file stem of the folder, naming `lora_name` and the available ones.
+        Messages name files, never the folder: they reach every client, and where it lies on disk is not theirs."""
         if not name:
             return
         if not NAME_PATTERN.fullmatch(name) or ".." in name:
@@ -79,7 +80,7 @@ class LoraLibrary:
         if self.folder is None or not self.path(name).is_file():
             names = self.names()
             listed = ", ".join(names[:MAX_LISTED]) + (f", ... ({len(names)} in all)" if len(names) > MAX_LISTED else "")
-            where = f"in {self.folder}" if self.folder else "(this model has no lora_dir)"
+            where = "in the model's lora_dir" if self.folder else "(this model has no lora_dir)"
             raise InvalidInputError("lora_name", f"no LoRA {name!r} {where}; available: {listed or 'none'}")
 
     # -- loading (engine thread) ---------------------------------------------------------
@@ -89,7 +90,7 @@ class LoraLibrary:
         for name in dict.fromkeys(n for n in names if n):
             path = self.path(name)
             if not path.is_file():
-                raise InvalidInputError("lora_name", f"the LoRA file {path} is gone")
+                raise InvalidInputError("lora_name", f"the LoRA file {name}.safetensors is gone")
             mtime = path.stat().st_mtime
             loaded = self._loaded.get(name)
             if loaded is not None and loaded[1] != mtime:
@@ -111,8 +112,11 @@ class LoraLibrary:
             self.pipe.load_lora_weights(str(self.path(name)), adapter_name=adapter)
         except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file fails its own request only
             self._forget(adapter)
+            reason = str(exc)
+            for folder in {str(self.folder), str(self.folder.resolve())}:  # a loader may name the path
+                reason = reason.replace(folder, "<lora_dir>")
             raise InvalidInputError("lora_name", f"the LoRA file {name}.safetensors could not be loaded: "
-                                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
+                                                 f"{type(exc).__name__}: {reason[:200]}") from None
         self.pipe.transformer.disable_lora()  # peft's own forward adds nothing; our hook does
         self._loaded[name] = (adapter, mtime)
         self._hook_new_layers()

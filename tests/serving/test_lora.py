@@ -89,6 +89,7 @@ def test_a_file_dropped_into_lora_dir_works_without_a_restart(lora_server):
 def test_bad_names_get_invalid_arg_naming_lora_name(lora_server, name, says):
     message = error(lora_server, lora_name=name)
     assert "INVALID_ARG" in message and "input 'lora_name'" in message and says in message, message
+    assert str(lora_server.lora_dir) not in message  # names files, not where they lie
 
 
 def test_a_corrupt_file_fails_its_request_alone(lora_server):
@@ -96,6 +97,7 @@ def test_a_corrupt_file_fails_its_request_alone(lora_server):
     try:
         message = error(lora_server, lora_name="broken")
         assert "input 'lora_name'" in message and "could not be loaded" in message, message
+        assert str(lora_server.lora_dir) not in message
         assert image(lora_server, lora_name="toy_a").shape == (1, 32, 32, 3)  # the server serves on
     finally:
         (lora_server.lora_dir / "broken.safetensors").unlink()
