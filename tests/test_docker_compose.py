@@ -114,15 +114,31 @@ def test_reserves_an_nvidia_gpu(service):
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
 
 
-def test_publishes_http_grpc_and_metrics_ports(service):
-    published = {str(p).split(":")[-1] for p in service["ports"]}
-    assert {"8000", "8001", "8002"} <= published
+def _published(service: dict) -> dict[str, str]:
+    """Container port -> the host address it is published on ('' for every interface), from the short
+    syntax `[host_ip:][host_port:]container_port`."""
+    published = {}
+    for spec in service["ports"]:
+        parts = str(spec).split(":")
+        published[parts[-1]] = parts[0] if len(parts) == 3 else ""
+    return published
+
+
+def test_publishes_only_what_one_request_cannot_crash(service):
+    """gRPC (through the gate) and the front door; metrics on the host's loopback; never tritonserver's HTTP
+    port, which a nested JSON body crashes (docs/serving.md, Security)."""
+    published = _published(service)
+    assert set(published) == {"8001", "8002", "9000"}, published
+    assert published["8002"] == "127.0.0.1", "the metrics have no authentication: keep them on the host"
+    environment = service["environment"]
+    assert environment.get("TRITON_HTTP_ADDRESS", "127.0.0.1") == "127.0.0.1"
+    assert int(environment.get("GRPC_MAX_MESSAGE_BYTES", 1)) > 0, "0 would publish tritonserver's own gRPC port"
 
 
 def test_healthcheck_asks_for_readiness(service):
     check = service["healthcheck"]
     test = " ".join(check["test"]) if isinstance(check["test"], list) else check["test"]
-    assert "/v2/health/ready" in test
+    assert "http://127.0.0.1:8000/v2/health/ready" in test, "tritonserver's HTTP port listens on loopback only"
     assert _seconds(check["start_period"]) >= 300, "weights take minutes to load; do not mark unhealthy early"
 
 
@@ -138,6 +154,8 @@ def test_listening_on_every_interface_is_an_explicit_opt_in(service):
     assert service["environment"]["TRITON_ADDRESS"] == "0.0.0.0"
     dockerfile = DOCKERFILE.read_text()
     assert "TRITON_ADDRESS=0.0.0.0" in dockerfile and "TRITONSERVER=/opt/tritonserver/bin/tritonserver" in dockerfile
+    [exposed] = re.findall(r"^EXPOSE\s+(.*)$", dockerfile, re.M)
+    assert exposed.split() == ["8001", "9000"], "docker run -P publishes what is exposed, on every interface"
 
 
 def test_dockerfile_base_image_is_a_pinned_triton_tag():

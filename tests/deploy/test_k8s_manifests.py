@@ -3,8 +3,9 @@
 Every object is validated against the Kubernetes 1.30 OpenAPI schemas that the
 `kubernetes_validate` package bundles, in strict mode (an unknown or misspelled
 field fails). The cross-checks pin what the schemas cannot see: selectors that
-match the pods, Service ports that name a container port, probes on Triton's
-health endpoints, a grace period that covers the drain, the GPU limit, and an
+match the pods, Service ports that name a container port, no port for tritonserver's
+own HTTP (one request can crash it), probes on Triton's health endpoints from inside
+the container, a grace period that covers the drain, the GPU limit, and an
 autoscaler metric that the Prometheus Adapter rules expose and the engine exports.
 """
 
@@ -158,7 +159,14 @@ def test_service_ports_target_container_ports(container):
             target = port.get("targetPort", port["port"])
             assert _port_number(container, target) in numbers, (service["metadata"]["name"], port)
             exposed.add(_port_number(container, target))
-    assert exposed >= {8000, 8001, 8002, 9000}
+    assert exposed == {8001, 8002, 9000}
+
+
+def test_tritonserver_http_is_neither_a_container_port_nor_on_the_pod_ip(container):
+    """A 100 KB nested JSON body crashes it (docs/serving.md, Security): it listens on the pod's loopback."""
+    assert HTTP_PORT not in {p["containerPort"] for p in container["ports"]}
+    assert _env(container).get("TRITON_HTTP_ADDRESS", {}).get("value", "127.0.0.1") == "127.0.0.1"
+    assert _env(container).get("GRPC_MAX_MESSAGE_BYTES", {}).get("value", "1") != "0", "keep the gate"
 
 
 def test_metrics_are_scraped_from_the_metrics_port(deployment, container):
@@ -168,17 +176,22 @@ def test_metrics_are_scraped_from_the_metrics_port(deployment, container):
     assert int(annotations["prometheus.io/port"]) == _port_number(container, "metrics") == 8002
 
 
+def _probe_url(container: dict, probe: str) -> str:
+    """The URL an exec probe's command opens: tritonserver's HTTP port is not on the pod IP, so the kubelet's
+    httpGet cannot reach it."""
+    command = container[probe]["exec"]["command"]
+    urls = re.findall(r"https?://[^'\"\s]+", " ".join(command))
+    assert command[0] == "python3" and len(urls) == 1, command
+    return urls[0]
+
+
 @pytest.mark.parametrize("probe", ["readinessProbe", "startupProbe"])
 def test_readiness_and_startup_probe_triton_ready(container, probe):
-    http = container[probe]["httpGet"]
-    assert http["path"] == READY_PATH
-    assert _port_number(container, http["port"]) == HTTP_PORT
+    assert _probe_url(container, probe) == f"http://127.0.0.1:{HTTP_PORT}{READY_PATH}"
 
 
 def test_liveness_probe_triton_live(container):
-    http = container["livenessProbe"]["httpGet"]
-    assert http["path"] == LIVE_PATH
-    assert _port_number(container, http["port"]) == HTTP_PORT
+    assert _probe_url(container, "livenessProbe") == f"http://127.0.0.1:{HTTP_PORT}{LIVE_PATH}"
 
 
 def test_startup_probe_allows_a_long_weight_load(container):
