@@ -17,8 +17,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import uvicorn
 
     from engine_lib.serving.openai_api.app import create_app
+    from engine_lib.serving.openai_api.keys import FrontDoorKeys
 
-    app = create_app(args.triton, api_key=os.environ.get("OPENAI_API_KEY", ""))
+    try:
+        keys = FrontDoorKeys.from_env(os.environ)
+    except ValueError as exc:  # names the entry, never the key
+        print(f"openai front door: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(args.triton, keys)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
 

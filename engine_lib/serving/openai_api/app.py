@@ -6,10 +6,14 @@ Streaming (`stream: true`) answers server-sent events as OpenAI streams images: 
 over the steps), then one `image_generation.completed` per image. An error before the
 first event is an HTTP error in OpenAI's shape; after it, an `error` event. A client that
 goes away cancels its Triton request (streamed: at once; otherwise: within half a second).
+
+Bearer keys and priority rights: keys.py. `/openapi.json` needs a key like the API (it lists
+every input of the API); there are no `/docs` pages.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -19,16 +23,20 @@ from typing import Any, AsyncIterator, Optional
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import ClientDisconnect
 
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
 from engine_lib.request import InvalidInputError
+from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, bad_request, error_from_triton,
-                                                    openai_param, parse_image_request)
+                                                    lone_surrogate_field, openai_param, parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
 from engine_lib.serving.openai_api.watch import until_final
 from engine_lib.serving.tensors import encode_png_base64
 
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
+BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 kB/s; a client that dribbles its body slower holds a request for nothing
 # The usage OpenAI reports for GPT image models; these models count no tokens.
 NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
             "total_tokens": 0}
@@ -45,8 +53,8 @@ def partial_steps(num_steps: int, partial_images: int) -> list[int]:
     return sorted(s for s in steps if s < num_steps)
 
 
-def create_app(triton_url: str, api_key: str = "") -> FastAPI:
-    """The app, talking gRPC to the tritonserver at `triton_url`; with `api_key`, requests need that bearer key."""
+def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAPI:
+    """The app, talking gRPC to the tritonserver at `triton_url`; with `keys`, requests need one of them."""
     request_ids = itertools.count(1)
 
     @asynccontextmanager
@@ -55,19 +63,28 @@ def create_app(triton_url: str, api_key: str = "") -> FastAPI:
         yield
         await app.state.gateway.close()
 
-    app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # served below, behind the key
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    async def bearer_key(request: Request) -> None:
+    async def authorize(credentials: Optional[HTTPAuthorizationCredentials] = Depends(HTTPBearer(auto_error=False))
+                        ) -> Caller:
         # A dependency, not an HTTP middleware: Starlette's middleware wraps the request's receive
-        # channel, and the endpoints would no longer see a client disconnect.
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        # channel, and the endpoints would no longer see a client disconnect. HTTPBearer reads the
+        # scheme case-insensitively (RFC 7235: `bearer` is `Bearer`).
+        caller = keys.caller(credentials.credentials if credentials else None)
+        if caller is None:
             raise OpenAIError(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return caller
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])
+    async def openapi() -> dict:
+        return app.openapi()
 
     @app.get("/health")
     async def health() -> dict:
@@ -81,7 +98,7 @@ def create_app(triton_url: str, api_key: str = "") -> FastAPI:
                                            for n in names]}
 
     @v1.post("/images/generations")
-    async def generations(request: Request):
+    async def generations(request: Request, caller: Caller = Depends(authorize)):
         gateway: TritonGateway = request.app.state.gateway
         body = await read_json(request)
         names = await ready_models(gateway)
@@ -97,7 +114,9 @@ def create_app(triton_url: str, api_key: str = "") -> FastAPI:
             tensors = gateway.tensors(image_request.inputs, input_types)
         except InvalidInputError as exc:
             raise bad_request(str(exc), openai_param(exc.input_name)) from None
-        responses = gateway.stream(image_request.model, tensors, request_id)
+        parameters = keys.priority_parameters(caller, image_request.inputs.get("priority"),
+                                              await gateway.default_priority(image_request.model))
+        responses = gateway.stream(image_request.model, tensors, request_id, parameters)
         if image_request.stream:
             first = await first_response(responses)
             return StreamingResponse(events(image_request, first, responses), media_type="text/event-stream")
@@ -106,21 +125,38 @@ def create_app(triton_url: str, api_key: str = "") -> FastAPI:
                 "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
 
     app.include_router(v1)
-    app.include_router(make_router(read_json, dependencies=[Depends(bearer_key)]))
+    app.include_router(make_router(read_json, authorize, keys))
     return app
 
 
 async def read_json(request: Request) -> Any:
-    """The JSON body, refused with 413 past MAX_BODY_BYTES and with 400 when it is not JSON (or nests too deep)."""
+    """The JSON body, refused with 413 past MAX_BODY_BYTES (as soon as Content-Length says so), 408 when it
+    takes over BODY_TIMEOUT_S, and 400 when it is not JSON (or nests too deep) or holds text that is not
+    Unicode (a lone surrogate; naming the field). A client gone meanwhile ends the request quietly: its
+    answer goes nowhere, and Starlette's ClientDisconnect would log a traceback per client."""
+    length = request.headers.get("content-length", "")
+    if length.isdecimal() and int(length) > MAX_BODY_BYTES:
+        raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
     data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
     try:
-        return json.loads(data)
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > MAX_BODY_BYTES:
+                    raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body took over {BODY_TIMEOUT_S:g} s", code="timeout") from None
+    except ClientDisconnect:
+        raise OpenAIError(499, "the client went away during the request body", code="cancelled") from None
+    try:
+        body = json.loads(data)
     except (ValueError, RecursionError):
         raise OpenAIError(400, "the request body is not JSON (or nests too deep)", code="invalid_json") from None
+    field = lone_surrogate_field(body)
+    if field is not None:
+        raise bad_request(f"input '{field}': holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                          f"which is not Unicode text", field)
+    return body
 
 
 async def ready_models(gateway: TritonGateway) -> list[str]:

@@ -7,6 +7,7 @@ on it in step order); leaving `stream()` early cancels the request on the server
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, NamedTuple, Optional
@@ -14,10 +15,13 @@ from typing import Any, AsyncIterator, Mapping, NamedTuple, Optional
 import grpc
 import numpy as np
 
+from engine_lib.config import EngineConfig
 from engine_lib.interface import INT_RANGES
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.requests import OpenAIError
 from engine_lib.serving.tensors import NUMPY_DTYPES
+
+DEFAULT_PRIORITY_LEVEL = EngineConfig.default_priority_level  # a model without the parameter has the engine's
 
 
 @dataclass
@@ -70,9 +74,17 @@ def to_tensor(name: str, value: Any, input_type: InputType) -> np.ndarray:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise InvalidInputError(name, f"must be an integer in [{low}, {high}], got {_short(value)}")
         return np.array([value], dtype=dtype)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-        raise InvalidInputError(name, f"must be a finite number, got {_short(value)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite_as(value, dtype):
+        raise InvalidInputError(name, f"must be a finite number within {datatype}'s range, got {_short(value)}")
     return np.array([value], dtype=dtype)
+
+
+def _finite_as(value: float, dtype: Any) -> bool:
+    """The number stays finite as `dtype` (1e300 is inf as FP32; JSON's 10**400 is not even a float)."""
+    try:
+        return math.isfinite(value) and abs(float(value)) <= np.finfo(dtype).max
+    except OverflowError:
+        return False
 
 
 def _short(value: Any) -> str:
@@ -89,7 +101,7 @@ class TritonGateway:
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
-        self._configs: dict[str, tuple[dict[str, InputType], set[str]]] = {}
+        self._configs: dict[str, tuple[dict[str, InputType], set[str], Optional[int]]] = {}
         # The launcher protects Triton's repository API (which lists the models) with a key.
         key = os.environ.get("TRITON_ADMIN_KEY", "") if admin_key is None else admin_key
         self._index_headers = {"triton-grpc-protocol-admin-key": key} if key else None
@@ -113,12 +125,18 @@ class TritonGateway:
         """The model's declared inputs (name -> type and count), from its config; cached per model."""
         return (await self._config(model))[0]
 
-    async def _config(self, model: str) -> tuple[dict[str, InputType], set[str]]:
-        """(inputs by name, output names) of the model's config, cached per model."""
+    async def default_priority(self, model: str) -> Optional[int]:
+        """The model's `default_priority_level` parameter (the engine's default without one; None: unreadable)."""
+        return (await self._config(model))[2]
+
+    async def _config(self, model: str) -> tuple[dict[str, InputType], set[str], Optional[int]]:
+        """(inputs by name, output names, default priority level) of the model's config, cached per model."""
         if model not in self._configs:
             config = (await self.client.get_model_config(model, as_json=True))["config"]
             inputs = {i["name"]: InputType(i["data_type"], int(i.get("dims", [1])[0])) for i in config.get("input", [])}
-            self._configs[model] = (inputs, {o["name"] for o in config.get("output", [])})
+            level = config.get("parameters", {}).get("default_priority_level", {}).get("string_value")
+            default = DEFAULT_PRIORITY_LEVEL if level is None else int(level) if level.strip().isdecimal() else None
+            self._configs[model] = (inputs, {o["name"] for o in config.get("output", [])}, default)
         return self._configs[model]
 
     def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, InputType]) -> list:
@@ -131,8 +149,10 @@ class TritonGateway:
             tensors.append(tensor)
         return tensors
 
-    async def stream(self, model: str, tensors: list, request_id: str) -> AsyncIterator[Response]:
-        """Send one request and yield its responses up to the final one; raises TritonRequestError.
+    async def stream(self, model: str, tensors: list, request_id: str,
+                     parameters: Optional[Mapping[str, str]] = None) -> AsyncIterator[Response]:
+        """Send one request (with request `parameters`, e.g. `priority_key`) and yield its responses up to the
+        final one; raises TritonRequestError.
 
         Leaving the iteration before the final response (the HTTP client went away, or
         an error here) cancels the request on the server.
@@ -141,7 +161,7 @@ class TritonGateway:
 
         async def requests():
             yield {"model_name": model, "inputs": tensors, "request_id": request_id,
-                   "enable_empty_final_response": True}
+                   "enable_empty_final_response": True, "parameters": dict(parameters or {}) or None}
             await finished.wait()  # keep our side of the stream open until the final response
 
         call = self.client.stream_infer(requests())

@@ -10,7 +10,9 @@ naming the input (`{"error": "INVALID_ARG: input 'height': ..."}`):
 - an integer past its input's range (tritonserver wraps 4294967424 to 128 for INT32),
   a float or string or bool for an integer input (tritonserver: HTTP 500 "Unable to
   parse 'data'", no input named), a list (tritonserver flattens `[[64]]` to 64);
-- bodies over 1 MiB (413) or nested too deep (tritonserver 2.51 crashes on 50,000 `[`).
+- bodies over 1 MiB (413) or nested too deep (tritonserver 2.51 crashes on 50,000 `[`);
+- text with a lone surrogate (`"\\ud800"`), which is no Unicode text;
+- a `priority` past the caller's rights (403 PERMISSION_DENIED, keys.py).
 
 Each request runs on its own gRPC stream, so a client that leaves cancels it at once
 (tritonserver's HTTP port notices only at the next response it sends).
@@ -23,11 +25,12 @@ import json
 from typing import Any, AsyncIterator
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
+from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import OpenAIError
 from engine_lib.serving.openai_api.watch import next_response, until_final
 
@@ -81,12 +84,13 @@ def event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def make_router(read_json, dependencies=()) -> APIRouter:
-    """The two endpoints; `read_json(request)` is the app's bounded body reader."""
-    router = APIRouter(dependencies=list(dependencies))
+def make_router(read_json, authorize, keys: FrontDoorKeys) -> APIRouter:
+    """The two endpoints; `read_json(request)` is the app's bounded body reader, `authorize` its bearer key
+    dependency (the caller), `keys` the callers' priority rights."""
+    router = APIRouter()
     request_ids = itertools.count(1)
 
-    async def start(model: str, request: Request) -> AsyncIterator[Response]:
+    async def start(model: str, request: Request, caller: Caller) -> AsyncIterator[Response]:
         gateway: TritonGateway = request.app.state.gateway
         try:
             body = await read_json(request)
@@ -101,21 +105,25 @@ def make_router(read_json, dependencies=()) -> APIRouter:
             tensors = gateway.tensors(inputs, input_types)
         except InvalidInputError as exc:
             raise GenerateError(400, f"INVALID_ARG: {exc}") from None
-        return gateway.stream(model, tensors, client_id or f"generate-{next(request_ids)}")
+        try:
+            parameters = keys.priority_parameters(caller, inputs.get("priority"), await gateway.default_priority(model))
+        except OpenAIError as exc:
+            raise GenerateError(exc.status, f"PERMISSION_DENIED: input 'priority': {exc.message}") from None
+        return gateway.stream(model, tensors, client_id or f"generate-{next(request_ids)}", parameters)
 
     @router.post("/v2/models/{model}/generate_stream")
-    async def generate_stream(model: str, request: Request):
+    async def generate_stream(model: str, request: Request, caller: Caller = Depends(authorize)):
         try:
-            responses = await start(model, request)
+            responses = await start(model, request, caller)
             first = await next_response(responses, request, on_error=from_triton)  # an error first: HTTP error
         except GenerateError as exc:
             return exc.response()
         return StreamingResponse(events(model, first, responses), media_type="text/event-stream")
 
     @router.post("/v2/models/{model}/generate")
-    async def generate(model: str, request: Request):
+    async def generate(model: str, request: Request, caller: Caller = Depends(authorize)):
         try:
-            responses = await start(model, request)
+            responses = await start(model, request, caller)
             final = await until_final(responses, request, on_error=from_triton)
         except GenerateError as exc:
             return exc.response()

@@ -21,6 +21,7 @@ OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_form
                  "user", "quality", "background")
 NO_OP_VALUES = {"quality": ("auto",), "background": ("auto", "opaque")}
 MAX_PARTIAL_IMAGES = 3
+SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only as a lone surrogate: JSON's "\ud800" makes one
 
 
 class OpenAIError(Exception):
@@ -108,6 +109,25 @@ def parse_image_request(body: Any, input_types: Mapping[str, str], default_model
                               "unknown_parameter")
         request.inputs[name] = value
     return request
+
+
+def lone_surrogate_field(body: Any) -> Optional[str]:
+    """The first field of an object body whose name, or any text in its value, holds a lone surrogate (shown
+    printable); None if none does. Such text cannot be encoded as UTF-8, neither for the model nor in an
+    answer that echoes it: each was a 500 with a traceback."""
+    if not isinstance(body, dict):
+        return None  # refused as no object, without echoing it
+    for name, value in body.items():
+        stack = [name, value]
+        while stack:  # not recursive: a value nests as deep as json.loads allows
+            item = stack.pop()
+            if isinstance(item, str) and SURROGATE.search(item):
+                return name.encode("utf-8", "backslashreplace").decode("utf-8")
+            if isinstance(item, dict):
+                stack += [*item, *item.values()]
+            elif isinstance(item, list):
+                stack += item
+    return None
 
 
 def openai_param(input_name: Optional[str]) -> Optional[str]:
