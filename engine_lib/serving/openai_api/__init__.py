@@ -6,6 +6,9 @@ no torch). `make serve` starts it on OPENAI_PORT (default 9000) next to tritonse
 
 requests.py  the OpenAI request body -> a model's inputs, and OpenAI-shaped errors
 gateway.py   tritonclient.grpc.aio: ready models, their declared inputs, one streamed request
-app.py       the FastAPI app: endpoints, bearer key, server-sent events, client disconnects
+keys.py      bearer keys and the `priority` each may ask for (OPENAI_API_KEY, OPENAI_PRIORITY_KEYS)
+app.py       the FastAPI app: endpoints, bearer keys, bounded body reads, server-sent events, client disconnects
+generate.py  strict versions of Triton's `generate` / `generate_stream`
+watch.py     waiting for a request's responses while watching its HTTP client
 __main__.py  `python -m engine_lib.serving.openai_api --triton HOST:PORT --port 9000`
 """
