@@ -26,6 +26,9 @@ import numpy as np
 from benchmarks.workloads import RequestSpec
 
 DEFAULT_TIMEOUT_S = 900.0
+# The DIFFUSION_PRIORITY_KEY of the servers the benchmarks start (systems.serve): a request more urgent than the
+# model's default level carries it as its `priority_key` parameter, or the model refuses it.
+PRIORITY_KEY = "bench-priority-key"
 
 
 @dataclass
@@ -160,7 +163,9 @@ class StreamClient:
             timeout = {} if record.deadline is None else {
                 "timeout": max(1, int((record.deadline - record.sent) * 1e6))}  # microseconds
             self._client.async_stream_infer(self.model, infer_inputs(record.spec, streaming=True),
-                                            request_id=record.request_id, enable_empty_final_response=True, **timeout)
+                                            request_id=record.request_id, enable_empty_final_response=True,
+                                            parameters={"priority_key": PRIORITY_KEY} if record.spec.priority else None,
+                                            **timeout)
         except Exception as exc:  # noqa: BLE001 - any client failure is this request's error
             record.error = f"send failed: {exc}"
             self._restart_stream()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
-from benchmarks.loadgen import Target
+from benchmarks.loadgen import PRIORITY_KEY, Target
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -111,7 +111,8 @@ def serve(system: System, model_path: Path, log_dir: Optional[Path] = None,
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path.unlink(missing_ok=True)
         server = TritonServer(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              address="127.0.0.1", log_path=log_path, exit_timeout_s=5)
+                              address="127.0.0.1", log_path=log_path, exit_timeout_s=5,
+                              env={"DIFFUSION_PRIORITY_KEY": PRIORITY_KEY})
         try:
             server.start(timeout_s=start_timeout_s)
             yield RunningSystem(system, server, Target(server.grpc_url, system.model_name, system.streaming))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -33,21 +32,6 @@ def read_inputs(arrays: Mapping[str, Optional[np.ndarray]], specs: Mapping[str, 
         spec = specs.get(name)
         values[name] = np.asarray(array) if spec is None else _value(spec, array)
     return values
-
-
-def parameters_as_inputs(parameters_json: str) -> dict[str, Any]:
-    """A request's parameters, as inputs for the one validation (which refuses unknown names by name).
-
-    Triton's HTTP generate_stream turns every JSON key that is not an input of
-    the model's config into a request parameter (measured on 2.51), so a
-    misspelled or undeclared input would otherwise vanish silently. gRPC clients
-    send none (tritonclient's priority and timeout are not parameters).
-    """
-    try:
-        parameters = json.loads(parameters_json or "{}")
-    except ValueError:
-        return {}
-    return dict(parameters) if isinstance(parameters, dict) else {}
 
 
 def _value(spec: InputSpec, array: Any) -> Any:

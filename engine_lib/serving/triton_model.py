@@ -27,8 +27,9 @@ import triton_python_backend_utils as pb_utils
 from engine_lib.config import EngineConfig
 from engine_lib.request import ConfigError
 from engine_lib.serving.metrics import ModelMetrics
+from engine_lib.serving.parameters import PRIORITY_KEY, PRIORITY_KEY_ENVIRONMENT, check_priority, read_parameters
 from engine_lib.serving.sender import OpenStream, ResponseSender, echoed_id
-from engine_lib.serving.tensors import parameters_as_inputs, read_inputs
+from engine_lib.serving.tensors import read_inputs
 
 
 def _log(line: str) -> None:
@@ -97,6 +98,7 @@ class TritonPythonModel:
         self.metrics.start(self.engine.stats)
         self.sender.start()
         self._ids = itertools.count(1)
+        self._priority_key = os.environ.get(PRIORITY_KEY_ENVIRONMENT, "")  # empty: nobody passes the default level
         c = self.config
         _log(f"{self.model_name}: loaded pipeline={c.pipeline} instance={self.instance_name} "
              f"model_path={resolve_model_path(self.config)} "
@@ -115,9 +117,10 @@ class TritonPythonModel:
             client_id = ""
             try:
                 client_id = request.request_id() or ""
-                values = parameters_as_inputs(request.parameters())
-                values.update(read_inputs(self._input_arrays(request), self.engine.inputs.specs))
-                params = self.engine.parse(values)
+                control = read_parameters(request.parameters(), self.engine.inputs)
+                params = self.engine.parse(read_inputs(self._input_arrays(request), self.engine.inputs.specs))
+                check_priority(params.get("priority") or 0, self.config.default_priority_level,
+                               self.config.priority_levels, control.get(PRIORITY_KEY), self._priority_key)
             except Exception as exc:  # noqa: BLE001 - bad input (or a bug): answer now, queue nothing
                 self.sender.reject(response_sender, exc, client_id)
                 continue

@@ -26,6 +26,8 @@ from tests.conftest import TickBudget
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
 FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
+SERVER_PRIORITY_KEY = "test-server-priority-key"  # DIFFUSION_PRIORITY_KEY of every server start_server starts
+URGENT = {"priority_key": SERVER_PRIORITY_KEY}  # the request parameters that may ask for a level above the default
 
 
 def free_port() -> int:
@@ -131,7 +133,7 @@ def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra
     server = ProbedServer(
         repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), address="127.0.0.1",
         log_path=tmp_dir / "tritonserver.log", exit_timeout_s=exit_timeout_s, extra_args=extra_args,
-        env=hooks_environment(qwen_image=hooks),
+        env={**hooks_environment(qwen_image=hooks), "DIFFUSION_PRIORITY_KEY": SERVER_PRIORITY_KEY},
     )
     server.budget = budget
     return server.start(timeout_s=300)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .conftest import model_path, start_server
+from .conftest import URGENT, model_path, start_server
 from .streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image")
+FIRST = dict(priority=1, parameters=URGENT)  # the most urgent level, with the key that may ask for it
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def test_an_urgent_request_is_admitted_before_an_older_less_urgent_one(prio_serv
     streams = []
     try:
         # Two urgent requests fill both slots (as urgent as anything: nothing is preempted).
-        fill_both_seats(prio_server, budget, streams, **{"long-a": dict(prompt="a", num_inference_steps=20, priority=1),
-                                                         "long-b": dict(prompt="b", num_inference_steps=30, priority=1)})
+        fill_both_seats(prio_server, budget, streams, **{"long-a": dict(prompt="a", num_inference_steps=20, **FIRST),
+                                                         "long-b": dict(prompt="b", num_inference_steps=30, **FIRST)})
         streams.append(RequestStream(url).send("low", prompt="low", num_inference_steps=2, priority=3))
         waiting(prio_server, 1)
         streams.append(RequestStream(url).send("urgent", prompt="urgent", num_inference_steps=2))  # default 2
@@ -88,7 +89,7 @@ def test_a_preempted_request_resumes_and_equals_its_uninterrupted_run(prio_serve
         for stream in streams:
             for _ in range(2):
                 stream.wait_first()
-        streams.append(RequestStream(url).send("urgent", prompt="now", seed=13, num_inference_steps=2, priority=1))
+        streams.append(RequestStream(url).send("urgent", prompt="now", seed=13, num_inference_steps=2, **FIRST))
         waiting(prio_server, 1)
         budget.release()
         order = finished_order(streams)
@@ -126,8 +127,8 @@ def test_a_waiting_short_request_is_admitted_before_an_older_long_one(prio_serve
     streams = []
     try:
         # Two urgent requests hold both seats (the waiting ones cannot pause them); one frees its seat soon.
-        fill_both_seats(prio_server, budget, streams, **{"urgent-3": dict(prompt="a", num_inference_steps=3, priority=1),
-                                                         "urgent-40": dict(prompt="b", num_inference_steps=40, priority=1)})
+        fill_both_seats(prio_server, budget, streams, **{"urgent-3": dict(prompt="a", num_inference_steps=3, **FIRST),
+                                                         "urgent-40": dict(prompt="b", num_inference_steps=40, **FIRST)})
         streams.append(RequestStream(url).send("long", prompt="c", num_inference_steps=12))
         waiting(prio_server, 1)
         streams.append(RequestStream(url).send("short", prompt="d", num_inference_steps=2))
@@ -147,7 +148,7 @@ def test_a_request_not_started_before_its_timeout_ends_at_once_and_costs_nothing
     streams = []
     try:
         fill_both_seats(prio_server, budget, streams, **{f"busy-{i}": dict(prompt=f"busy {i}", num_inference_steps=2,
-                                                                           priority=1) for i in range(2)})
+                                                                           **FIRST) for i in range(2)})
         ticks_before = metric(scrape(prio_server.metrics_url), "diffusion_batch_size_count", **LABELS)
         late = RequestStream(url).send("late", prompt="late", num_inference_steps=2, timeout_us=300_000)
         streams.append(late)

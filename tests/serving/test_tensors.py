@@ -24,8 +24,8 @@ from engine_lib.serving.tensors import NUMPY_DTYPES, output_arrays, read_inputs
 CONFIG = EngineConfig.from_parameters(dict(max_height="256", max_width="128", max_num_inference_steps="50",
                                            max_num_images="3", max_prompt="20", max_negative_prompt="20",
                                            default_height="32", default_width="48", default_num_inference_steps="5"))
-GUIDANCE = InputSpec("guidance_scale", "FP32", "guidance", default=7.0, low=0)
-TRUE_CFG = InputSpec("true_cfg_scale", "FP32", "true CFG", default=1.0, low=0)
+GUIDANCE = InputSpec("guidance_scale", "FP32", "guidance", default=7.0, low=0, high=100)
+TRUE_CFG = InputSpec("true_cfg_scale", "FP32", "true CFG", default=1.0, low=0, high=100)
 SPECS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
          interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES, interface.PREVIEW_INTERVAL,
          interface.output_format("png"), GUIDANCE, TRUE_CFG)
@@ -110,7 +110,8 @@ def test_none_means_not_sent():
     (dict(prompt="ok", num_inference_steps=51), "num_inference_steps", "[1, 50]"),
     (dict(prompt="ok", guidance_scale=float("nan")), "guidance_scale", "finite"),
     (dict(prompt="ok", guidance_scale=float("-inf")), "guidance_scale", "finite"),
-    (dict(prompt="ok", true_cfg_scale=-0.5), "true_cfg_scale", ">= 0"),
+    (dict(prompt="ok", true_cfg_scale=-0.5), "true_cfg_scale", "in [0, 100]"),
+    (dict(prompt="ok", guidance_scale=1e38), "guidance_scale", "in [0, 100]"),
     (dict(prompt="ok", true_cfg_scale=float("inf")), "true_cfg_scale", "finite"),
     (dict(prompt="ok", num_images=0), "num_images", "[1, 3]"),
     (dict(prompt="ok", num_images=4), "num_images", "[1, 3]"),
@@ -168,15 +169,32 @@ def test_wrong_datatype_or_shape(name, array, fragment):
     assert info.value.input_name == name and fragment in str(info.value)
 
 
-def test_request_parameters_become_inputs_so_unknown_ones_are_refused_by_name():
-    from engine_lib.serving.tensors import parameters_as_inputs
+def test_request_parameters_never_become_inputs():
+    """Only `priority_key` is read; a declared input sent as a parameter and an unknown one are refused by name."""
+    from engine_lib.serving.parameters import read_parameters
 
-    assert parameters_as_inputs("{}") == {} and parameters_as_inputs("") == {}
-    assert parameters_as_inputs("not json") == {} and parameters_as_inputs("[1, 2]") == {}
-    values = parameters_as_inputs('{"heigth": 64, "nested": {"a": [1, 2]}}')
-    with pytest.raises(InvalidInputError, match="input 'heigth': fake does not use this input"):
-        SCHEMA.parse({"prompt": "x", **values})
-    assert SCHEMA.parse({"prompt": "x", **parameters_as_inputs('{"height": 64}')}).height == 64
+    assert read_parameters("{}", SCHEMA) == {} and read_parameters("", SCHEMA) == {}
+    assert read_parameters("not json", SCHEMA) == {} and read_parameters("[1, 2]", SCHEMA) == {}
+    assert read_parameters('{"priority_key": "k"}', SCHEMA) == {"priority_key": "k"}
+    with pytest.raises(InvalidInputError, match="input 'heigth': fake does not use this input .did you mean 'height'"):
+        read_parameters('{"heigth": 64, "nested": {"a": [1, 2]}}', SCHEMA)
+    with pytest.raises(InvalidInputError, match="input 'prompt': must be sent as a tensor, not a request parameter"):
+        read_parameters('{"prompt": "x"}', SCHEMA)
+
+
+@pytest.mark.parametrize("priority, sent, key, allowed", [
+    (0, None, "", True), (2, None, "", True), (3, None, "", True),  # the default and below: open to all
+    (1, None, "k", False), (1, "wrong", "k", False), (1, 1, "k", False), (1, "k", "k", True),
+    (1, "", "", False), (1, "anything", "", False),  # no key set: nobody passes the default
+])
+def test_a_level_above_the_default_needs_the_priority_key(priority, sent, key, allowed):
+    from engine_lib.serving.parameters import check_priority
+
+    if allowed:
+        check_priority(priority, 2, 3, sent, key)
+        return
+    with pytest.raises(InvalidInputError, match=r"input 'priority': 1 is more urgent .* send 0 or a level in \[2, 3\]"):
+        check_priority(priority, 2, 3, sent, key)
 
 
 def test_unknown_tensor_is_refused_by_the_validation():
