@@ -5,8 +5,10 @@ Lifecycle, in start order (finalize stops in reverse):
 2. load the pipeline adapter once, make the engine (mode checks, warm-up),
 3. start the metrics thread and the sender thread.
 
-`execute()` never waits for generation: it validates each request (a bad one
-gets its INVALID_ARG FINAL at once and never reaches the engine), opens the
+`execute()` never waits for generation: it validates each request (its inputs,
+which arrive only as tensors; its parameters, of which only `priority_key` is read
+(serving/parameters.py); and whether it may ask for its priority), where a bad one
+gets its INVALID_ARG FINAL at once and never reaches the engine, opens the
 request's stream on the sender, admits it into the engine and returns None.
 Fixed log lines mark each lifecycle event: "<model>: loaded ...",
 "<model>: cancelled request ...", "<model>: shutting down", "<model>: stopped".
