@@ -11,12 +11,14 @@ perf_analyzer's own "Avg latency" actually matches (measured, not assumed), and
 concurrency.
 
 CLI: `python -m benchmarks.perf_analyzer --url 127.0.0.1:8001 --concurrency 4`
-against a running server (e.g. `make serve`).
+against a running server (e.g. `make serve`, with its TRITON_ADMIN_KEY in the environment:
+perf_analyzer reads the server's statistics, which need the key; docs/serving.md, Admin APIs).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from benchmarks.workloads import RequestSpec
+from engine_lib.serving.launcher import ADMIN_HEADER, hide_argument
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPLANATION = (
@@ -65,7 +68,19 @@ def command(url: str, model: str, data_path: Path, export_path: Path, concurrenc
             request_count: int) -> list[str]:
     return [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
             "--input-data", str(data_path), "--concurrency-range", f"{concurrency}:{concurrency}",
-            "--request-count", str(request_count), "--profile-export-file", str(export_path)]
+            "--request-count", str(request_count), "--profile-export-file", str(export_path), *admin_header()]
+
+
+def admin_header() -> list[str]:
+    """perf_analyzer reads the server's statistics after each measurement and stops without them; the
+    launcher's servers answer statistics only with their admin key. With TRITON_ADMIN_KEY set it goes as
+    the gRPC header tritonserver expects (perf_analyzer's -H reaches gRPC calls too, measured on 2.51)."""
+    key = admin_key()
+    return ["-H", f"triton-grpc-protocol-{ADMIN_HEADER}:{key}"] if key else []
+
+
+def admin_key() -> str:
+    return os.environ.get("TRITON_ADMIN_KEY", "").strip()
 
 
 def parse_stdout(text: str) -> dict:
@@ -120,14 +135,24 @@ def run(url: str, model: str, spec: RequestSpec, concurrency: int, request_count
         data_path, export_path = Path(tmp) / "input.json", Path(tmp) / "export.json"
         data_path.write_text(json.dumps(input_data(spec)))
         cmd = command(url, model, data_path, export_path, concurrency, request_count)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        result = {"command": " ".join(Path(c).name if i == 0 or c.startswith(tmp) else c for i, c in enumerate(cmd)),
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        key = admin_key()
+        if key:
+            hide_argument(proc, key)  # out of ps, as the launcher does for tritonserver
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        shown = [Path(c).name if i == 0 or c.startswith(tmp) else c for i, c in enumerate(cmd)]
+        result = {"command": " ".join(c.replace(key, "$TRITON_ADMIN_KEY") if key else c for c in shown),
                   "returncode": proc.returncode, "concurrency": concurrency, "request_count": request_count,
                   "explanation": EXPLANATION}
         if proc.returncode != 0:
-            result["error"] = (proc.stderr or proc.stdout)[-2000:]
+            result["error"] = (stderr or stdout)[-2000:]
             return result
-        result["summary"] = parse_stdout(proc.stdout)
+        result["summary"] = parse_stdout(stdout)
         result["export"] = parse_export(json.loads(export_path.read_text())) if export_path.is_file() else {}
         result["avg_latency_matches"] = which_latency(result)
         return result

