@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from .conftest import SERVER_PRIORITY_KEY, URGENT
 from .streaming import RequestStream, make_inputs, post_json, run_request
@@ -52,7 +51,6 @@ def test_an_unknown_request_parameter_is_refused_naming_it_and_the_nearest_input
 def test_what_triton_adds_to_a_request_is_not_refused(server):
     """tritonclient's priority=, timeout=, request id and empty final response, and HTTP generate's "id", are
     Triton's own: none of them reaches the model as a parameter it would refuse."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
     stream = RequestStream(server.grpc_url)
     try:
         stream.client.async_stream_infer("qwen_image", make_inputs(prompt="triton's own", **SMALL), request_id="own",
@@ -60,7 +58,6 @@ def test_what_triton_adds_to_a_request_is_not_refused(server):
         assert_served(stream.collect(timeout=60))
     finally:
         stream.close()
-        client.close()
     status, reply = post_json(f"http://{server.http_url}/v2/models/qwen_image/generate",
                               {"id": "http-id", "prompt": "x", **SMALL})
     assert status == 200 and json.loads(reply)["id"] == "http-id", reply
