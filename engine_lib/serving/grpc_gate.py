@@ -35,6 +35,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 MAX_MESSAGE_ENV = "GRPC_MAX_MESSAGE_BYTES"
+READY_FD_ENV = "GRPC_GATE_READY_FD"  # a pipe the gate writes "ready" to once it listens (launcher.GrpcGate)
 # A request is a prompt and a few numbers (kilobytes; no model takes an image or a tensor input),
 # so 16 MiB is a thousand times any real one, and a quarter of the stub's first shared-memory
 # region (launcher.DEFAULT_SHM_BYTES, 64 MiB): requests the gate lets through never make it grow.
@@ -44,6 +45,7 @@ SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 _HOP_BY_HOP = {"te", "content-type", "user-agent", "host", "connection", "keep-alive", "proxy-connection",
                "transfer-encoding", "upgrade"}
 _SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second process on the port fails to start instead of sharing its calls
     ("grpc.max_send_message_length", -1),  # responses (images, videos) are tritonserver's to size
     ("grpc.max_connection_idle_ms", 5 * 60_000),  # a connection without calls is closed after 5 min
     ("grpc.server_handshake_timeout_ms", 20_000),  # one that never finishes its HTTP/2 preface: 20 s
@@ -125,9 +127,16 @@ async def serve(listen: str, upstream: str, max_message: int, grace_s: float = 5
     forwarder = Forwarder(upstream)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message), *_SERVER_OPTIONS])
     server.add_generic_rpc_handlers((forwarder,))
-    server.add_insecure_port(listen)  # raises if the port cannot be bound
+    try:
+        server.add_insecure_port(listen)
+    except RuntimeError as exc:  # the port is taken, or not an address
+        raise SystemExit(f"grpc gate: {exc}") from None
     await server.start()
     print(f"grpc gate: {listen} -> {upstream}, messages up to {max_message} bytes", flush=True)
+    ready_fd = os.environ.pop(READY_FD_ENV, "")
+    if ready_fd:
+        os.write(int(ready_fd), b"ready")
+        os.close(int(ready_fd))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -569,39 +570,48 @@ class GrpcGate:
         return f"{connect_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> "GrpcGate":
-        from engine_lib.serving.grpc_gate import MAX_MESSAGE_ENV  # noqa: PLC0415 (imports grpc)
+        from engine_lib.serving.grpc_gate import MAX_MESSAGE_ENV, READY_FD_ENV  # noqa: PLC0415 (imports grpc)
 
-        env = {**self.env, MAX_MESSAGE_ENV: str(self.max_message_bytes)}
+        # The gate says it listens on a pipe: a connection to the port could reach whoever else holds it.
+        ready_read, ready_write = os.pipe()
+        env = {**self.env, MAX_MESSAGE_ENV: str(self.max_message_bytes), READY_FD_ENV: str(ready_write)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        self.process = spawn([sys.executable, "-m", "engine_lib.serving.grpc_gate", "--listen",
-                              f"{self.host}:{self.port}", "--upstream", self.upstream], env, self.log_path)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise TritonServerError(f"the gRPC gate exited with code {self.process.returncode} on port "
-                                        f"{self.port}; its output:\n{self.log_tail()}")
+        try:
             try:
-                socket.create_connection((connect_host(self.host), self.port), timeout=1).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise TritonServerError(f"the gRPC gate did not listen on port {self.port} within {timeout_s:.0f} s; "
+                self.process = spawn([sys.executable, "-m", "engine_lib.serving.grpc_gate", "--listen",
+                                      f"{self.host}:{self.port}", "--upstream", self.upstream], env, self.log_path,
+                                     pass_fds=(ready_write,))
+            finally:
+                os.close(ready_write)  # ours: only the gate's copy may keep the pipe open
+            ready = select.select([ready_read], [], [], timeout_s)[0] and os.read(ready_read, 16) == b"ready"
+        finally:
+            os.close(ready_read)
+        if ready:
+            return self
+        try:
+            self.process.wait(timeout=5)  # it closed the pipe without a word: it is exiting
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise TritonServerError(f"the gRPC gate did not listen on port {self.port} within {timeout_s:.0f} s; "
+                                    f"its output:\n{self.log_tail()}") from None
+        raise TritonServerError(f"the gRPC gate exited with code {self.process.returncode} on port {self.port}; "
                                 f"its output:\n{self.log_tail()}")
 
     stop = OpenAIFrontDoor.stop  # the same bounded stop and log tail as the front door's
     log_tail = OpenAIFrontDoor.log_tail
 
 
-def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Optional[Path]) -> subprocess.Popen:
+def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Optional[Path],
+          pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """A child of the launcher (front door, gate) that dies with it, its output appended to `log_path`
     (None: the console)."""
     if log_path is None:
-        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                pass_fds=pass_fds)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, pass_fds=pass_fds)
 
 
 def proc_stat(pid: int | str) -> list[str]:

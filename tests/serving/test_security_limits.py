@@ -8,6 +8,7 @@ the address choice is checked on the command line the launcher builds, without s
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_a_64_mb_prompt_is_refused_by_the_gate_before_tritonserver_reads_it(secu
     shm_before, rss_before = secured.stub_shm_bytes(), _rss_bytes(server)
     result = run_request(secured.grpc_url, prompt="x" * (64 << 20), num_inference_steps=2, height=32, width=32)
     assert result.num_final == 1 and not result.responses
-    assert result.error.status() == "StatusCode.RESOURCE_EXHAUSTED", result.error
+    assert result.error.status() == "StatusCode.RESOURCE_EXHAUSTED", str(result.error)
     assert f"vs. {DEFAULT_MAX_MESSAGE_BYTES})" in result.error.message(), result.error.message()  # names the limit
     assert secured.stub_shm_bytes() == shm_before
     assert _rss_bytes(server) - rss_before < 16 << 20, (rss_before, _rss_bytes(server))
@@ -236,3 +237,43 @@ def test_a_negative_limit_stops_the_launcher_before_it_starts_anything(monkeypat
     monkeypatch.setenv("GRPC_MAX_MESSAGE_BYTES", "-1")
     assert launcher.serve(["serve"]) == 2
     assert "GRPC_MAX_MESSAGE_BYTES must be 0 (no gate) or a number of bytes" in capsys.readouterr().err
+
+
+def test_the_launcher_stops_when_the_gate_exits(monkeypatch, capsys):
+    """As for the front door: a supervisor above the launcher (docker, the kubelet) restarts it all."""
+    class DeadGate(_Child):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.process = SimpleNamespace(poll=lambda: 1, returncode=1)
+
+    from engine_lib.serving import supervisor  # noqa: PLC0415
+
+    class WaitingServer:
+        def __init__(self, make_server, stop, on_ready, **kwargs):
+            self.make_server, self.stop, self.on_ready = make_server, stop, on_ready
+
+        def run(self) -> int:
+            self.on_ready(self.make_server(0))
+            assert self.stop.wait(10), "the launcher did not notice"
+            return 0
+
+    monkeypatch.setattr(supervisor, "Supervisor", WaitingServer)
+    monkeypatch.setattr(launcher, "GrpcGate", DeadGate)
+    monkeypatch.setattr(launcher, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
+    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
+    for name in ("GRPC_MAX_MESSAGE_BYTES", "MODEL_REPOSITORY", "MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    assert launcher.serve(["serve"]) == 1
+    output = capsys.readouterr().out
+    assert "launcher: the gRPC gate exited (code 1); stopping" in output and "stopping the gRPC gate" in output
+
+
+def test_a_gate_that_cannot_listen_fails_its_start(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        gate = launcher.GrpcGate("127.0.0.1:1", "127.0.0.1", taken.getsockname()[1], 1 << 20,
+                                 log_path=tmp_path / "gate.log")
+        with pytest.raises(launcher.TritonServerError, match="the gRPC gate exited with code 1") as info:
+            gate.start(timeout_s=30)
+    assert f"grpc gate: Failed to bind to address 127.0.0.1:{gate.port}" in str(info.value)
