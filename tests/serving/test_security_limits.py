@@ -144,6 +144,10 @@ def test_keys_reach_the_server_and_front_door_by_environment_only(secured):
 # -- the launcher's choices, without a server ---------------------------------------------------------------
 
 
+_LAUNCHER_ENV = ("TRITON_ADDRESS", "TRITON_HTTP_ADDRESS", "GRPC_PORT", "GRPC_MAX_MESSAGE_BYTES", "OPENAI_PORT",
+                 "DIFFUSION_PRIORITY_KEY", "MODEL_REPOSITORY", "MODELS")  # unset for the launcher's defaults
+
+
 class _Child:
     """Stands in for the gate and the front door: records how the launcher made it."""
 
@@ -183,8 +187,7 @@ def _serve(monkeypatch, env: dict[str, str]):
     monkeypatch.setattr(launcher, "GrpcGate", type("Gate", (_Child,), {}))
     monkeypatch.setattr(launcher, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
     monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
-    for name in ("TRITON_ADDRESS", "TRITON_HTTP_ADDRESS", "GRPC_PORT", "GRPC_MAX_MESSAGE_BYTES",
-                 "DIFFUSION_PRIORITY_KEY", "MODEL_REPOSITORY", "MODELS"):
+    for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -234,6 +237,8 @@ def test_the_priority_key_is_random_per_launch_and_given_by_environment(monkeypa
 
 def test_a_negative_limit_stops_the_launcher_before_it_starts_anything(monkeypatch, capsys):
     monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
+    for name in _LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GRPC_MAX_MESSAGE_BYTES", "-1")
     assert launcher.serve(["serve"]) == 2
     assert "GRPC_MAX_MESSAGE_BYTES must be 0 (no gate) or a number of bytes" in capsys.readouterr().err
@@ -261,7 +266,7 @@ def test_the_launcher_stops_when_the_gate_exits(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "GrpcGate", DeadGate)
     monkeypatch.setattr(launcher, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
     monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
-    for name in ("GRPC_MAX_MESSAGE_BYTES", "MODEL_REPOSITORY", "MODELS"):
+    for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     assert launcher.serve(["serve"]) == 1
     output = capsys.readouterr().out
