@@ -59,10 +59,9 @@ _UPSTREAM_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_me
 def max_message_bytes(environ=os.environ) -> int:
     """GRPC_MAX_MESSAGE_BYTES, or the default when unset; 0 means no gate (the launcher's choice)."""
     value = environ.get(MAX_MESSAGE_ENV, "").strip()
-    limit = int(value) if value else DEFAULT_MAX_MESSAGE_BYTES
-    if limit < 0:
-        raise ValueError(f"{MAX_MESSAGE_ENV} must be 0 (no gate) or a number of bytes, got {value}")
-    return limit
+    if value and not (value.isdigit() and int(value) < 2**31):  # grpc takes an int32
+        raise ValueError(f"{MAX_MESSAGE_ENV} must be 0 (no gate) or a number of bytes below 2^31, got {value!r}")
+    return int(value) if value else DEFAULT_MAX_MESSAGE_BYTES
 
 
 def forwarded_metadata(metadata: Optional[Sequence[tuple[str, str | bytes]]]) -> tuple:

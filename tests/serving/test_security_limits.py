@@ -235,13 +235,15 @@ def test_the_priority_key_is_random_per_launch_and_given_by_environment(monkeypa
     assert children["FrontDoor"].kwargs["env"]["DIFFUSION_PRIORITY_KEY"] == "chosen"
 
 
-def test_a_negative_limit_stops_the_launcher_before_it_starts_anything(monkeypatch, capsys):
+@pytest.mark.parametrize("value", ["-1", "16MB", str(2**31)])
+def test_a_bad_limit_stops_the_launcher_before_it_starts_anything(monkeypatch, capsys, value):
     monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("GRPC_MAX_MESSAGE_BYTES", "-1")
+    monkeypatch.setenv("GRPC_MAX_MESSAGE_BYTES", value)
     assert launcher.serve(["serve"]) == 2
-    assert "GRPC_MAX_MESSAGE_BYTES must be 0 (no gate) or a number of bytes" in capsys.readouterr().err
+    assert f"GRPC_MAX_MESSAGE_BYTES must be 0 (no gate) or a number of bytes below 2^31, got {value!r}" in \
+        capsys.readouterr().err
 
 
 def test_the_launcher_stops_when_the_gate_exits(monkeypatch, capsys):
