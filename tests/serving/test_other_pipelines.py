@@ -167,6 +167,21 @@ def test_requests_of_different_sizes_share_every_forward_and_match_their_solo_im
         assert levels.max() <= 1 and (levels > 0).mean() <= 0.001, (rid, levels.max(), (levels > 0).mean())
 
 
+def test_every_model_refuses_inputs_as_parameters_and_huge_scales(server):
+    """Request parameters never stand in for inputs (a prompt sent as one was served), and Flux's and SD3's
+    guidance scales end at 100 (1e38 gave an all-black image counted as a success)."""
+    for model in MODELS:  # with one input: Triton refuses a request with none before the model sees it
+        result = run_request(server.grpc_url, model=model, request_id="as-parameter", seed=1,
+                             parameters={"prompt": "x"})
+        message = result.error.message()
+        assert message.startswith("INVALID_ARG: [request id: as-parameter] input 'prompt': must be sent as a tensor"), \
+            (model, message)
+    for model, scale in (("flux", "guidance_scale"), ("flux", "true_cfg_scale"), ("sd3", "guidance_scale")):
+        result = run_request(server.grpc_url, model=model, request_id="huge", prompt="x", **{scale: 1e38})
+        message = result.error.message()
+        assert message.startswith(f"INVALID_ARG: [request id: huge] input '{scale}': ") and "[0, 100]" in message
+
+
 def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
     # sd3's config does not declare true_cfg_scale: Triton refuses it over gRPC, naming it ...
     result = run_request(server.grpc_url, model="sd3", request_id="bad-cfg", prompt="x", true_cfg_scale=4.0)
