@@ -36,6 +36,9 @@ BAD_INPUTS = [
     ("priority negative", dict(VALID, priority=-1), "priority"),
     ("priority above the levels", dict(VALID, priority=4), "priority"),
     ("priority huge", dict(VALID, priority=2**31 - 1), "priority"),
+    # Triton checks only how many inputs came, so this reaches the model (a request with none it refuses itself).
+    ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
+    ("true cfg huge", dict(VALID, true_cfg_scale=1e38), "true_cfg_scale"),
 ]
 
 # Rejected by Triton itself (config.pbtxt types and shapes) before the model sees them:
@@ -44,7 +47,6 @@ TRITON_REJECTED = [
     ("height as FP32", dict(VALID, height=("FP32", np.array([32.0], dtype=np.float32))), "height"),
     ("height of shape [2]", dict(VALID, height=("INT32", np.array([32, 32], dtype=np.int32))), "height"),
     ("priority as FP32", dict(VALID, priority=("FP32", np.array([1.0], dtype=np.float32))), "priority"),
-    ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
 ]
 
 
