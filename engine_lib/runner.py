@@ -53,8 +53,9 @@ class ModelRunner:
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
                      hold_decode_ids: frozenset[str] = frozenset()) -> RunnerOutput:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps (a
-        request whose latents are no longer finite fails alone), previews at their boundaries, and one batched decode of the requests that finished denoising
-        (but those in `hold_decode_ids`, whose decode the scheduler holds for a later tick)."""
+        request whose latents are no longer finite fails alone), previews at their boundaries, and one
+        batched decode of the requests that finished denoising (but those in `hold_decode_ids`, whose
+        decode the scheduler holds for a later tick)."""
         result = RunnerOutput()
         with self.clock.phase("prepare"):
             for request in new:
