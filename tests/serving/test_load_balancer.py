@@ -32,10 +32,10 @@ def balancer_config(recipe: str, grpc_port: int, http_port: int, servers, workdi
 
     text = re.sub(r"(upstream triton_grpc \{\n\s*least_conn;\n)(?:\s*server [^\n]*\n)+",
                   lambda m: m.group(1) + upstream([s.grpc_port for s in servers]), recipe)
-    text = re.sub(r"(upstream triton_http \{\n\s*least_conn;\n)(?:\s*server [^\n]*\n)+",
+    text = re.sub(r"(upstream front_doors \{\n\s*least_conn;\n)(?:\s*server [^\n]*\n)+",
                   lambda m: m.group(1) + upstream([s.http_port for s in servers]), text)
     text = text.replace("listen 8001 http2;", f"listen 127.0.0.1:{grpc_port} http2;")
-    text = text.replace("listen 8000;", f"listen 127.0.0.1:{http_port};")
+    text = text.replace("listen 9000;", f"listen 127.0.0.1:{http_port};")
     assert text.count("127.0.0.1:") == 2 * len(servers) + 2, "the recipe's upstreams or listens changed shape"
     text = text.replace("worker_processes auto;", "worker_processes 2;")
     user = f"user {getpass.getuser()};\n" if os.geteuid() == 0 else ""  # workers keep access to workdir
