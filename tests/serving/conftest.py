@@ -158,12 +158,7 @@ def held(server):
 def secured(tmp_path_factory, request):
     """`make serve`'s launcher with every key it takes set (tests/serving/launched.py, SECURED_ENV),
     shared by the session's security tests. Tests must leave it serving."""
-    from .launched import SECURED_ENV, Launcher  # noqa: PLC0415 (launched imports this module)
+    from .launched import SECURED_ENV, serving  # noqa: PLC0415 (launched imports this module)
 
-    launched = Launcher(tmp_path_factory.mktemp("secured"), model_path(request), env=SECURED_ENV)
-    try:
-        launched.wait_serving(300)
+    with serving(tmp_path_factory.mktemp("secured"), model_path(request), env=SECURED_ENV) as launched:
         yield launched
-    finally:
-        launched.budget.release()
-        launched.kill()

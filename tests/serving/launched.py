@@ -81,15 +81,9 @@ class Launcher:
     def stubs(self) -> dict[int, list[str]]:
         """The Python stubs serving this repository's models: pid -> argv (argv[1] its model.py, argv[2] its
         shared-memory region)."""
-        found = {}
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                argv = cmdline.read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            if argv[0].endswith("triton_python_backend_stub") and len(argv) > 2 and argv[1].startswith(f"{self.repo}/"):
-                found[int(cmdline.parent.name)] = argv
-        return found
+        return {pid: argv for pid, argv in command_lines().items()
+                if argv[0].endswith("triton_python_backend_stub") and len(argv) > 2
+                and argv[1].startswith(f"{self.repo}/")}
 
     def stub(self) -> tuple[int, str]:
         """The qwen_image stub's pid and its shared-memory region name."""
@@ -121,6 +115,29 @@ class Launcher:
                 os.kill(pid, signal.SIGKILL)
         for name in self.shm_regions():
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, model_dir: str, env: Optional[dict[str, str]] = None):
+    """A Launcher, serving once this is entered (its first request succeeded), killed on exit."""
+    launched = Launcher(tmp, model_dir, env=env)
+    try:
+        launched.wait_serving(300)
+        yield launched
+    finally:
+        launched.budget.release()
+        launched.kill()
+
+
+def command_lines() -> dict[int, list[str]]:
+    """Every process's pid -> argv, from /proc (processes that end meanwhile are left out)."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+    return found
 
 
 def http_status(url: str, headers: Optional[dict[str, str]] = None) -> int:

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from engine_lib.serving import launcher
 from engine_lib.serving.grpc_gate import DEFAULT_MAX_MESSAGE_BYTES
 
-from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY
+from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines
 from .streaming import RequestStream, metric, run_request, scrape, wait_for_metric
 
 # -- the gate, served ------------------------------------------------------------------------------
@@ -30,12 +30,7 @@ from .streaming import RequestStream, metric, run_request, scrape, wait_for_metr
 def _processes(secured) -> dict[str, int]:
     """tritonserver's, the gate's and the front door's pids in the `secured` stack (by their command lines)."""
     found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        pid = int(cmdline.parent.name)
+    for pid, argv in command_lines().items():
         if argv[0].endswith("tritonserver") and f"--model-repository={secured.repo}" in argv:
             found["tritonserver"] = pid
         elif "engine_lib.serving.grpc_gate" in argv and f"127.0.0.1:{secured.grpc}" in argv:

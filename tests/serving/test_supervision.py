@@ -7,28 +7,21 @@ Requests that must still be running when a test acts are held by the engine's ti
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from engine_lib.serving.launcher import proc_stat
-from engine_lib.testing import hooks_environment
-from tests.conftest import TickBudget
 
 from .conftest import model_path, running
-from .launched import MODEL, Launcher, http_status, raw_post
+from .launched import MODEL, Launcher, raw_post, serving
 from .streaming import RequestStream, metric, post_json, run_request, scrape, sse_events, wait_for_metric
 
 LABELS = {"model": MODEL}
@@ -36,13 +29,8 @@ LABELS = {"model": MODEL}
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory, request):
-    launched = Launcher(tmp_path_factory.mktemp("launcher"), model_path(request))
-    try:
-        launched.wait_serving(300)
+    with serving(tmp_path_factory.mktemp("launcher"), model_path(request)) as launched:
         yield launched
-    finally:
-        launched.budget.release()
-        launched.kill()
 
 
 def test_ports_listen_on_loopback_only(launcher):
