@@ -3,7 +3,7 @@
 None of them is configuration: an engine gets them through `EngineHooks` (in-process tests), and
 a served model gets them only when tritonserver was started with `DIFFUSION_TEST_HOOKS` in its
 environment, a JSON object mapping a model name to its hooks, e.g.
-`{"qwen_image": {"tick_budget_path": "/tmp/x/budget", "fail_prompt": "boom"}}`.
+`{"qwen_image": {"tick_budget_path": "/tmp/x/budget", "fail_prompt": "boom", "nan_prompt": "diverge"}}`.
 A production server never sets it, and its engine then runs no hook at all.
 """
 
@@ -61,17 +61,49 @@ class FailPrompt:
             raise PipelineError(f"injected failure for the prompt {self.prompt!r}")
 
 
+class NanPrompt:
+    """Turns the latents of every request with exactly this prompt into NaN before its forward, as a
+    diverging step would: the runner then fails that request alone (non-finite latents)."""
+
+    def __init__(self, prompt: str):
+        self.prompt = prompt
+
+    def __call__(self, states: list) -> None:
+        import torch  # noqa: PLC0415 (the stub has it loaded by now)
+
+        from engine_lib.runner import _latents  # noqa: PLC0415
+
+        with torch.inference_mode():
+            for state in states:
+                if state.params.get("prompt") == self.prompt:
+                    for tensor in _latents(state):
+                        tensor.fill_(float("nan"))
+
+
+def _each(hooks: list[Callable[[list], None]]) -> Optional[Callable[[list], None]]:
+    """One before_forward hook that calls each of `hooks` (None when there is none)."""
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def call_each(states: list) -> None:
+        for hook in hooks:
+            hook(states)
+
+    return call_each
+
+
 def hooks_from_environment(model_name: str) -> Optional[EngineHooks]:
     """The hooks `DIFFUSION_TEST_HOOKS` names for this model, if any."""
     text = os.environ.get(ENVIRONMENT)
     if not text:
         return None
     spec = json.loads(text).get(model_name) or {}
-    budget, prompt = spec.get("tick_budget_path"), spec.get("fail_prompt")
-    if not budget and not prompt:
+    budget = spec.get("tick_budget_path")
+    before_forward = _each([hook(spec[key]) for key, hook in (("fail_prompt", FailPrompt), ("nan_prompt", NanPrompt))
+                            if spec.get(key)])
+    if not budget and before_forward is None:
         return None
-    return EngineHooks(tick_gate=FileTickBudget(budget) if budget else None,
-                       before_forward=FailPrompt(prompt) if prompt else None)
+    return EngineHooks(tick_gate=FileTickBudget(budget) if budget else None, before_forward=before_forward)
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -2,7 +2,8 @@
 parameters adjusted per test module, served on free loopback ports.
 
 `server` is shared by the whole session (the shipped configuration, plus the engine's test
-hooks: a tick budget file, `server.budget`, and a prompt that fails, FAIL_PROMPT); modules
+hooks: a tick budget file, `server.budget`, a prompt that fails, FAIL_PROMPT, and one whose latents turn
+NaN, NAN_PROMPT); modules
 that need other parameters or that kill their server start their own with `start_server`.
 Every server started here is checked for leaks when it stops (`LeakProbe`).
 """
@@ -26,6 +27,7 @@ from tests.conftest import TickBudget
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
 FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
+NAN_PROMPT = "__nan in the latents__"  # the shared server turns this request's latents into NaN before each step
 SERVER_PRIORITY_KEY = "test-server-priority-key"  # DIFFUSION_PRIORITY_KEY of every server start_server starts
 URGENT = {"priority_key": SERVER_PRIORITY_KEY}  # the request parameters that may ask for a level above the default
 
@@ -124,12 +126,14 @@ class ProbedServer(TritonServer):
 
 
 def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(), instance_group: str = "",
-                 fail_prompt: str = "", **parameters: str) -> ProbedServer:
+                 fail_prompt: str = "", nan_prompt: str = "", **parameters: str) -> ProbedServer:
     """Serve the qwen_image entry with `parameters` overridden; its tick budget file is `server.budget`
-    (absent until a test holds the engine); a batch holding `fail_prompt` fails its forward."""
+    (absent until a test holds the engine); a batch holding `fail_prompt` fails its forward, and a request
+    with `nan_prompt` gets NaN latents before each of its steps."""
     budget = TickBudget(tmp_dir / "tick_budget")
     repo = write_repository(tmp_dir / "repository", instance_group, model_path=model_path, **parameters)
-    hooks = {"tick_budget_path": str(budget.path), **({"fail_prompt": fail_prompt} if fail_prompt else {})}
+    prompts = {"fail_prompt": fail_prompt, "nan_prompt": nan_prompt}
+    hooks = {"tick_budget_path": str(budget.path), **{key: value for key, value in prompts.items() if value}}
     server = ProbedServer(
         repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), address="127.0.0.1",
         log_path=tmp_dir / "tritonserver.log", exit_timeout_s=exit_timeout_s, extra_args=extra_args,
@@ -142,7 +146,8 @@ def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, request):
     """The shipped qwen_image configuration on the tiny model, shared by the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT)
+    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT,
+                       nan_prompt=NAN_PROMPT)
     yield srv
     srv.cleanup()
 

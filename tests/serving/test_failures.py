@@ -10,7 +10,7 @@ engine is held until all four have joined one step batch.
 
 from __future__ import annotations
 
-from .conftest import FAIL_PROMPT
+from .conftest import FAIL_PROMPT, NAN_PROMPT
 from .streaming import RequestStream, close_all, metric, run_held, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image")
@@ -43,3 +43,25 @@ def test_internal_error_ends_only_its_request(server, held):
     log = server.log_text()
     assert "engine_lib.runner: batched denoise of 4 requests failed" in log  # a warning, forwarded
     assert "engine_lib.runner: request f1#" in log and "injected failure" in log
+
+
+def test_a_request_whose_latents_turn_nan_fails_alone(server, held):
+    """A step that leaves one request's latents non-finite (the shared server's NAN_PROMPT hook, as a diverging
+    step would) ends that request with INTERNAL naming the step; the request sharing its forwards finishes."""
+    errors_before = metric(scrape(server.metrics_url), "diffusion_requests_total", outcome="error", **LABELS)
+    held.hold()
+    streams = [RequestStream(server.grpc_url).send(f"n{i}", prompt=p, height=32, width=32, num_inference_steps=3,
+                                                   seed=i)
+               for i, p in enumerate(["a red cube", NAN_PROMPT])]
+    try:
+        run_held(server, waiting=2, ticks=100)  # both join the first step batch
+        good, bad = (stream.collect(timeout=120) for stream in streams)
+    finally:
+        close_all(streams, held)
+    assert bad.num_final == 1 and not bad.responses and len(bad.errors) == 1
+    assert bad.error.message() == "INTERNAL: [request id: n1] non-finite latents after step 1 of 3", bad.error.message()
+    assert not good.errors and good.num_final == 1
+    image = good.final.as_numpy("image")
+    assert image.shape == (1, 32, 32, 3) and image.std() > 0  # an image, not the black of NaN cast to uint8
+    assert wait_for_metric(server.metrics_url, "diffusion_requests_total", errors_before + 1, outcome="error",
+                           **LABELS) == errors_before + 1
