@@ -317,6 +317,7 @@ class TritonServer:
             if self.admin_key:
                 hide_argument(self.process, self.admin_key)
             self.wait_ready(timeout_s)
+            self._restrict_shm_regions()
         except BaseException:
             self.stop()
             raise
@@ -451,6 +452,17 @@ class TritonServer:
         except OSError:
             pass
         return process.returncode
+
+    def _restrict_shm_regions(self) -> None:
+        """Make the Python backend's shm regions readable by their owner only. tritonserver creates them
+        0644 (whatever the umask), so every user of the host could read the prompts and images passing
+        through; the stubs and the server run as one user and keep their access. A model loaded later
+        (repository API) keeps 0644 until the next start."""
+        for path in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            try:
+                path.chmod(0o600)
+            except OSError:
+                pass  # gone meanwhile
 
     def _remove_shm_regions(self) -> None:
         """A killed server leaves its Python-backend shm regions in /dev/shm; remove ours (and say which)."""

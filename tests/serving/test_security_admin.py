@@ -126,3 +126,11 @@ def test_the_admin_key_is_on_no_command_line(secured):
         names[pid] = argv.split(b"\0")[0].rsplit(b"/", 1)[-1].decode()
         assert ADMIN_KEY.encode() not in argv, (pid, argv.replace(b"\0", b" ")[:200])
     assert "tritonserver" in names.values() and "triton_python_backend_stub" in names.values(), names
+
+
+def test_the_stubs_shared_memory_is_readable_by_its_owner_only(secured):
+    """tritonserver creates the regions 0644: every user of the host could read prompts and images in flight."""
+    regions = secured.shm_regions()
+    assert regions
+    for name in regions:
+        assert Path("/dev/shm", name).stat().st_mode & 0o777 == 0o600, name
