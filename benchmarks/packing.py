@@ -22,6 +22,7 @@ Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Callable
@@ -55,15 +56,15 @@ class Setup:
 
 
 def _transformer(name: str, setup: Setup, **overrides):
-    """The tiny preset's transformer config with `overrides`, random weights, in eval mode, on the setup's device."""
-    from engine_lib.config import EngineConfig
-    from engine_lib.pipelines.registry import load_adapter
+    """The tiny preset's transformer config with `overrides`, random weights, in eval mode, on the setup's device.
+    Only the config is read (the class diffusers saved with it): no pipeline, weights or text encoder load."""
+    import diffusers
+
     from engine_lib.tiny_models import ensure_model
 
-    pipe = load_adapter(EngineConfig(pipeline=name, model_path=str(ensure_model(name, "tiny")), device="cpu",
-                                     dtype="float32")).pipe
+    config = json.loads((ensure_model(name, "tiny") / "transformer" / "config.json").read_text())
     torch.manual_seed(0)
-    transformer = type(pipe.transformer).from_config({**pipe.transformer.config, **overrides})
+    transformer = getattr(diffusers, config["_class_name"]).from_config({**config, **overrides})
     return transformer.to(setup.device, setup.dtype).eval()
 
 
