@@ -16,17 +16,26 @@ naming the input (`{"error": "INVALID_ARG: input 'height': ..."}`):
 
 Each request runs on its own gRPC stream, so a client that leaves cancels it at once
 (tritonserver's HTTP port notices only at the next response it sends).
+
+Raw outputs are JSON lists of numbers, about 5 bytes a uint8 value: a 229-frame 512x512
+video is over 1 GB of JSON. One response may take at most MAX_RESPONSE_JSON_BYTES: a
+request whose declared size (height x width x num_frames x num_images x 3) is over it is
+refused before it runs (400 naming `output_format`), and any response over it (sizes the
+model chose) ends the request with that error. A response's JSON is written in pieces,
+each built on a worker thread, so it never sits whole in memory and the event loop keeps
+answering other clients while it goes out.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator, Mapping
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
 
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
@@ -37,6 +46,14 @@ from engine_lib.serving.openai_api.watch import next_response, until_final
 MAX_ID_CHARS = 256
 # Triton error codes -> the HTTP status tritonserver's generate endpoints answer them with.
 HTTP_STATUS = {"INVALID_ARG": 400, "NOT_FOUND": 404, "UNAVAILABLE": 503, "CANCELLED": 499}
+# The most JSON one response (one event of generate_stream) may take. 64 MiB holds a 2048x2048
+# image or 17 frames of 512x512 as raw uint8 lists; a client parses each event whole (json.loads of
+# 64 MiB: seconds, and half a GB of Python ints), so more is of no use over HTTP JSON, where the
+# encoded outputs (output_format=png, mp4) are 10-100x smaller. gRPC carries raw tensors as binary.
+MAX_RESPONSE_JSON_BYTES = 64 << 20
+UINT8_CHARS = len("255, ")  # the most JSON a raw uint8 value takes
+PIECE_VALUES = 1 << 18  # values per piece of a response's JSON: ~1.3 MiB of text, ~10 ms of the GIL
+UINT8_TEXT = np.array([str(value) for value in range(256)], dtype=object)  # 5x faster than json.dumps
 
 
 class GenerateError(Exception):
@@ -70,14 +87,67 @@ def parse_generate_body(body: Any, model: str, input_types: dict[str, str]) -> t
     return inputs, request_id
 
 
-def output_json(response: Response, model: str) -> dict[str, Any]:
-    """A response as tritonserver's generate endpoints write it: one element as a scalar, more as a flat list."""
-    body: dict[str, Any] = {"model_name": model, "model_version": response.model_version}
+def output_text(response: Response, model: str, before: str = "", after: str = "") -> Iterator[str]:
+    """A response's JSON as tritonserver's generate endpoints write it (one element as a scalar, more as a
+    flat list), between `before` and `after`, in pieces of at most PIECE_VALUES values: no piece holds the
+    GIL long or much memory, so `iterate_in_threadpool` sends a big output without stalling the event loop."""
+    text = before + json.dumps({"model_name": model, "model_version": response.model_version})[:-1]
     for name, array in response.outputs.items():
-        values = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
-                  for v in np.asarray(array).ravel().tolist()]
-        body[name] = values[0] if len(values) == 1 else values
-    return body
+        flat = np.asarray(array).ravel()
+        text += f", {json.dumps(name)}: "
+        if flat.size == 1:
+            text += json_values(flat)
+            continue
+        text += "["
+        for start in range(0, flat.size, PIECE_VALUES):
+            yield text + (", " if start else "") + json_values(flat[start:start + PIECE_VALUES])
+            text = ""
+        text += "]"
+    yield text + "}" + after
+
+
+def json_values(values: np.ndarray) -> str:
+    """Values as JSON without the list's brackets (text decoded as UTF-8)."""
+    if values.dtype == np.uint8:
+        return ", ".join(UINT8_TEXT[values].tolist())
+    return json.dumps([v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
+                       for v in values.tolist()])[1:-1]
+
+
+def too_big(json_bytes: int, what: str) -> GenerateError:
+    return GenerateError(400, f"INVALID_ARG: input 'output_format': {what} would take up to {-(-json_bytes >> 20)} MiB "
+                              f"of JSON per response, over this front door's {MAX_RESPONSE_JSON_BYTES >> 20} MiB: "
+                              f"ask for output_format=png (images) or mp4 (videos), or use gRPC for raw tensors")
+
+
+def check_declared_size(inputs: Mapping[str, Any]) -> None:
+    """Refuse, before it runs, a request for raw outputs whose declared size is over MAX_RESPONSE_JSON_BYTES.
+    Only sizes the request states count (left-out frames and images as 1); the model's defaults are left to
+    `check_response`."""
+    if inputs.get("output_format", "raw") != "raw" or "height" not in inputs or "width" not in inputs:
+        return
+    frames, images = inputs.get("num_frames", 1), inputs.get("num_images", 1)
+    json_bytes = inputs["height"] * inputs["width"] * frames * images * 3 * UINT8_CHARS
+    if json_bytes > MAX_RESPONSE_JSON_BYTES:
+        raise too_big(json_bytes, f"raw output of {inputs['width']}x{inputs['height']}, {frames} frame(s), "
+                                  f"{images} image(s)")
+
+
+def check_response(response: Response) -> None:
+    """Refuse a response whose raw outputs could take over MAX_RESPONSE_JSON_BYTES of JSON (counted from their
+    sizes, before any of it is built): the backstop for sizes the request did not state."""
+    json_bytes = sum(array.size * value_chars(array.dtype) for array in map(np.asarray, response.outputs.values())
+                     if array.dtype.kind != "O")  # text outputs are the encoded ones
+    if json_bytes > MAX_RESPONSE_JSON_BYTES:
+        raise too_big(json_bytes, "this response's raw output")
+
+
+def value_chars(dtype: np.dtype) -> int:
+    """The most JSON one value of a raw output takes, with its separator (uint8: '255, ')."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return max(len(str(info.min)), len(str(info.max))) + 2
+    return len("false, ") if dtype.kind == "b" else 26  # a float's longest repr is 24 characters
 
 
 def event(data: dict[str, Any]) -> str:
@@ -105,6 +175,7 @@ def make_router(read_json, authorize, keys: FrontDoorKeys) -> APIRouter:
             tensors = gateway.tensors(inputs, input_types)
         except InvalidInputError as exc:
             raise GenerateError(400, f"INVALID_ARG: {exc}") from None
+        check_declared_size(inputs)
         try:
             parameters = keys.priority_parameters(caller, inputs.get("priority"), await gateway.default_priority(model))
         except OpenAIError as exc:
@@ -125,23 +196,29 @@ def make_router(read_json, authorize, keys: FrontDoorKeys) -> APIRouter:
         try:
             responses = await start(model, request, caller)
             final = await until_final(responses, request, on_error=from_triton)
+            check_response(final)
         except GenerateError as exc:
             return exc.response()
-        return output_json(final, model)
+        return StreamingResponse(output_text(final, model), media_type="application/json")  # each piece on a thread
 
     return router
 
 
 async def events(model: str, first: Response, responses: AsyncIterator[Response]):
-    """One `data:` event per response; an error after the first becomes an `{"error": ...}` event.
-    Starlette cancels this generator when the client leaves, and `aclose()` cancels the request."""
+    """One `data:` event per response, written in pieces on worker threads; an error after the first (or a
+    response over MAX_RESPONSE_JSON_BYTES) becomes an `{"error": ...}` event. Starlette cancels this
+    generator when the client leaves, and `aclose()` cancels the request."""
     try:
         response = first
         while True:
-            yield event(output_json(response, model))
+            check_response(response)
+            async for piece in iterate_in_threadpool(output_text(response, model, "data: ", "\n\n")):
+                yield piece
             if response.is_final:
                 return
             response = await responses.__anext__()
+    except GenerateError as exc:
+        yield event({"error": exc.message})
     except TritonRequestError as exc:
         yield event({"error": str(exc)})
     except StopAsyncIteration:
