@@ -5,7 +5,10 @@ Streaming (`stream: true`) answers server-sent events as OpenAI streams images: 
 `partial_images` events `image_generation.partial_image` (the engine's previews, spread
 over the steps), then one `image_generation.completed` per image. An error before the
 first event is an HTTP error in OpenAI's shape; after it, an `error` event. A client that
-goes away cancels its Triton request (streamed: at once; otherwise: within half a second).
+goes away cancels its Triton request: within half a second while the front door waits for a
+response (watch.py; a stream without partial images waits for its only one), at once while
+it streams. PNG encoding runs on worker threads (about 0.3 s per 1024x1024 image), never on
+the event loop that answers every other client.
 
 Bearer keys and priority rights: keys.py. `/openapi.json` needs a key like the API (it lists
 every input of the API); there are no `/docs` pages.
@@ -24,6 +27,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
@@ -32,7 +36,7 @@ from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, bad_request, error_from_triton,
                                                     lone_surrogate_field, openai_param, parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
-from engine_lib.serving.openai_api.watch import until_final
+from engine_lib.serving.openai_api.watch import next_response, until_final
 from engine_lib.serving.tensors import encode_png_base64
 
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
@@ -42,9 +46,10 @@ NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text
             "total_tokens": 0}
 
 
-def png_base64(image: np.ndarray) -> str:
-    """One image as base64 PNG text, encoded as the model's own `png` output is."""
-    return encode_png_base64(image[None], {})[0].decode("ascii")
+def png_base64(images: np.ndarray) -> list[str]:
+    """Images [N, H, W, 3] as base64 PNG text, encoded as the model's own `png` output is. Run it on a worker
+    thread (`run_in_threadpool`): PIL lets go of the GIL while it compresses, so the event loop keeps serving."""
+    return [text.decode("ascii") for text in encode_png_base64(images, {})]
 
 
 def partial_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -117,11 +122,12 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
         parameters = keys.priority_parameters(caller, image_request.inputs.get("priority"),
                                               await gateway.default_priority(image_request.model))
         responses = gateway.stream(image_request.model, tensors, request_id, parameters)
-        if image_request.stream:
-            first = await first_response(responses)
+        if image_request.stream:  # watched: without partial images the first response is the last
+            first = await next_response(responses, request, on_error=error_from_triton)
             return StreamingResponse(events(image_request, first, responses), media_type="text/event-stream")
         final = await until_final(responses, request, on_error=error_from_triton)
-        return {"created": int(time.time()), "data": [{"b64_json": png_base64(image)} for image in final.images],
+        images = await run_in_threadpool(png_base64, final.images)
+        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images],
                 "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
 
     app.include_router(v1)
@@ -165,14 +171,6 @@ async def ready_models(gateway: TritonGateway) -> list[str]:
     return await gateway.ready_models()
 
 
-async def first_response(responses: AsyncIterator[Response]) -> Response:
-    """The first response, so an error before any event is answered as an HTTP error."""
-    try:
-        return await responses.__anext__()
-    except TritonRequestError as exc:
-        raise error_from_triton(str(exc)) from None
-
-
 async def events(image_request: ImageRequest, first: Response, responses: AsyncIterator[Response]):
     """Server-sent events: the chosen previews as partial images, then each final image."""
     common = {"background": "opaque", "output_format": "png", "quality": "auto", "size": image_request.size}
@@ -184,15 +182,14 @@ async def events(image_request: ImageRequest, first: Response, responses: AsyncI
             if targets is None:
                 targets = partial_steps(response.num_steps, image_request.partial_images)
             if response.is_final:
-                for image in response.images:
-                    yield sse("image_generation.completed", {"b64_json": png_base64(image), "created_at":
-                                                             int(time.time()), "usage": NO_USAGE, **common})
+                for image in await run_in_threadpool(png_base64, response.images):
+                    yield sse("image_generation.completed", {"b64_json": image, "created_at": int(time.time()),
+                                                             "usage": NO_USAGE, **common})
                 return
             if response.images is not None and response.step in targets:
-                for image in response.images:
-                    yield sse("image_generation.partial_image", {"b64_json": png_base64(image), "created_at":
-                                                                 int(time.time()), "partial_image_index": index,
-                                                                 **common})
+                for image in await run_in_threadpool(png_base64, response.images):
+                    yield sse("image_generation.partial_image", {"b64_json": image, "created_at": int(time.time()),
+                                                                 "partial_image_index": index, **common})
                 index += 1
             response = await responses.__anext__()
     except TritonRequestError as exc:
