@@ -140,7 +140,7 @@ def test_the_json_comes_in_pieces_as_tritonserver_writes_it(door, monkeypatch):
 
 def test_health_answers_while_a_maximal_response_streams_in_bounded_memory(door):
     """A response at the cap (64 MiB of JSON) goes out while /health answers in under a second, and the
-    front door allocates at most 16 MiB beyond the raw tensor for it (docs/client.md)."""
+    front door allocates at most 16 MiB beyond the raw tensor for it (docs/serving.md)."""
     values = (MAX_RESPONSE_JSON_BYTES - 33) // UINT8_CHARS  # 33: step, num_steps, is_final
     video = np.random.default_rng(0).integers(0, 256, values, dtype=np.uint8)
     FakeGateway.answers = [answer(1, 1, True, video=video)]

@@ -18,7 +18,7 @@ Each request runs on its own gRPC stream, so a client that leaves cancels it at 
 (tritonserver's HTTP port notices only at the next response it sends).
 
 Raw outputs are JSON lists of numbers, about 5 bytes a uint8 value: a 229-frame 512x512
-video is over 1 GB of JSON. One response may take at most MAX_RESPONSE_JSON_BYTES: a
+video is about 0.9 GB of JSON. One response may take at most MAX_RESPONSE_JSON_BYTES: a
 request whose declared size (height x width x num_frames x num_images x 3) is over it is
 refused before it runs (400 naming `output_format`), and any response over it (sizes the
 model chose) ends the request with that error. A response's JSON is written in pieces,
@@ -48,11 +48,11 @@ MAX_ID_CHARS = 256
 HTTP_STATUS = {"INVALID_ARG": 400, "NOT_FOUND": 404, "UNAVAILABLE": 503, "CANCELLED": 499}
 # The most JSON one response (one event of generate_stream) may take. 64 MiB holds a 2048x2048
 # image or 17 frames of 512x512 as raw uint8 lists; a client parses each event whole (json.loads of
-# 64 MiB: seconds, and half a GB of Python ints), so more is of no use over HTTP JSON, where the
+# 58 MiB of them: 2 s, into a 100 MiB list), so more is of no use over HTTP JSON, where the
 # encoded outputs (output_format=png, mp4) are 10-100x smaller. gRPC carries raw tensors as binary.
 MAX_RESPONSE_JSON_BYTES = 64 << 20
 UINT8_CHARS = len("255, ")  # the most JSON a raw uint8 value takes
-PIECE_VALUES = 1 << 18  # values per piece of a response's JSON: ~1.3 MiB of text, ~10 ms of the GIL
+PIECE_VALUES = 1 << 18  # values per piece of a response's JSON: ~1.2 MiB of text, ~10 ms of the GIL
 UINT8_TEXT = np.array([str(value) for value in range(256)], dtype=object)  # 5x faster than json.dumps
 
 
