@@ -250,6 +250,7 @@ class TritonServer:
         self.shm_prefix = f"dtriton{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.leaked_shm: list[str] = []  # regions the stopped server left in /dev/shm (removed by stop())
         self.process: Optional[subprocess.Popen] = None
+        self._started = 0.0  # time.monotonic() at start()
         self._reaper: Optional[subprocess.Popen] = None  # cleans up if we die without stop() (start_reaper)
         self._log_file = None
 
@@ -294,8 +295,9 @@ class TritonServer:
                      f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return args + self.extra_args
 
-    def start(self, timeout_s: float = 300.0) -> "TritonServer":
-        """Start the server and wait until /v2/health/ready (every model loaded)."""
+    def start(self, timeout_s: float = 300.0, wait: bool = True) -> "TritonServer":
+        """Start the server and wait until /v2/health/ready (every model loaded); without `wait`, return
+        once it runs (then `check_ready` says when it is ready, as the supervisor does while it watches)."""
         assert self.process is None, "server already started"
         system = system_tritonserver()
         if system is not None:  # an NGC image: its own backends and libraries
@@ -316,25 +318,30 @@ class TritonServer:
             self._reaper = start_reaper(self.process.pid, self.shm_prefix)
             if self.admin_key:
                 hide_argument(self.process, self.admin_key)
-            self.wait_ready(timeout_s)
-            self._restrict_shm_regions()
+            self._started = time.monotonic()
+            if wait:
+                self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise TritonServerError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready; "
-                    f"log tail ({self.log_path}):\n{self.log_tail()}"
-                )
-            if self.is_ready():
-                return
+        while not self.check_ready(timeout_s):
             time.sleep(0.25)
-        raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+
+    def check_ready(self, timeout_s: float) -> bool:
+        """Whether the started server is ready (then its shm regions become 0600); TritonServerError if it
+        exited first, or is still not ready `timeout_s` after its start."""
+        if self.process.poll() is not None:
+            raise TritonServerError(f"tritonserver exited with code {self.process.returncode} before it was ready; "
+                                    f"log tail ({self.log_path}):\n{self.log_tail()}")
+        if self.is_ready():
+            self._restrict_shm_regions()
+            return True
+        if time.monotonic() - self._started >= timeout_s:
+            raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+        return False
 
     def is_ready(self) -> bool:
         """Every model loaded, and the metrics port answering (it starts a little after the HTTP
@@ -394,13 +401,15 @@ class TritonServer:
             return [f"(repository API unreachable: {exc})"]
 
     def stub_pids(self) -> dict[int, str]:
-        """The server's Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0)."""
+        """The server's live Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0). A zombie
+        is dead: see `is_zombie`."""
         stubs = {}
         if not self.is_running():
             return stubs
         for status in Path("/proc").glob("[0-9]*/stat"):
             try:
-                if int(proc_stat(status.parent.name)[1]) != self.process.pid:
+                state, parent = proc_stat(status.parent.name)[:2]
+                if int(parent) != self.process.pid or state == "Z":
                     continue
                 argv = (status.parent / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
@@ -408,6 +417,15 @@ class TritonServer:
             if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 8:
                 stubs[int(status.parent.name)] = argv[8].decode(errors="replace")
         return stubs
+
+    @staticmethod
+    def is_zombie(pid: int) -> bool:
+        """Whether a process died and was not reaped (state Z). A stub killed under tritonserver (kill -9, the
+        OOM killer) stays one; tritonserver reaps at once the stubs it ends itself (measured)."""
+        try:
+            return proc_stat(pid)[0] == "Z"
+        except OSError:
+            return False
 
     def stop(self, grace_s: Optional[float] = None, drain: bool = True) -> Optional[int]:
         """End the server within a bounded time; idempotent.

@@ -220,3 +220,55 @@ def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, req
     finally:
         launched.budget.release()
         launched.kill()
+
+
+ECHO_MODEL = '''
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        gate, deadline = {gate!r}, time.monotonic() + 120
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:  # loading until the gate opens
+            time.sleep(0.05)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+'''
+
+
+def test_a_stub_killed_while_another_model_loads_is_noticed(tmp_path, request):
+    """tritonserver 2.51 opens its ports only once every model has loaded. echo's stub, killed while gated
+    still loads (until its gate file appears), would leave echo saying ready once gated is, and never
+    answering: the supervisor, which watches the stubs from the server's start, restarts it at once."""
+    gate = tmp_path / "gate"
+    launched = Launcher(tmp_path, model_path(request), env={"MODELS": "echo,gated"},
+                        models={"echo": ECHO_MODEL.format(gate=""), "gated": ECHO_MODEL.format(gate=str(gate))})
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]}).encode()
+    try:
+        deadline = time.monotonic() + 120
+        while not launched.triton_log.exists() or "successfully loaded 'echo'" not in launched.triton_log.read_text():
+            assert time.monotonic() < deadline and launched.process.poll() is None, launched.log()
+            time.sleep(0.1)
+        [pid] = [pid for pid, argv in launched.stubs().items() if argv[1] == str(launched.repo / "echo/1/model.py")]
+        assert not launched.ready()
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while f"the Python stub of echo_0_0 (pid {pid}) died" not in launched.log():
+            assert time.monotonic() - killed < 10, f"not noticed 10 s after the kill:\n{launched.log()[-2000:]}"
+            time.sleep(0.05)
+        noticed = time.monotonic() - killed
+        gate.touch()
+        while not (launched.ready() and raw_post(launched.http, "/v2/models/echo/infer", body, timeout=10)[0] == 200):
+            assert time.monotonic() - killed < 60, f"not serving 60 s after the kill:\n{launched.log()[-2000:]}"
+            time.sleep(0.1)
+        assert json.loads(raw_post(launched.http, "/v2/models/echo/infer", body)[1])["outputs"][0]["data"] == [1.5]
+        assert "(restart 1)" in launched.log()
+        print(f"noticed {noticed:.2f} s after the kill; serving again {time.monotonic() - killed:.1f} s after")
+    finally:
+        launched.budget.release()
+        launched.kill()
