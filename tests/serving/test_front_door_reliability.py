@@ -21,10 +21,11 @@ from fastapi.testclient import TestClient
 
 from engine_lib.serving.openai_api import app as app_module
 from engine_lib.serving.openai_api import generate as generate_module
-from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway
+from engine_lib.serving.openai_api.gateway import InputType, Response
 from engine_lib.serving.openai_api.generate import MAX_RESPONSE_JSON_BYTES, UINT8_CHARS
 from engine_lib.serving.openai_api.keys import FrontDoorKeys
 
+from .fake_gateway import OneModelGateway
 from .launched import FRONT_DOOR_KEY, MODEL
 from .streaming import metric, scrape, wait_for_metric
 
@@ -42,26 +43,12 @@ def answer(step: int, num_steps: int, is_final: bool, **outputs: np.ndarray) -> 
     return Response(step, num_steps, is_final, outputs.get("image"), {**outputs, **progress}, "1")
 
 
-class FakeGateway(TritonGateway):
+class FakeGateway(OneModelGateway):
     """One ready model `m` that answers every request with `answers`; `started` counts the requests that
     reached it, `cancelled` those closed before their final response."""
 
     answers: list = []
     started = cancelled = 0
-
-    def __init__(self, url: str):
-        import tritonclient.grpc.aio as grpcclient
-
-        self._grpc, self.url, self._configs = grpcclient, url, {}
-
-    async def close(self) -> None:
-        pass
-
-    async def server_ready(self) -> bool:
-        return True
-
-    async def ready_models(self) -> list[str]:
-        return ["m"]
 
     async def _config(self, model: str):
         return INPUTS, {"image", "image_png", "video"}, None

@@ -20,10 +20,11 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 
 from engine_lib.serving.openai_api import app as app_module
-from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway
+from engine_lib.serving.openai_api.gateway import InputType, Response
 from engine_lib.serving.openai_api.keys import FrontDoorKeys, parse_priority_keys
 from engine_lib.serving.openai_api.requests import OpenAIError
 
+from .fake_gateway import OneModelGateway
 from .launched import FRONT_DOOR_KEY, URGENT_FRONT_DOOR_KEY, raw_post
 
 API_KEY, URGENT_KEY, SOON_KEY, MODEL_KEY = "api-key", "urgent-key", "soon-key", "model-priority-key"
@@ -33,25 +34,11 @@ INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT32"),
 ENDPOINTS = ("/v1/images/generations", "/v2/models/m/generate", "/v2/models/m/generate_stream")
 
 
-class FakeGateway(TritonGateway):
+class FakeGateway(OneModelGateway):
     """One ready model `m` (default priority level 2) that answers every request with one 8x8 image;
     `sent` records each request's parameters."""
 
     sent: list = []
-
-    def __init__(self, url: str):
-        import tritonclient.grpc.aio as grpcclient
-
-        self._grpc, self.url, self._configs = grpcclient, url, {}
-
-    async def close(self) -> None:
-        pass
-
-    async def server_ready(self) -> bool:
-        return True
-
-    async def ready_models(self) -> list[str]:
-        return ["m"]
 
     async def _config(self, model: str):
         if model != "m":
