@@ -39,7 +39,8 @@ Selection (without any of these: every mutant; with several: their union):
     --core                the core set (CORE below): one final response per request in the
                           engine and the sender, the step scheduler's compatibility keys,
                           a failing batched forward failing only its own requests, close and
-                          shutdown ending open streams
+                          shutdown ending open streams, request parameters never standing in
+                          for inputs, the priority key
     --changed-since REV   mutants whose target file, whose mutant file, or one of whose test
                           files differs between commit REV and the working tree
     --changed-recently    --changed-since the commit in $MUTANTS_BASE if set, else the newest
@@ -96,6 +97,8 @@ CORE = (
     "11-scheduler-error-fails-everyone",          # an error for one request fails only that request
     "04-engine-close-forgets-open-streams",       # the engine's close ends every open stream
     "05-sender-drain-forgets-open-streams",       # the sender's shutdown ends every open stream
+    "87-parameters-stand-in-for-inputs",          # a request parameter never stands in for an input
+    "89-priority-key-not-checked",                # only key holders pass the default priority level
 )
 
 # The engine's core files: under --budget, the mutants of these files run first when they changed.
