@@ -281,6 +281,54 @@ def test_a_more_urgent_request_does_not_wait_for_a_less_urgent_one():
     assert decode_ticks(sched, {0: [urgent], 1: [background]}) == {"urgent": 2, "background": 3}
 
 
+def prioritised(request_id: str, priority: int, steps: int = 3) -> DiffusionRequest:
+    return DiffusionRequest(request_id, req(request_id, steps).params, priority=priority)
+
+
+def test_a_less_urgent_request_waits_for_a_more_urgent_one_finishing_within_the_hold():
+    """The rule: a denoised decode waits for a running request as urgent as it or more."""
+    sched = grouping()
+    out_ticks = decode_ticks(sched, {0: [prioritised("background", 2)], 1: [prioritised("urgent", 1)]})
+    assert out_ticks == {"background": 3, "urgent": 3}
+
+
+def test_a_group_denoised_together_waits_only_for_its_most_urgent_level():
+    # "urgent" and "background" are done denoising in tick 2; "background-2" finishes in tick 3, "urgent-2" too.
+    sched = grouping()
+    assert decode_ticks(sched, {0: [prioritised("urgent", 1), prioritised("background", 2)],
+                                1: [prioritised("background-2", 2)]}) == {
+        "urgent": 2, "background": 2, "background-2": 3}  # no one as urgent as "urgent" finishes: none waits
+    sched = grouping()
+    assert decode_ticks(sched, {0: [prioritised("urgent", 1), prioritised("background", 2)],
+                                1: [prioritised("urgent-2", 1)]}) == {
+        "urgent": 3, "background": 3, "urgent-2": 3}  # an equally urgent one does: the whole group waits
+
+
+def test_mixed_priority_holds_tick_by_tick():
+    sched = grouping()
+    sched.add_request(prioritised("urgent", 1, steps=2))
+    sched.add_request(prioritised("background", 3, steps=2))
+    sched.add_request(prioritised("normal", 2, steps=3))
+    sched.add_request(prioritised("slow-urgent", 1, steps=5))
+    held = []
+    for _ in range(6):
+        out = sched.schedule()
+        held.append(sorted(out.hold_decode_ids))
+        progress = {rid: min(sched.get_request(rid).step_index + 1, sched.get_request(rid).num_steps)
+                    for rid in out.scheduled_ids}
+        decoded = {rid for rid in out.scheduled_ids
+                   if progress[rid] == sched.get_request(rid).num_steps and rid not in out.hold_decode_ids}
+        sched.update_from_output(out, RunnerOutput(step_index=progress, finished=decoded))
+        if not sched.has_requests:
+            break
+    # tick 1: "urgent" and "background" are denoised; "slow-urgent" (as urgent) needs 3 more ticks, past the
+    # hold, and "normal" (finishing next tick) is less urgent than "urgent": nobody waits.
+    # tick 2: "normal" is denoised; "slow-urgent" (more urgent) finishes 2 ticks later: within the hold.
+    # tick 3: "normal" has waited 1 tick, "slow-urgent" needs 1 more: 2 ticks in all, still within it.
+    # tick 4: "normal" and "slow-urgent" decode together.
+    assert held == [[], [], ["normal"], ["normal"], []]
+
+
 def test_request_batching_never_holds_a_decode():
     sched = Scheduler(4, lambda p: step_batch_key(p, ("height",)), step_batching=False, group_decodes=True)
     sched.add_request(req("a", steps=1))
