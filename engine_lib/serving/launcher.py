@@ -402,7 +402,7 @@ class TritonServer:
 
     def stub_pids(self) -> dict[int, str]:
         """The server's live Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0). A zombie
-        (state Z) is dead, left out."""
+        is dead: see `is_zombie`."""
         stubs = {}
         if not self.is_running():
             return stubs
@@ -419,14 +419,12 @@ class TritonServer:
         return stubs
 
     @staticmethod
-    def is_killed(pid: int) -> bool:
-        """Whether a process was killed by a signal and not reaped: a zombie (state Z) whose exit status holds
-        the signal. A stub killed under tritonserver (kill -9, the OOM killer, a crash) stays one; the stubs
-        tritonserver ends itself exit and are reaped at once (measured)."""
+    def is_zombie(pid: int) -> bool:
+        """Whether a process died and was not reaped (state Z). A stub killed under tritonserver (kill -9, the
+        OOM killer) stays one; tritonserver reaps at once the stubs it ends itself (measured)."""
         try:
-            fields = proc_stat(pid)
-            return fields[0] == "Z" and int(fields[49]) & 0x7F != 0  # field 52: the exit status, as waitpid's
-        except (OSError, IndexError, ValueError):
+            return proc_stat(pid)[0] == "Z"
+        except OSError:
             return False
 
     def stop(self, grace_s: Optional[float] = None, drain: bool = True) -> Optional[int]:

@@ -86,10 +86,9 @@ class Supervisor:
 
         The stubs are watched from the start, not from readiness: tritonserver opens its ports only once every
         model has loaded, and a stub killed before then (its model loaded, another still loading) would
-        leave a model that says ready and never answers. Before readiness a stub is dead once a signal killed it
-        (it stays a zombie): the stubs that tritonserver ends itself (the one that completes a model's
-        configuration, the one of a load that fails: a failed start) exit and are reaped. Once ready, any stub
-        that goes is dead.
+        leave a model that says ready and never answers. Before readiness a stub is dead once it is a zombie:
+        the stubs that tritonserver ends itself (the one that completes a model's configuration, the one of a
+        load that fails: a failed start) it reaps at once. Once ready, any stub that goes is dead.
         """
         known: dict[int, str] = {}
         ready = False
@@ -102,7 +101,7 @@ class Supervisor:
                 return f"tritonserver exited unexpectedly (exit code {server.process.returncode})"
             stubs = server.stub_pids()
             for pid, instance in known.items():
-                if pid not in stubs and server.is_running() and (ready or server.is_killed(pid)):
+                if pid not in stubs and server.is_running() and (ready or server.is_zombie(pid)):
                     return f"the Python stub of {instance} (pid {pid}) died"
             known = stubs
         return None

@@ -47,7 +47,7 @@ class FakeServer:
     def is_running(self) -> bool:
         return self.step.get("exited") is None
 
-    def is_killed(self, pid: int) -> bool:
+    def is_zombie(self, pid: int) -> bool:
         return pid in self.steps[self.polls - 1].get("zombies", ())
 
     def stop(self, grace_s=None, drain=True):
