@@ -1,8 +1,7 @@
 """`make serve`'s launcher as a hostile client finds it, each case through a real tritonserver.
 
 One launcher process (supervisor, tritonserver, front door) serves the qwen_image tiny model for the
-module; the tests run in file order, one stops it with SIGTERM, and the last two start their own (one to
-SIGKILL, one serving two small Python models, one of which loads until the test lets it).
+module; the tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL.
 Requests that must still be running when a test acts are held by the engine's tick budget.
 """
 
