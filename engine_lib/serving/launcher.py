@@ -250,7 +250,6 @@ class TritonServer:
         self.shm_prefix = f"dtriton{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         self.leaked_shm: list[str] = []  # regions the stopped server left in /dev/shm (removed by stop())
         self.process: Optional[subprocess.Popen] = None
-        self._started = 0.0  # time.monotonic() at start()
         self._reaper: Optional[subprocess.Popen] = None  # cleans up if we die without stop() (start_reaper)
         self._log_file = None
 
@@ -295,9 +294,8 @@ class TritonServer:
                      f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return args + self.extra_args
 
-    def start(self, timeout_s: float = 300.0, wait: bool = True) -> "TritonServer":
-        """Start the server and wait until /v2/health/ready (every model loaded); without `wait`, return
-        once it runs (then `check_ready` says when it is ready, as the supervisor does while it watches)."""
+    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Start the server and wait until /v2/health/ready (every model loaded)."""
         assert self.process is None, "server already started"
         system = system_tritonserver()
         if system is not None:  # an NGC image: its own backends and libraries
@@ -318,30 +316,25 @@ class TritonServer:
             self._reaper = start_reaper(self.process.pid, self.shm_prefix)
             if self.admin_key:
                 hide_argument(self.process, self.admin_key)
-            self._started = time.monotonic()
-            if wait:
-                self.wait_ready(timeout_s)
+            self.wait_ready(timeout_s)
+            self._restrict_shm_regions()
         except BaseException:
             self.stop()
             raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        while not self.check_ready(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise TritonServerError(
+                    f"tritonserver exited with code {self.process.returncode} before it was ready; "
+                    f"log tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
             time.sleep(0.25)
-
-    def check_ready(self, timeout_s: float) -> bool:
-        """Whether the started server is ready (then its shm regions become 0600); TritonServerError if it
-        exited first, or is still not ready `timeout_s` after its start."""
-        if self.process.poll() is not None:
-            raise TritonServerError(f"tritonserver exited with code {self.process.returncode} before it was ready; "
-                                    f"log tail ({self.log_path}):\n{self.log_tail()}")
-        if self.is_ready():
-            self._restrict_shm_regions()
-            return True
-        if time.monotonic() - self._started >= timeout_s:
-            raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
-        return False
+        raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
 
     def is_ready(self) -> bool:
         """Every model loaded, and the metrics port answering (it starts a little after the HTTP
@@ -401,15 +394,13 @@ class TritonServer:
             return [f"(repository API unreachable: {exc})"]
 
     def stub_pids(self) -> dict[int, str]:
-        """The server's live Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0). A zombie
-        is dead: see `is_zombie`."""
+        """The server's Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0)."""
         stubs = {}
         if not self.is_running():
             return stubs
         for status in Path("/proc").glob("[0-9]*/stat"):
             try:
-                state, parent = proc_stat(status.parent.name)[:2]
-                if int(parent) != self.process.pid or state == "Z":
+                if int(proc_stat(status.parent.name)[1]) != self.process.pid:
                     continue
                 argv = (status.parent / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
@@ -417,15 +408,6 @@ class TritonServer:
             if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 8:
                 stubs[int(status.parent.name)] = argv[8].decode(errors="replace")
         return stubs
-
-    @staticmethod
-    def is_zombie(pid: int) -> bool:
-        """Whether a process died and was not reaped (state Z). A stub killed under tritonserver (kill -9, the
-        OOM killer) stays one; tritonserver reaps at once the stubs it ends itself (measured)."""
-        try:
-            return proc_stat(pid)[0] == "Z"
-        except OSError:
-            return False
 
     def stop(self, grace_s: Optional[float] = None, drain: bool = True) -> Optional[int]:
         """End the server within a bounded time; idempotent.

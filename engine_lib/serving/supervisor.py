@@ -29,7 +29,7 @@ class Supervisor:
     """Runs servers made by `make_server(restarts)` (launcher.TritonServer objects; not imported:
     the launcher imports this module) until `stop` is set.
 
-    `on_ready(server)` runs once each server is ready (the launcher prints its
+    `on_ready(server)` runs after each successful start (the launcher prints its
     addresses). `run()` returns the exit code: 0 when stopped on request and every
     model unloaded cleanly, 1 otherwise (including a first start that fails, which is
     a configuration error, not a crash, and is not retried).
@@ -53,10 +53,8 @@ class Supervisor:
         failures = 0
         while not self.stop.is_set():
             server = self.server = self.make_server(self.restarts)
-            started = time.monotonic()
             try:
-                server.start(timeout_s=self.start_timeout_s, wait=False)
-                death = self._watch(server)
+                server.start(timeout_s=self.start_timeout_s)
             except Exception as exc:  # noqa: BLE001 - launcher.TritonServerError, or the server could not be made
                 server.cleanup()
                 if self.restarts == 0:
@@ -66,8 +64,11 @@ class Supervisor:
                 failures += 1
                 self._pause(failures)
                 continue
-            if death is None:  # stop requested: drain the models if they serve
-                server.stop(drain=server.is_ready())
+            started = time.monotonic()
+            self.on_ready(server)
+            death = self._watch(server)
+            if death is None:  # stop requested
+                server.stop()
                 server.cleanup()
                 return 0 if server.unloaded_cleanly in (True, None) else 1
             self.restarts += 1
@@ -81,29 +82,17 @@ class Supervisor:
         return 0
 
     def _watch(self, server: Any) -> Optional[str]:
-        """Watch a server from its start until a stop is requested (None) or something dies (what died, as a
-        log phrase); run `on_ready` once it is ready. A start that fails raises (server.check_ready).
-
-        The stubs are watched from the start, not from readiness: tritonserver opens its ports only once every
-        model has loaded, and a stub killed before then (its model loaded, another still loading) would
-        leave a model that says ready and never answers. Before readiness a stub is dead once it is a zombie:
-        the stubs that tritonserver ends itself (the one that completes a model's configuration, the one of a
-        load that fails: a failed start) it reaps at once. Once ready, any stub that goes is dead.
-        """
+        """Wait until a stop is requested (None) or something dies (what died, as a log phrase)."""
         known: dict[int, str] = {}
-        ready = False
         while not self.stop.wait(self.poll_s):
-            if not ready:
-                ready = server.check_ready(self.start_timeout_s)  # raises if it exited or timed out
-                if ready:
-                    self.on_ready(server)
-            elif server.process.poll() is not None:
-                return f"tritonserver exited unexpectedly (exit code {server.process.returncode})"
+            code = server.process.poll()
+            if code is not None:
+                return f"tritonserver exited unexpectedly (exit code {code})"
             stubs = server.stub_pids()
             for pid, instance in known.items():
-                if pid not in stubs and server.is_running() and (ready or server.is_zombie(pid)):
+                if pid not in stubs and server.is_running():
                     return f"the Python stub of {instance} (pid {pid}) died"
-            known = stubs
+            known.update(stubs)
         return None
 
     def _pause(self, failures: int) -> None:

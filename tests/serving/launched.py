@@ -35,25 +35,13 @@ URGENT_FRONT_DOOR_KEY = "test-urgent-front-door-key"  # may ask the front door f
 SECURED_ENV = {"TRITON_ADMIN_KEY": ADMIN_KEY, "DIFFUSION_PRIORITY_KEY": PRIORITY_KEY,
                "OPENAI_API_KEY": FRONT_DOOR_KEY, "OPENAI_PRIORITY_KEYS": f"{URGENT_FRONT_DOOR_KEY}=1"}
 
-# The configuration of a small Python model next to qwen_image (Launcher's `models`): y = x.
-ECHO_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninstance_group [{ kind: KIND_CPU }]\n'
-               'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
-               'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n')
-
 
 class Launcher:
     """`python -m engine_lib.serving.launcher serve` on loopback ports, as `make serve` runs it."""
 
-    def __init__(self, tmp: Path, model_dir: str, env: Optional[dict[str, str]] = None,
-                 models: Optional[dict[str, str]] = None):
-        """`models`: more models for the repository, name -> model.py, each with ECHO_CONFIG (load them with
-        env MODELS)."""
+    def __init__(self, tmp: Path, model_dir: str, env: Optional[dict[str, str]] = None):
         self.budget = TickBudget(tmp / "tick_budget")
         self.repo = write_repository(tmp / "repository", model_path=model_dir)
-        for name, source in (models or {}).items():
-            (self.repo / name / "1").mkdir(parents=True)
-            (self.repo / name / "1" / "model.py").write_text(source)
-            (self.repo / name / "config.pbtxt").write_text(ECHO_CONFIG)
         self.http, self.grpc, self.metrics, self.front = (free_port() for _ in range(4))
         self.log_path = tmp / "launcher.log"
         inherited = {k: v for k, v in os.environ.items() if k not in ("TRITON_ADDRESS", "TRITON_ADMIN_KEY", "MODELS")}
