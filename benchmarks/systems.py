@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import socket
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
@@ -80,12 +79,6 @@ def prepare_repository(system: System, model_path: Path, workdir: Path) -> Path:
     return target
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RunningSystem:
     system: System
@@ -102,7 +95,7 @@ class RunningSystem:
 def serve(system: System, model_path: Path, log_dir: Optional[Path] = None,
           start_timeout_s: float = 600.0) -> Iterator[RunningSystem]:
     """Start tritonserver for `system` on free loopback ports; always stopped on exit."""
-    from engine_lib.serving.launcher import TritonServer
+    from engine_lib.serving.launcher import TritonServer, free_port
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{system.name}-") as tmp:
         repository = prepare_repository(system, model_path, Path(tmp))

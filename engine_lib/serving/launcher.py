@@ -513,8 +513,7 @@ class OpenAIFrontDoor:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{connect_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> "OpenAIFrontDoor":
         env = dict(self.env)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.launcher import REPO_ROOT, TritonServer, proc_stat
+from engine_lib.serving.launcher import REPO_ROOT, TritonServer, free_port, proc_stat
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 
@@ -30,12 +29,6 @@ FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected fai
 NAN_PROMPT = "__nan in the latents__"  # the shared server turns this request's latents into NaN before each step
 SERVER_PRIORITY_KEY = "test-server-priority-key"  # DIFFUSION_PRIORITY_KEY of every server start_server starts
 URGENT = {"priority_key": SERVER_PRIORITY_KEY}  # the request parameters that may ask for a level above the default
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def running(pid: int) -> bool:
