@@ -129,6 +129,60 @@ def test_a_renorm_over_the_whole_batch_would_be_caught(adapter):
         assert np.abs(latents[rid] - step_latents(adapter, {rid: (0, p)})[0][rid]).max() <= LATENT_BOUND
 
 
+@pytest.fixture
+def rows_per_forward(adapter, monkeypatch) -> list[int]:
+    """The rows (conditional plus unconditional) of each transformer forward, in order."""
+    model, seen = adapter.pipe.model, []
+    velocity = model.velocity
+    monkeypatch.setattr(model, "velocity", lambda rows, latents, t: seen.append(len(t)) or velocity(rows, latents, t))
+    return seen
+
+
+def test_cfg_runs_only_inside_the_interval_and_the_edges_change_nothing_else(adapter, rows_per_forward):
+    """cfg_interval (0.5, 0.9) on the timesteps 1, 0.92, 0.82, 0.67, 0.43: CFG at the middle two steps only.
+    Above the interval the latents are the unguided run's; below it the update is the conditional velocity
+    alone; batched with a request that keeps CFG on throughout, each equals its solo run."""
+    p = params(adapter, "a", cfg_interval=(0.5, 0.9))
+    solo, _ = step_latents(adapter, {"r": (0, p)})
+    assert rows_per_forward == [1, 1, 2, 2, 1]
+    unguided, _ = step_latents(adapter, {"r": (0, params(adapter, "a", guidance_scale=1.0))})
+    np.testing.assert_array_equal(solo["r"][:2], unguided["r"][:2])
+    assert np.abs(solo["r"][2] - unguided["r"][2]).max() > 1e-3, "CFG moves the first step inside the interval"
+    state = adapter.new_state("r", p)
+    adapter.prepare_encode(state)
+    x = torch.from_numpy(solo["r"][3])
+    [v] = adapter.pipe.model.velocity(adapter.pipe.query_rows([state.context], [False]), x[None],
+                                      state.timesteps[4:5])
+    assert np.abs(solo["r"][4] - (x - v * state.dts[4]).numpy()).max() <= LATENT_BOUND
+    del rows_per_forward[:]
+    arrivals = {"edges": (0, p), "always": (0, params(adapter, "b"))}
+    latents, _ = step_latents(adapter, arrivals)
+    assert rows_per_forward == [3, 3, 4, 4, 3]
+    assert np.abs(latents["edges"] - solo["r"]).max() <= LATENT_BOUND
+    assert np.abs(latents["always"] - step_latents(adapter, {"b": (0, arrivals["always"][1])})[0]["b"]).max() \
+        <= LATENT_BOUND
+
+
+def test_guidance_one_runs_no_unconditional_rows(adapter, rows_per_forward):
+    """At guidance 1 CFG changes nothing but its cost: one row per step, and the cost of one row."""
+    p = params(adapter, "c")  # guidance 1, the interval covers every step
+    step_latents(adapter, {"r": (0, p)})
+    assert rows_per_forward == [1] * 5
+    assert adapter.request_cost(p) * 2 == adapter.request_cost(params(adapter, "a"))
+
+
+def test_a_request_without_cfg_ahead_of_one_with_cfg_in_one_forward(adapter, rows_per_forward):
+    """The unconditional rows follow every conditional row: the CFG request's is the last row, not the
+    second, whatever the order of the requests in the batch (here the one without CFG comes first)."""
+    arrivals = {"plain": (0, params(adapter, "c")), "guided": (0, params(adapter, "b", num_inference_steps=3))}
+    latents, images = step_latents(adapter, arrivals)
+    assert rows_per_forward[:3] == [3, 3, 3]
+    for rid, (_, p) in arrivals.items():
+        solo_latents, solo_images = step_latents(adapter, {rid: (0, p)})
+        assert np.abs(latents[rid] - solo_latents[rid]).max() <= LATENT_BOUND, rid
+        assert np.abs(u8(images[rid]).astype(int) - u8(solo_images[rid]).astype(int)).max() <= 1, rid
+
+
 def test_k_steps_make_exactly_k_updates(adapter):
     for k in (1, 2):
         latents, images = step_latents(adapter, {"r": (0, params(adapter, "a", num_inference_steps=k))})
