@@ -45,6 +45,9 @@ class EngineConfig:
     max_num_seqs: int = 1
     request_batch_max_wait_ms: float = 0.0
     max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
+    # latent tokens x rows one request may add to a forward (bounds one forward's time); auto: the pipeline's
+    # default (PipelineAdapter.default_max_request_cost), 0: no limit
+    max_request_cost: str = "auto"
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
     # who goes first
@@ -112,9 +115,17 @@ class EngineConfig:
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
+        if self.max_request_cost != "auto" and not re.fullmatch(r"\d+", self.max_request_cost):
+            raise ConfigError(f"parameter 'max_request_cost': {self.max_request_cost!r} must be auto or an integer "
+                              ">= 0 (0: no limit)")
         for name, value in self.input_max.items():
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"parameter 'max_{name}': {value} must be a finite number >= 0")
+
+    def request_cost_limit(self, pipeline_default: int) -> int:
+        """The most latent tokens x rows one request may add to a forward (0: no limit): `max_request_cost`, or
+        the pipeline's default for `auto`."""
+        return pipeline_default if self.max_request_cost == "auto" else int(self.max_request_cost)
 
     def replace(self, **changes: Any) -> "EngineConfig":
         config = dataclasses.replace(self, **changes)

@@ -28,7 +28,7 @@ from engine_lib.request import (
     RequestCancelledError,
     SamplingParams,
 )
-from engine_lib.runner import ModelRunner
+from engine_lib.runner import ModelRunner, TickInterrupted
 from engine_lib.sched import RunnerOutput, Scheduler, make_policy
 from engine_lib.testing import EngineHooks
 
@@ -101,7 +101,13 @@ class DiffusionEngine:
         self.inputs = adapter.input_schema(config)  # the one validation of every request
         self.clock = PhaseClock()  # the engine thread's phases (the runner's too); the sender adds its own
         hooks = hooks or EngineHooks()
-        self.runner = ModelRunner(adapter, clock=self.clock, before_forward=hooks.before_forward)
+        # Set (under _cond) when every request of the running tick is cancelled, or at close: the runner stops
+        # that tick at its next block boundary instead of finishing a forward nobody waits for.
+        self._interrupt = threading.Event()
+        self._ticking: frozenset[str] = frozenset()  # the running tick's request ids (guarded by _cond)
+        self.runner = ModelRunner(adapter, clock=self.clock, before_forward=hooks.before_forward,
+                                  interrupt=self._interrupt, before_block=hooks.before_block)
+        self.max_request_cost = config.request_cost_limit(adapter.default_max_request_cost())
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
         self._tick_gate = hooks.tick_gate
@@ -169,6 +175,13 @@ class DiffusionEngine:
             counts = "".join(f", {name}={params[name]}" for name in ("num_images", "num_frames") if name in params)
             raise InvalidInputError("height", f"{params.height}x{params.width}{counts} needs {cost} latent tokens per "
                                     f"step, more than max_batch_tokens={budget}")
+        limit = self.max_request_cost
+        cost = self.adapter.request_cost(params) if limit else 0
+        if cost > limit:
+            names = [name for name in ("height", "width", "num_frames", "num_images") if name in params]
+            raise InvalidInputError(names[-1], f"{' x '.join(names)} = {' x '.join(str(params[n]) for n in names)} "
+                                    f"costs {cost} latent tokens x rows per forward, above this model's "
+                                    f"max_request_cost {limit}")
         return params
 
     def add_request(self, request_id: str, params: Union[SamplingParams, Mapping[str, Any]],
@@ -216,7 +229,14 @@ class DiffusionEngine:
         and its runner state is freed by the busy loop at once (also when idle)."""
         with self._cond:
             self._pending_aborts.extend(request_ids)
+            self._interrupt_if_all_cancelled()
             self._cond.notify_all()
+
+    def _interrupt_if_all_cancelled(self) -> None:
+        """Under _cond: stop the running tick once each of its requests is cancelled (one still wanted keeps
+        it running to the step's end)."""
+        if self._ticking and self._ticking <= set(self._pending_aborts):
+            self._interrupt.set()
 
     def drop_stream(self, request_id: str) -> None:
         """The consumer went away: stop delivering to it. The request itself runs on and is cleaned up."""
@@ -229,6 +249,7 @@ class DiffusionEngine:
             if self._closed and not self._sinks:
                 return
             self._closed = True
+            self._interrupt.set()
             self._cond.notify_all()
         logger.info("engine shutting down")
         self._thread.join(timeout)
@@ -288,6 +309,9 @@ class DiffusionEngine:
                 running = [self.scheduler.get_request(i) for i in sched_out.running_ids]
             if sched_out.retry_after_s:  # a burst is still arriving: wait for it (an arrival wakes us)
                 self._cond.wait(timeout=sched_out.retry_after_s)
+            self._ticking = frozenset(r.request_id for r in new + running)
+            self._interrupt.clear()
+            self._interrupt_if_all_cancelled()  # cancelled since the loop applied the aborts
         self.runner.free(sched_out.finished_ids)
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
@@ -295,6 +319,11 @@ class DiffusionEngine:
         start = time.monotonic()
         try:
             result = self.runner.execute_step(new, running, frozenset(sched_out.hold_decode_ids))
+        except TickInterrupted:  # each of its requests was cancelled (their finals follow), or the engine closes
+            logger.info("tick interrupted after %.2fs (its requests were cancelled, or the engine closes)",
+                        time.monotonic() - start)
+            self.runner.free([r.request_id for r in new + running])
+            return
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
             result = RunnerOutput()
             for request in new + running:

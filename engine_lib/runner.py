@@ -13,7 +13,9 @@ whose decode waits). All of its state is owned by the engine's busy-loop thread.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+import threading
+import weakref
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -26,6 +28,52 @@ from engine_lib.sched.outputs import RunnerOutput
 logger = logging.getLogger(__name__)
 
 BeforeForward = Callable[[list[RequestState]], None]  # may raise: the forward fails as a pipeline error would
+BeforeBlock = Callable[[list[DiffusionRequest]], None]  # tests: called with the tick's requests at each block
+
+
+class TickInterrupted(BaseException):
+    """A tick stopped at a block boundary: every request in it was cancelled, or the engine is closing.
+
+    A BaseException, as asyncio.CancelledError is, so the runner's fault isolation (`except Exception`)
+    never takes it for a failing request to retry alone."""
+
+
+def _blocks(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The elements of every ModuleList of `module` not nested in another one's element: transformer blocks,
+    a VAE's up blocks, a text encoder's layers (not the layers inside a block)."""
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList):
+            yield from child
+        else:
+            yield from _blocks(child)
+
+
+class BlockBoundaries:
+    """Forward pre-hooks on the blocks of the pipeline's modules, where a long tick (a big video forward, a
+    tiled VAE decode) stops once `interrupt` is set. Inert outside its runner's ticks (`requests` None), so a
+    hook left on a shared adapter by another runner never acts."""
+
+    def __init__(self, modules: list[torch.nn.Module], interrupt: Optional[threading.Event],
+                 before_block: Optional[BeforeBlock]):
+        self.interrupt = interrupt
+        self.before_block = before_block
+        self.requests: Optional[list[DiffusionRequest]] = None  # the running tick's (engine thread)
+        self.handles = [block.register_forward_pre_hook(self) for module in modules for block in _blocks(module)]
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.requests is None:
+            return
+        if self.before_block is not None:
+            self.before_block(self.requests)
+        self.check()
+
+    def check(self) -> None:
+        if self.requests is not None and self.interrupt is not None and self.interrupt.is_set():
+            raise TickInterrupted()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class ModelRunner:
@@ -35,10 +83,14 @@ class ModelRunner:
     declared dtypes (tests and benchmarks compare them before the uint8 rounding).
     `before_forward`: called with the states of every denoise forward before it runs
     (tests inject failures with it; see engine_lib/testing.py).
+    `interrupt`: once set, the running tick stops at its next block boundary (or between its phases) and
+    raises TickInterrupted (the engine sets it when every request of the tick is cancelled, or at close).
+    `before_block`: called at each block boundary of a tick (tests make ticks slow with it).
     """
 
     def __init__(self, adapter: PipelineAdapter, float_outputs: bool = False,
-                 clock: Optional[PhaseClock] = None, before_forward: Optional[BeforeForward] = None):
+                 clock: Optional[PhaseClock] = None, before_forward: Optional[BeforeForward] = None,
+                 interrupt: Optional[threading.Event] = None, before_block: Optional[BeforeBlock] = None):
         self.adapter = adapter
         self.float_outputs = float_outputs
         self.before_forward = before_forward
@@ -49,13 +101,25 @@ class ModelRunner:
         self._paused: set[str] = set()  # states moved to host memory while their request is paused
         self.frames_generated = 0  # frames of every finished `video` output (a monotone total, for the metrics)
         self.host = host_copy.HostCopier()
+        self._boundaries = BlockBoundaries([], None, None)
+        if interrupt is not None or before_block is not None:
+            self._boundaries = BlockBoundaries(adapter.torch_modules(), interrupt, before_block)
+            weakref.finalize(self, self._boundaries.remove)
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
                      hold_decode_ids: frozenset[str] = frozenset()) -> RunnerOutput:
         """prepare_encode the new requests, one batched denoise step, per-request scheduler steps (a
         request whose latents are no longer finite fails alone), previews at their boundaries, and one
         batched decode of the requests that finished denoising (but those in `hold_decode_ids`, whose
-        decode the scheduler holds for a later tick)."""
+        decode the scheduler holds for a later tick). Raises TickInterrupted when `interrupt` stops it."""
+        self._boundaries.requests = new + running
+        try:
+            return self._execute_step(new, running, hold_decode_ids)
+        finally:
+            self._boundaries.requests = None
+
+    def _execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
+                      hold_decode_ids: frozenset[str]) -> RunnerOutput:
         result = RunnerOutput()
         with self.clock.phase("prepare"):
             for request in new:
@@ -67,6 +131,7 @@ class ModelRunner:
         active = [self.states[r.request_id] for r in new + running if r.request_id in self.states]
         denoising = [s for s in active if not s.denoise_completed]  # the others wait for their decode
         result.forward_size = len(denoising)
+        self._boundaries.check()
         if denoising:
             self._denoise(denoising, result)
             self._fail_non_finite([s for s in denoising if s.request_id not in result.errors], result)
@@ -78,6 +143,7 @@ class ModelRunner:
         done = [s for s in done if s.request_id not in result.errors]
         with self.clock.phase("previews"):
             self._emit_previews([s for s in done if not s.denoise_completed], result)
+        self._boundaries.check()
         self._decode([s for s in done if s.denoise_completed and s.request_id not in hold_decode_ids], result)
         with self.clock.phase("convert"):
             self._to_host(result)

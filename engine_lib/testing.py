@@ -3,7 +3,8 @@
 None of them is configuration: an engine gets them through `EngineHooks` (in-process tests), and
 a served model gets them only when tritonserver was started with `DIFFUSION_TEST_HOOKS` in its
 environment, a JSON object mapping a model name to its hooks, e.g.
-`{"qwen_image": {"tick_budget_path": "/tmp/x/budget", "fail_prompt": "boom", "nan_prompt": "diverge"}}`.
+`{"qwen_image": {"tick_budget_path": "/tmp/x/budget", "fail_prompt": "boom", "nan_prompt": "diverge"}}`
+(and `"slow_prompt": "...", "slow_block_s": 1.0`: SlowPrompt).
 A production server never sets it, and its engine then runs no hook at all.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,10 +27,12 @@ ENVIRONMENT = "DIFFUSION_TEST_HOOKS"
 class EngineHooks:
     """tick_gate: asked before each tick that has requests to run; False: not yet (the engine asks again
     shortly; aborts and close still act at once). before_forward: called with the states of each denoise
-    forward; raising fails that forward as a pipeline error would."""
+    forward; raising fails that forward as a pipeline error would. before_block: called with the tick's
+    requests at each block boundary of its modules (engine_lib/runner.py), where a cancel stops a tick."""
 
     tick_gate: Optional[Callable[[], bool]] = None
     before_forward: Optional[Callable[[list], None]] = None
+    before_block: Optional[Callable[[list], None]] = None
 
 
 class FileTickBudget:
@@ -80,6 +84,20 @@ class NanPrompt:
                         tensor.fill_(float("nan"))
 
 
+class SlowPrompt:
+    """Sleeps `seconds` at every block boundary of a tick that holds a request with exactly this prompt: one
+    long forward, as a huge request makes on real hardware, that a cancel can stop between two blocks."""
+
+    def __init__(self, prompt: str, seconds: float):
+        self.prompt, self.seconds = prompt, seconds
+        self.blocks = 0  # boundaries slept at so far
+
+    def __call__(self, requests: list) -> None:
+        if any(r.params.get("prompt") == self.prompt for r in requests):
+            self.blocks += 1
+            time.sleep(self.seconds)
+
+
 def _each(hooks: list[Callable[[list], None]]) -> Optional[Callable[[list], None]]:
     """One before_forward hook that calls each of `hooks` (None when there is none)."""
     if len(hooks) <= 1:
@@ -101,9 +119,11 @@ def hooks_from_environment(model_name: str) -> Optional[EngineHooks]:
     budget = spec.get("tick_budget_path")
     before_forward = _each([hook(spec[key]) for key, hook in (("fail_prompt", FailPrompt), ("nan_prompt", NanPrompt))
                             if spec.get(key)])
-    if not budget and before_forward is None:
+    slow = SlowPrompt(spec["slow_prompt"], float(spec.get("slow_block_s", 1.0))) if spec.get("slow_prompt") else None
+    if not budget and before_forward is None and slow is None:
         return None
-    return EngineHooks(tick_gate=FileTickBudget(budget) if budget else None, before_forward=before_forward)
+    return EngineHooks(tick_gate=FileTickBudget(budget) if budget else None, before_forward=before_forward,
+                       before_block=slow)
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -49,6 +49,10 @@ from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_k
 from engine_lib.sched.outputs import Outputs
 
 Prediction = Union[torch.Tensor, dict]  # one tensor per row, or several by name (video + audio)
+# max_request_cost=auto admits a request of up to this many times its pipeline's `cost_reference` (latent tokens
+# x rows): every request the default limits allow for images (4 images with CFG at the default size), about 4x
+# a default video forward (LTX-2's 1024x1024x257 frames is 5.5x: refused).
+REQUEST_COST_FACTOR = 4
 
 
 @dataclass
@@ -205,6 +209,9 @@ class PipelineAdapter(ABC):
     max_step_batch: ClassVar[int] = 2**31 - 1
     supports_previews: ClassVar[bool] = False
     batched_decode: ClassVar[bool] = True  # post_decode decodes its states in one call (decode groups pay)
+    # The request `max_request_cost=auto` scales: the pipeline's diffusers default size (and frames), with
+    # classifier-free guidance on (the most rows one image or video takes).
+    cost_reference: ClassVar[dict] = {}
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
@@ -270,6 +277,14 @@ class PipelineAdapter(ABC):
         """Latent tokens x rows this request adds to one forward (`max_batch_tokens`); 0: unknown."""
         return 0
 
+    def default_max_request_cost(self) -> int:
+        """`max_request_cost=auto`: REQUEST_COST_FACTOR times the cost of `cost_reference` (0: no limit, for an
+        adapter that declares none). A request past it would hold the model for one very long forward."""
+        if not self.cost_reference:
+            return 0
+        defaults = {spec.name: spec.default for spec in self.inputs}
+        return REQUEST_COST_FACTOR * self.request_cost(SamplingParams(defaults, **self.cost_reference))
+
     def request_key(self, params: SamplingParams) -> RequestBatchKey:
         return request_batch_key(params, self.key_inputs(), self.key_fields(params))
 
@@ -307,6 +322,14 @@ class PipelineAdapter(ABC):
     def counters(self) -> dict[str, float]:
         """Monotone totals the adapter keeps (e.g. prompt cache hits), for the metrics."""
         return {}
+
+    def torch_modules(self) -> list[torch.nn.Module]:
+        """The pipeline's torch modules (transformer, VAE, text encoders): the runner lets a cancel stop a
+        long tick between their blocks. A diffusers pipeline's `components`, else the pipe's attributes."""
+        if isinstance(self.pipe, torch.nn.Module):
+            return [self.pipe]
+        parts = getattr(self.pipe, "components", None) or getattr(self.pipe, "__dict__", {})
+        return [part for part in parts.values() if isinstance(part, torch.nn.Module)]
 
 
 class DiffusersAdapter(PipelineAdapter):

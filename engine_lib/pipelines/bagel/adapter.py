@@ -79,6 +79,7 @@ class BagelAdapter(PipelineAdapter):
     """BAGEL text to image (our own model code, engine_lib/pipelines/bagel/model.py) with step batching."""
 
     name = "bagel"
+    cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 4.0}  # the official example's
     inputs = BAGEL_INPUTS
     outputs = (IMAGE,)
     state_class = BagelState

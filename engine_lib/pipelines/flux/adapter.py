@@ -52,6 +52,7 @@ class FluxAdapter(FlowMatchAdapter):
 
     name = "flux"
     pipeline_class = "FluxPipeline"
+    cost_reference = {"height": 1024, "width": 1024, "negative_prompt": "", "true_cfg_scale": 4.0}
     inputs = IMAGE_INPUTS + (
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         TRUE_CFG_SCALE,  # FluxPipeline.__call__'s default 1.0: no true CFG

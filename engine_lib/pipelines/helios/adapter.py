@@ -102,6 +102,7 @@ class HeliosAdapter(DiffusersAdapter):
 
     name = "helios"
     pipeline_class = "HeliosPipeline"
+    cost_reference = {"height": 384, "width": 640, "num_frames": 132, "guidance_scale": 5.0}
     inputs = HELIOS_INPUTS
     outputs = (VIDEO, FRAME_OFFSET, FRAME_RATE)
     state_class = HeliosState

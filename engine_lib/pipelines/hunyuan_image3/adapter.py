@@ -65,6 +65,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
     """HunyuanImage-3.0 text to image (our own model code, engine_lib/pipelines/hunyuan_image3/) with step batching."""
 
     name = "hunyuan_image3"
+    cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 5.0}
     inputs = HUNYUAN_INPUTS
     outputs = (IMAGE,)
     state_class = HunyuanState

@@ -128,6 +128,7 @@ class LTX2Adapter(DiffusersAdapter):
 
     name = "ltx2"
     pipeline_class = "LTX2Pipeline"
+    cost_reference = {"height": 512, "width": 768, "num_frames": 121, "guidance_scale": 3.0}
     inputs = LTX2_INPUTS
     outputs = (VIDEO, AUDIO, AUDIO_SAMPLE_RATE, FRAME_RATE)
     state_class = LTX2State

@@ -43,6 +43,7 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
+    cost_reference = {"height": 1024, "width": 1024, "negative_prompt": "", "true_cfg_scale": 4.0}
     inputs = replace_spec(
         IMAGE_INPUTS, "num_inference_steps", low=2,
         low_note="Qwen-Image's shift_terminal schedule gives NaN sigmas for a single step",

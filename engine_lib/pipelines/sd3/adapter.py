@@ -48,6 +48,7 @@ class SD3Adapter(FlowMatchAdapter):
                 doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
     )
     cfg_kind = "cfg"
+    cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
     cfg_order = ("uncond", "cond")  # torch.cat([negative_prompt_embeds, prompt_embeds]) in __call__
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
