@@ -10,7 +10,9 @@ delta to its own rows from a forward hook instead:
 which is peft's own expression (its `set_scale` and `Linear.forward`) restricted to those
 rows, so requests with different LoRAs, scales or none share one denoise forward. A
 group that covers every row uses `x` itself, the same operation as diffusers with
-`set_adapters([name], [scale])`, so a solo request matches it bit for bit.
+`set_adapters([name], [scale])`, so a solo request matches it bit for bit. The layers a
+LoRA has in a text encoder (Flux's and SD3's loaders take them) are hooked the same way
+and apply to the prompt of the request that names it, encoded within `rows([lora])`.
 
 Files are `<lora_dir>/<name>.safetensors` in the format `save_lora_weights` writes. A
 file dropped in is found on its first use; a changed file (mtime) is reloaded; at most
@@ -117,7 +119,7 @@ class LoraLibrary:
                 reason = reason.replace(folder, "<lora_dir>")
             raise InvalidInputError("lora_name", f"the LoRA file {name}.safetensors could not be loaded: "
                                                  f"{type(exc).__name__}: {reason[:200]}") from None
-        self.pipe.transformer.disable_lora()  # peft's own forward adds nothing; our hook does
+        self._disable_peft()  # peft's own forward adds nothing; our hook does
         self._loaded[name] = (adapter, mtime)
         self._hook_new_layers()
 
@@ -126,19 +128,30 @@ class LoraLibrary:
         self._forget(adapter)
 
     def _forget(self, adapter: str) -> None:
-        transformer = self.pipe.transformer
-        if adapter in (getattr(transformer, "peft_config", None) or {}):
+        if any(adapter in (getattr(model, "peft_config", None) or {}) for model in self._models()):
             self.pipe.delete_adapters([adapter])
-        if getattr(transformer, "peft_config", None):
-            transformer.disable_lora()
+        self._disable_peft()
+
+    def _models(self) -> list:
+        """The transformer and the text encoders a LoRA file may carry layers for."""
+        names = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+        return [model for model in (getattr(self.pipe, name, None) for name in names) if model is not None]
+
+    def _disable_peft(self) -> None:
+        from diffusers.utils.peft_utils import set_adapter_layers  # noqa: PLC0415 (what `disable_lora` runs)
+
+        for model in self._models():
+            if getattr(model, "peft_config", None):
+                set_adapter_layers(model, enabled=False)
 
     def _hook_new_layers(self) -> None:
         from peft.tuners.lora import LoraLayer  # noqa: PLC0415 (only models with LoRAs import peft)
 
-        for module in self.pipe.transformer.modules():
-            if isinstance(module, LoraLayer) and id(module) not in self._hooked:
-                module.register_forward_hook(self._add_deltas)
-                self._hooked.add(id(module))
+        for model in self._models():
+            for module in model.modules():
+                if isinstance(module, LoraLayer) and id(module) not in self._hooked:
+                    module.register_forward_hook(self._add_deltas)
+                    self._hooked.add(id(module))
 
     @property
     def loaded(self) -> list[str]:
@@ -147,7 +160,7 @@ class LoraLibrary:
     # -- applying (engine thread) -----------------------------------------------------------
     @contextmanager
     def rows(self, plan: Sequence[RowLora]) -> Iterator[None]:
-        """Within: each transformer forward adds row i's LoRA (plan[i]) to row i. Forwards of a
+        """Within: each transformer (or text encoder) forward adds row i's LoRA (plan[i]) to row i. Forwards of a
         multiple of len(plan) rows (CFG as one forward) repeat the plan per block of rows."""
         if not any(plan):
             yield

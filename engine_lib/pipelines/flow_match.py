@@ -254,9 +254,9 @@ class FlowMatchAdapter(DiffusersAdapter):
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
         p = state.params
-        if p.lora_name:
-            self.loras.ensure([p.lora_name])  # a file that cannot be loaded fails this request alone
-        state.text = self.text_cache.get_or_encode(self._text_key(p), lambda: self._encode(state))
+        with self.loras.rows([self.row_lora(p)]):  # loads it (a bad file fails this request alone); its
+            # text-encoder layers, if any, apply to this encode
+            state.text = self.text_cache.get_or_encode(self._text_key(p), lambda: self._encode(state))
         if self.pipe.transformer.config.get("guidance_embeds"):  # (SD3's config has no such field)
             state.guidance = to_device([float(p.guidance_scale)], self.device, torch.float32)
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))

@@ -136,3 +136,40 @@ def test_a_file_dropped_in_is_usable_and_a_corrupt_one_fails_alone(setup):
     finally:
         (lora_dir / "toy_c.safetensors").unlink()
         (lora_dir / "broken.safetensors").unlink()
+
+
+def write_text_encoder_lora(adapter, model_dir, lora_dir, name: str) -> None:
+    """A LoRA on the text encoder's attention alone, as `save_lora_weights` writes one."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    encoder = type(adapter.pipe.text_encoder).from_pretrained(str(model_dir / "text_encoder"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False), encoder, adapter_name=name)
+    layers = get_peft_model_state_dict(encoder, adapter_name=name)
+    layers = {k: v * 8 if ".lora_B." in k else v for k, v in layers.items()}  # visible in a tiny model's image
+    type(adapter.pipe).save_lora_weights(str(lora_dir), text_encoder_lora_layers=layers,
+                                         weight_name=f"{name}.safetensors")
+
+
+def test_a_lora_on_the_text_encoder_changes_its_own_requests_prompt_only(setup):
+    """diffusers loads a LoRA's text-encoder layers too (Flux, SD3): they apply to the encoding of the requests
+    that name the LoRA, at their scale, as set_adapters does; a prompt embedding cached without the LoRA is not
+    theirs, and requests without it encode as if it had never been loaded."""
+    adapter, lora_dir, model_dir = setup
+    if "text_encoder" not in type(adapter.pipe)._lora_loadable_modules:
+        pytest.skip(f"{adapter.name}'s LoRA loader takes transformer layers only")
+    write_text_encoder_lora(adapter, model_dir, lora_dir, "toy_text")
+    try:
+        plain = solo_steps(adapter, BASE)  # its prompt embedding is cached now
+        ours = solo_steps(adapter, {**BASE, "lora_name": "toy_text", "lora_scale": 0.5})
+        expected = diffusers_with_lora(adapter, model_dir, lora_dir, "toy_text", 0.5, BASE)
+        assert np.array_equal(ours, to_uint8(expected))
+        assert not np.array_equal(ours, plain), "the LoRA changes the image through the prompt"
+        dog = {**BASE, "prompt": "a photo of a dog"}  # encoded while toy_text is loaded; scale 0: diffusers without it
+        assert np.array_equal(solo_steps(adapter, dog), to_uint8(diffusers_with_lora(
+            adapter, model_dir, lora_dir, "toy_text", 0.0, dog)))
+    finally:
+        (lora_dir / "toy_text.safetensors").unlink()
