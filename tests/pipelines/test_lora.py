@@ -6,7 +6,10 @@ The reference is diffusers itself: a second copy of the pipeline with
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import diffusers
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from engine_lib.interface import to_uint8
+from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_loras, ensure_model
@@ -173,3 +177,46 @@ def test_a_lora_on_the_text_encoder_changes_its_own_requests_prompt_only(setup):
             adapter, model_dir, lora_dir, "toy_text", 0.0, dog)))
     finally:
         (lora_dir / "toy_text.safetensors").unlink()
+
+
+class FakeLoraPipe:
+    """What LoraLibrary asks of a pipeline, recording which files it loads and unloads (no model, no layers)."""
+
+    def __init__(self):
+        self.transformer = SimpleNamespace(peft_config={}, modules=lambda: [])
+        self.loads, self.unloads = [], []
+
+    def load_lora_weights(self, path, adapter_name):
+        self.loads.append(Path(path).stem)
+        self.transformer.peft_config[adapter_name] = Path(path).stem
+
+    def delete_adapters(self, adapters):
+        self.unloads += [self.transformer.peft_config.pop(a) for a in adapters]
+
+
+def test_the_least_recently_used_lora_is_unloaded_first(tmp_path):
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.safetensors").write_bytes(b"")
+    pipe = FakeLoraPipe()
+    library = LoraLibrary(pipe, str(tmp_path), max_loras=2)
+    for names in (["a"], ["b"], ["a"], ["c"]):  # "a" loaded first but used after "b"
+        library.ensure(names)
+    assert pipe.unloads == ["b"] and library.loaded == ["a", "c"]
+    library.ensure(["c", "b"])  # "a" is now the least recently used; the batch needs the other two
+    assert pipe.unloads == ["b", "a"] and library.loaded == ["c", "b"]
+
+
+def test_a_changed_file_is_reloaded_and_an_unchanged_one_is_not(tmp_path):
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(b"1")
+    pipe = FakeLoraPipe()
+    library = LoraLibrary(pipe, str(tmp_path))
+    library.ensure(["a"])
+    library.ensure(["a"])
+    assert pipe.loads == ["a"]
+    path.write_bytes(b"2")
+    later = path.stat().st_mtime_ns + 1_000_000_000  # whatever the file system's time resolution
+    os.utime(path, ns=(later, later))
+    library.ensure(["a"])
+    library.ensure(["a"])
+    assert pipe.loads == ["a", "a"] and pipe.unloads == ["a"] and library.loaded == ["a"]
