@@ -325,9 +325,17 @@ def test_request_mode_waits_for_a_burst_and_runs_it_as_one_wave(adapter, monkeyp
     engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=60000, warmup=False),
                              tick_listener=ticks.append)
     try:
+        plans, decided, schedule = [], threading.Event(), engine.scheduler.schedule
+
+        def observed_schedule():
+            plans.append(schedule())
+            decided.set()
+            return plans[-1]
+
+        monkeypatch.setattr(engine.scheduler, "schedule", observed_schedule)
         streams = [engine.add_request("w0", params(seed=0))]
-        time.sleep(0.2)  # room for a wrongly started wave to show
-        assert ticks == []
+        assert decided.wait(10), "the engine looked at the lone request"
+        assert plans[0].is_empty and ticks == [], "and chose to wait for the burst"
         streams += [engine.add_request(f"w{i}", params(seed=i)) for i in range(1, 4)]
         assert all(drain(s)[-1].error is None for s in streams)
         assert [t.batch_size for t in ticks] == [4, 4, 4]
@@ -404,9 +412,9 @@ def test_a_tick_with_nothing_to_run_takes_nothing_from_the_budget(adapter, tick_
         assert isinstance(drain(first)[-1].error, RequestCancelledError)
         assert_idle(engine)
         tick_budget.allow(1)
-        engine.abort(["no-such-request"])  # wakes the idle loop with nothing to run
-        assert wait_until(lambda: not engine._pending_aborts)
-        time.sleep(0.1)  # room for a wrongly taken tick to show
+        for name in ("no-such-request", "nor-this-one"):  # each wakes the idle loop with nothing to run; the loop
+            engine.abort([name])  # reads the second only once it is through its turn for the first
+            assert wait_until(lambda: not engine._pending_aborts)
         assert tick_budget.left() == 1
         second = engine.add_request("second", params(steps=3, preview_interval=1))
         assert first_output(second).step == 1
