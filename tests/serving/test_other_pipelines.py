@@ -32,6 +32,7 @@ from .streaming import (RequestStream, close_all, metric, post_json, run_concurr
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
 HELD = MIXED_SIZES + ("bagel", "hunyuan_image3")  # with a tick budget (`server.budgets`, `run_together`)
+SLOW_PROMPT = "a slow river"  # an ltx2 request with it sleeps 1 s at each block boundary of its ticks (SlowPrompt)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,8 @@ def server(tmp_path_factory, model_dirs):
     srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
                        env={"OMP_NUM_THREADS": "1",  # two model processes share the CPU cores
-                            **hooks_environment(**{name: {"tick_budget_path": str(b.path)} for name, b in budgets.items()})})
+                            **hooks_environment(ltx2={"slow_prompt": SLOW_PROMPT, "slow_block_s": 1.0},
+                                                **{name: {"tick_budget_path": str(b.path)} for name, b in budgets.items()})})
     srv.budgets = budgets
     srv.start(timeout_s=300)
     yield srv
@@ -408,12 +410,41 @@ def test_ltx2_mp4_carries_the_video_and_its_sound_over_grpc_and_http(server):
     (dict(width=4096), "input 'width'"),
     (dict(frame_rate=0.0), "input 'frame_rate'"),
     (dict(stg_scale=-1.0), "input 'stg_scale'"),
+    (dict(height=1024, width=1024, num_frames=257), "input 'num_frames': height x width x num_frames = 1024 x 1024 x "
+                                                    "257 costs 1081344 latent tokens x rows per forward, above this "
+                                                    "model's max_request_cost 786432"),
 ])
 def test_ltx2_refuses_bad_and_oversize_requests_naming_the_input(server, inputs, says):
     result = run_request(server.grpc_url, model="ltx2", request_id="bad", prompt="x", **inputs)
     assert not result.responses and len(result.errors) == 1
     assert result.error.message().startswith("INVALID_ARG: [request id: bad] ")
     assert says in result.error.message(), result.error.message()
+
+
+def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_request(server):
+    """SLOW_PROMPT's ticks sleep 1 s per block: its first one (encoding, then a step of three transformer passes)
+    passes 12 block boundaries, 12 s. Cancelled inside it, the request ends within 2 s: the tick stopped between
+    two blocks."""
+    import re
+    import time
+
+    stream = RequestStream(server.grpc_url).send("slow-tick", model="ltx2", prompt=SLOW_PROMPT, height=32, width=32,
+                                                 num_frames=9, num_inference_steps=2)
+    try:
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_running", 1.0, model="ltx2") == 1.0
+        time.sleep(1.0)  # inside its first tick (running from the tick's start): 11 s of it left
+        cancelled_at = time.monotonic()
+        stream.cancel()
+        while not re.search(r"ltx2: cancelled request slow-tick", server.log_text()):
+            assert time.monotonic() - cancelled_at < 2.0, server.log_tail(20)
+            time.sleep(0.02)
+    finally:
+        close_all([stream])
+    for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
+        assert wait_for_metric(server.metrics_url, gauge, 0.0, model="ltx2") == 0.0, gauge
+    after = run_request(server.grpc_url, model="ltx2", request_id="after-slow", prompt="x", height=32, width=32,
+                        num_frames=9, num_inference_steps=1, output_format="raw")
+    assert not after.errors and after.final.as_numpy("video").shape == (1, 9, 32, 32, 3)
 
 
 def test_the_openai_images_front_door_offers_only_the_image_models(server):
