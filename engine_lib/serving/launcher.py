@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -68,6 +69,7 @@ DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is expo
 # With an admin key, the models are drained by unloading them before SIGTERM; what tritonserver's
 # own exit timeout still covers is only its wait for idle HTTP connections.
 DRAINED_EXIT_TIMEOUT_S = 3
+LOADED_LINE = re.compile(rb"successfully loaded '([^']+)'")  # tritonserver's log line once a model is loaded
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
 # Triton's admin-like protocols, closed to clients without the admin key (HTTP and gRPC). shared-memory
 # (system and CUDA) would let a client register any /dev/shm region, a Python stub's own included, as an
@@ -252,6 +254,11 @@ class TritonServer:
         self.process: Optional[subprocess.Popen] = None
         self._reaper: Optional[subprocess.Popen] = None  # cleans up if we die without stop() (start_reaper)
         self._log_file = None
+        self._log_copy: Optional[threading.Thread] = None  # copies the server's output to the log (_copy_log)
+        self._started = 0.0  # time.monotonic() at start()
+        # Written by the log copy's thread only, the set replaced whole (never changed in place): no lock needed.
+        self.loaded_models: frozenset[str] = frozenset()  # the models its log says loaded
+        self.load_failed = False  # its log says a model failed to load
 
     # -- addresses ---------------------------------------------------------------
     @property
@@ -294,8 +301,9 @@ class TritonServer:
                      f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return args + self.extra_args
 
-    def start(self, timeout_s: float = 300.0) -> "TritonServer":
-        """Start the server and wait until /v2/health/ready (every model loaded)."""
+    def start(self, timeout_s: float = 300.0, wait: bool = True) -> "TritonServer":
+        """Start the server and wait until /v2/health/ready (every model loaded); without `wait`, return once it
+        runs (`check_ready` then says when it is ready: the supervisor watches its stubs meanwhile)."""
         assert self.process is None, "server already started"
         system = system_tritonserver()
         if system is not None:  # an NGC image: its own backends and libraries
@@ -308,33 +316,56 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            self.command(backend_dir), env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+            self.command(backend_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stubs die with it
             preexec_fn=die_with_parent,
         )
+        self._started = time.monotonic()
+        self._log_copy = threading.Thread(target=self._copy_log, name="tritonserver log", daemon=True)
+        self._log_copy.start()
         try:
             self._reaper = start_reaper(self.process.pid, self.shm_prefix)
             if self.admin_key:
                 hide_argument(self.process, self.admin_key)
-            self.wait_ready(timeout_s)
-            self._restrict_shm_regions()
+            if wait:
+                self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise TritonServerError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready; "
-                    f"log tail ({self.log_path}):\n{self.log_tail()}"
-                )
-            if self.is_ready():
-                return
+        while not self.check_ready(timeout_s):
             time.sleep(0.25)
-        raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+
+    def check_ready(self, timeout_s: float) -> bool:
+        """Whether the started server is ready (its shm regions then become 0600); TritonServerError if it
+        exited first, or is still not ready `timeout_s` after its start."""
+        if self.process.poll() is not None:
+            raise TritonServerError(f"tritonserver exited with code {self.process.returncode} before it was ready; "
+                                    f"log tail ({self.log_path}):\n{self.log_tail()}")
+        if self.is_ready():
+            self._restrict_shm_regions()
+            return True
+        if time.monotonic() - self._started >= timeout_s:
+            raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+        return False
+
+    def _copy_log(self) -> None:
+        """Copy the server's output (its stubs' too) to the log, noting the models it says loaded or failed to
+        load: the supervisor must know which models loaded before the ports open (only once every one has)."""
+        try:
+            with self.process.stdout as output:
+                for line in output:
+                    loaded = LOADED_LINE.search(line)
+                    if loaded:
+                        self.loaded_models = self.loaded_models | {loaded.group(1).decode(errors="replace")}
+                    elif b"failed to load '" in line:
+                        self.load_failed = True
+                    self._log_file.write(line)
+                    self._log_file.flush()
+        except (OSError, ValueError):
+            pass  # the log was closed under us (stop() gave up waiting for the copy)
 
     def is_ready(self) -> bool:
         """Every model loaded, and the metrics port answering (it starts a little after the HTTP
@@ -394,7 +425,8 @@ class TritonServer:
             return [f"(repository API unreachable: {exc})"]
 
     def stub_pids(self) -> dict[int, str]:
-        """The server's Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0)."""
+        """The server's live Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0). A zombie
+        (a killed stub tritonserver has not reaped) has no command line: left out, as dead."""
         stubs = {}
         if not self.is_running():
             return stubs
@@ -442,6 +474,8 @@ class TritonServer:
         _wait_group_gone(process.pid, timeout_s=5.0)
         release_reaper(self._reaper)
         self._reaper = None
+        if self._log_copy is not None:
+            self._log_copy.join(timeout=5)  # the group is gone: the output's end is near
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -6,23 +6,60 @@ reload starts a new stub but leaves those requests, and the old stub's shared me
 behind (measured). Ending the server is the one thing that ends them: gRPC clients get
 UNAVAILABLE ("Socket closed") at once, HTTP clients a closed connection.
 
+The stubs are watched from the server's start, not from its readiness: tritonserver opens its
+ports only once every model has loaded, and a stub killed before then (its model loaded, another
+still loading) leaves a model that says ready and never answers. A stub that goes (a zombie or
+reaped: tritonserver reaps some killed stubs itself) is dead once its model has loaded, as the
+server's log says; a stub of a model still loading that goes is a failed load, which tritonserver
+turns into a failed start (exit 1), as is any stub that goes once a load has failed.
+
 On a death the supervisor logs one line, SIGTERMs what is left of the server (its HTTP
 port stops answering at once, so readiness is never reported while requests fail),
-gives the other models' running requests `stub_drain_s`, kills the rest, removes the
-server's /dev/shm regions, and starts a new server after a backoff (1, 2, 4, ... 30 s;
-back to 1 s after a minute of health). Each start gets the number of restarts so far in
+gives the other models' running requests up to `stub_drain_s` (the drain ends as soon as
+their gauges show none: `in_flight`), kills the rest, removes the server's /dev/shm
+regions, and starts a new server after a backoff (0, 1, 2, 4, ... 30 s; back to 0 after a
+minute of health). Each start gets the number of restarts so far in
 DIFFUSION_SERVER_RESTARTS, which the models export as the gauge diffusion_server_restarts.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from typing import Any, Callable, Optional
 
-BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 HEALTHY_AFTER_S = 60.0  # a server up this long resets the backoff
 RESTARTS_ENV = "DIFFUSION_SERVER_RESTARTS"
+# The gauges of requests a model still holds: Triton's queue, and the engine's own (engine_lib/serving/metrics.py).
+IN_FLIGHT_GAUGES = ("nv_inference_pending_request_count", "diffusion_requests_waiting", "diffusion_requests_running",
+                    "diffusion_open_streams")
+DRAINED_FOR_S = 0.6  # in_flight must read 0 this long: the engine's gauges are sampled twice a second
+SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$', re.M)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+INSTANCE = re.compile(r"^(.+)_\d+_\d+$")  # a model instance's name: <model>_<group>_<index>
+
+
+def model_of(instance: str) -> Optional[str]:
+    """The model of an instance name (qwen_image_0_0 -> qwen_image); None for a stub that serves no instance."""
+    found = INSTANCE.match(instance)
+    return found.group(1) if found else None
+
+
+def in_flight(metrics: str, dead_instance: str) -> int:
+    """Requests the models hold according to a /metrics scrape, leaving out the dead instance's (its stub's
+    gauges stay as they were when it died) and its model's Triton queue (that queue waits for the dead stub)."""
+    total = 0.0
+    for name, labels, value in SAMPLE.findall(metrics):
+        if name in IN_FLIGHT_GAUGES:
+            labels = dict(LABEL.findall(labels))
+            if "instance" in labels:
+                total += float(value) if labels["instance"] != dead_instance else 0.0
+            else:
+                total += float(value) if labels.get("model") != model_of(dead_instance) else 0.0
+    return int(total)
 
 
 class Supervisor:
@@ -48,13 +85,15 @@ class Supervisor:
         self.poll_s = poll_s
         self.restarts = 0
         self.server: Any = None
+        self.ready_at: Optional[float] = None  # when the current server became ready (None: not yet)
 
     def run(self) -> int:
         failures = 0
         while not self.stop.is_set():
             server = self.server = self.make_server(self.restarts)
             try:
-                server.start(timeout_s=self.start_timeout_s)
+                server.start(timeout_s=self.start_timeout_s, wait=False)
+                death = self._watch(server)
             except Exception as exc:  # noqa: BLE001 - launcher.TritonServerError, or the server could not be made
                 server.cleanup()
                 if self.restarts == 0:
@@ -64,36 +103,78 @@ class Supervisor:
                 failures += 1
                 self._pause(failures)
                 continue
-            started = time.monotonic()
-            self.on_ready(server)
-            death = self._watch(server)
-            if death is None:  # stop requested
-                server.stop()
+            if death is None:  # stop requested: drain the models if they serve
+                server.stop(drain=server.is_ready())
                 server.cleanup()
                 return 0 if server.unloaded_cleanly in (True, None) else 1
+            what, dead_instance = death
             self.restarts += 1
-            failures = 0 if time.monotonic() - started >= HEALTHY_AFTER_S else failures + 1
-            self.log(f"launcher: {death}; restarting tritonserver (restart {self.restarts})")
-            server.stop(grace_s=self.stub_drain_s, drain=False)
+            healthy = self.ready_at is not None and time.monotonic() - self.ready_at >= HEALTHY_AFTER_S
+            failures = 0 if healthy else failures + 1
+            self.log(f"launcher: {what}; restarting tritonserver (restart {self.restarts})")
+            noticed = time.monotonic()
+            drained = self._drain(server, dead_instance) if dead_instance and self.ready_at is not None else 0.0
+            server.stop(grace_s=0, drain=False)
             server.cleanup()
+            self.log(f"launcher: the server of restart {self.restarts} stopped {time.monotonic() - noticed:.1f} s "
+                     f"after the death was noticed (drain {drained:.1f} s)")
             if server.leaked_shm:
                 self.log(f"launcher: removed the dead server's shared memory: {', '.join(server.leaked_shm)}")
             self._pause(failures)
         return 0
 
-    def _watch(self, server: Any) -> Optional[str]:
-        """Wait until a stop is requested (None) or something dies (what died, as a log phrase)."""
-        known: dict[int, str] = {}
+    def _watch(self, server: Any) -> Optional[tuple[str, str]]:
+        """Watch a server from its start until a stop is requested (None) or something dies: (what died, as a log
+        phrase; the dead stub's instance, "" when the server died). Runs `on_ready` once the server is ready; a
+        start that fails raises (server.check_ready)."""
+        known: dict[int, str] = {}  # the stubs of the last look, pid -> instance
+        ready = False
+        self.ready_at = None
         while not self.stop.wait(self.poll_s):
-            code = server.process.poll()
-            if code is not None:
-                return f"tritonserver exited unexpectedly (exit code {code})"
+            if not ready:
+                ready = server.check_ready(self.start_timeout_s)  # raises if it exited or timed out
+                if ready:
+                    self.ready_at = time.monotonic()
+                    self.on_ready(server)
+            elif server.process.poll() is not None:
+                return f"tritonserver exited unexpectedly (exit code {server.process.returncode})", ""
             stubs = server.stub_pids()
+            loaded = server.loaded_models  # read after the stubs: a model loads before its stub can go
             for pid, instance in known.items():
-                if pid not in stubs and server.is_running():
-                    return f"the Python stub of {instance} (pid {pid}) died"
-            known.update(stubs)
+                if pid in stubs or model_of(instance) not in loaded or not server.is_running():
+                    continue  # alive, a load that failed (tritonserver fails the start), or the server's own death
+                if ready or not self._load_failed(server):
+                    return f"the Python stub of {instance} (pid {pid}) died", instance
+            known = stubs
         return None
+
+    def _load_failed(self, server: Any) -> bool:
+        """Whether a start is failing: a load failed, so tritonserver unloads the loaded models and exits. The log
+        says so before the unload begins; one more poll gives its copy (launcher._copy_log) time to read it."""
+        self.stop.wait(self.poll_s)
+        return server.load_failed or not server.is_running()
+
+    def _drain(self, server: Any, dead_instance: str) -> float:
+        """SIGTERM the server and wait, up to `stub_drain_s`, until no model but the dead one holds a request
+        (in_flight reads 0 for DRAINED_FOR_S) or the server exits; the seconds it took. Unreadable metrics: the
+        full wait."""
+        began = time.monotonic()
+        server.send_signal()
+        drained_since = None
+        while time.monotonic() - began < self.stub_drain_s and server.is_running():
+            try:
+                with urllib.request.urlopen(server.metrics_url, timeout=2) as reply:
+                    busy = in_flight(reply.read().decode(errors="replace"), dead_instance)
+            except OSError:
+                busy = None
+            if busy == 0:
+                drained_since = drained_since or time.monotonic()
+                if time.monotonic() - drained_since >= DRAINED_FOR_S:
+                    break
+            else:
+                drained_since = None
+            time.sleep(0.2)
+        return time.monotonic() - began
 
     def _pause(self, failures: int) -> None:
         self.stop.wait(BACKOFF_S[min(max(failures - 1, 0), len(BACKOFF_S) - 1)])

@@ -8,17 +8,23 @@ Requests that must still be running when a test acts are held by the engine's ti
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import os
+import re
 import signal
 import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
+from engine_lib.serving import supervisor
 from engine_lib.serving.launcher import proc_stat
+from engine_lib.serving.supervisor import Supervisor, in_flight
 
 from .conftest import model_path, running
 from .launched import MODEL, Launcher, raw_post, serving
@@ -120,6 +126,7 @@ def test_a_killed_stub_ends_its_requests_and_comes_back(launcher):
     http_thread = threading.Thread(target=http_request)
     http_thread.start()
     assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 2.0, **LABELS) == 2.0
+    restarts = metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS)
     pid, region = launcher.stub()
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -145,8 +152,10 @@ def test_a_killed_stub_ends_its_requests_and_comes_back(launcher):
         time.sleep(0.1)
     else:
         raise AssertionError(f"not ready 90 s after the kill:\n{launcher.log()[-2000:]}")
-    assert metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS) == 2
+    assert metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS) == restarts + 1
     assert region not in launcher.shm_regions()
+    assert re.search(r"stopped [0-9.]+ s after the death was noticed \(drain [0-2]\.\d s\)", launcher.log()), \
+        "the drain waited though no other model held a request"
     print(f"in-flight requests ended {ended:.1f} s after the kill; serving again {time.monotonic() - killed:.1f} s after")
 
 
@@ -220,3 +229,212 @@ def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, req
     finally:
         launched.budget.release()
         launched.kill()
+
+
+# A small Python model whose load lasts until its gate file appears: y = x.
+GATED_MODEL = """
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        deadline = time.monotonic() + 300
+        while not os.path.exists({gate!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""
+GATED_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninstance_group [{ kind: KIND_CPU }]\n'
+               'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\noutput [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n')
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, launched: Launcher, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s:\n{launched.log()[-3000:]}"
+        assert launched.process.poll() is None, launched.log()[-3000:]
+        time.sleep(0.05)
+
+
+def test_a_stub_killed_while_another_model_loads_is_noticed(tmp_path, request):
+    """tritonserver 2.51 opens its ports only once every model has loaded: echo's stub, killed while `slow` still
+    loads, would leave echo saying ready and never answering. The supervisor, which watches the stubs from the
+    server's start, restarts the server; once it is ready, echo answers. Two small Python models: seconds to load."""
+    gate = tmp_path / "gate"
+    for name, opens in (("echo", tmp_path), ("slow", gate)):
+        (tmp_path / "repository" / name / "1").mkdir(parents=True)
+        (tmp_path / "repository" / name / "1" / "model.py").write_text(GATED_MODEL.format(gate=str(opens)))
+        (tmp_path / "repository" / name / "config.pbtxt").write_text(GATED_CONFIG)
+    launched = Launcher(tmp_path, model_path(request), env={"MODELS": "echo,slow"})
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]}).encode()
+    try:
+        wait_for(lambda: launched.triton_log.exists() and "successfully loaded 'echo'" in
+                 launched.triton_log.read_text(errors="replace"), 120, launched, "echo loaded")
+        [pid] = [pid for pid, argv in launched.stubs().items() if argv[1] == str(launched.repo / "echo/1/model.py")]
+        assert not launched.ready()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: f"the Python stub of echo_0_0 (pid {pid}) died" in launched.log(), 10, launched,
+                 "the death noticed")
+        gate.touch()
+        wait_for(launched.ready, 120, launched, "ready again")
+        sent = time.monotonic()
+        replies = [raw_post(launched.http, "/v2/models/echo/infer", body, timeout=30) for _ in range(4)]
+        assert [(status, json.loads(reply)["outputs"][0]["data"]) for status, reply in replies] == [(200, [1.5])] * 4
+        assert time.monotonic() - sent < 30
+        assert "(restart 1)" in launched.log() and "(restart 2)" not in launched.log()
+    finally:
+        launched.budget.release()
+        launched.kill()
+
+
+# -- the supervisor's rules with fake servers (no tritonserver) ------------------------------------------------
+
+
+class FakeServer:
+    """Follows a script, one step per look at its stubs: whether it is ready, its live stubs, the models its log
+    says loaded, whether a load failed or it exited. `metrics`: what its /metrics says, one text per scrape."""
+
+    def __init__(self, steps: list[dict], stop: threading.Event, metrics_url: str = "http://127.0.0.1:1/metrics"):
+        self.steps, self.stop_event, self.looks = steps, stop, 0
+        self.process = SimpleNamespace(poll=lambda: self.step.get("exited"), returncode=None)
+        self.unloaded_cleanly, self.leaked_shm, self.signals, self.stops = None, [], 0, []
+        self.metrics_url = metrics_url
+
+    step = property(lambda self: self.steps[min(self.looks, len(self.steps) - 1)])
+    loaded_models = property(lambda self: frozenset(self.step.get("loaded", ())))
+    load_failed = property(lambda self: self.step.get("failed", False))
+
+    def start(self, timeout_s: float, wait: bool) -> "FakeServer":
+        assert not wait, "the supervisor watches the stubs while the server loads"
+        return self
+
+    def check_ready(self, timeout_s: float) -> bool:
+        if self.step.get("exited") is not None:
+            raise RuntimeError(f"tritonserver exited with code {self.step['exited']} before it was ready")
+        return self.step.get("ready", False)
+
+    def is_ready(self) -> bool:
+        return self.step.get("ready", False)
+
+    def stub_pids(self) -> dict[int, str]:
+        live = dict(self.step.get("stubs", {}))
+        self.looks += 1
+        if self.looks > len(self.steps) + 1:
+            self.stop_event.set()  # the script played, its last step held: stop the supervisor
+        return live
+
+    def is_running(self) -> bool:
+        return self.step.get("exited") is None
+
+    def send_signal(self) -> None:
+        self.signals += 1
+
+    def stop(self, grace_s=None, drain=True):
+        self.stops.append({"grace_s": grace_s, "drain": drain})
+
+    def cleanup(self):
+        pass
+
+
+def supervise(*scripts: list[dict], metrics_url: str = "http://127.0.0.1:1/metrics", drain_s: float = 0.2):
+    """A supervisor over fake servers following `scripts` (one per start): its exit code, its log, the servers
+    made and those it reported ready."""
+    stop = threading.Event()
+    made: list[FakeServer] = []
+    ready: list[FakeServer] = []
+    log: list[str] = []
+
+    def make_server(restarts: int) -> FakeServer:
+        made.append(FakeServer(scripts[restarts], stop, metrics_url))
+        return made[-1]
+
+    code = Supervisor(make_server, stop, on_ready=ready.append, log=log.append, poll_s=0, stub_drain_s=drain_s).run()
+    return code, [line for line in log if "stopped" not in line], made, ready
+
+
+@pytest.fixture
+def no_backoff(monkeypatch):
+    monkeypatch.setattr(supervisor, "BACKOFF_S", (0.0,))
+
+
+LOADING = {"stubs": {10: "echo_0_0", 11: "slow_0_0"}, "loaded": {"echo"}}  # echo loaded, slow still loading
+READY = {"ready": True, "stubs": {20: "echo_0_0", 21: "slow_0_0"}, "loaded": {"echo", "slow"}}
+
+
+@pytest.mark.parametrize("reaped", [False, True], ids=["zombie", "reaped"])
+def test_a_stub_killed_while_another_model_loads_restarts_the_server(no_backoff, reaped):
+    """A zombie has no command line, so stub_pids leaves it out as it does a reaped stub: both are gone."""
+    code, log, made, ready = supervise([{"stubs": {5: "echo"}}, LOADING, {**LOADING, "stubs": {11: "slow_0_0"}}],
+                                       [READY])
+    assert log == ["launcher: the Python stub of echo_0_0 (pid 10) died; restarting tritonserver (restart 1)"]
+    assert made[0].signals == 0, "nothing to drain before the ports open"
+    assert ready == [made[1]] and code == 0
+
+
+def test_a_stub_of_a_model_still_loading_that_goes_is_a_failed_start(no_backoff):
+    code, log, made, ready = supervise([LOADING, {**LOADING, "stubs": {10: "echo_0_0"}}, {"exited": 1}])
+    assert code == 1 and len(made) == 1 and not ready
+    assert log == ["launcher: tritonserver exited with code 1 before it was ready"]
+
+
+def test_a_loaded_stub_that_goes_after_a_load_failed_is_a_failed_start(no_backoff):
+    """tritonserver unloads the loaded models of a start whose load failed, then exits 1."""
+    failing = {**LOADING, "failed": True}
+    code, log, made, ready = supervise([LOADING, failing, {**failing, "stubs": {}}, {"exited": 1}])
+    assert code == 1 and len(made) == 1 and not ready, log
+
+
+def test_once_ready_any_stub_that_goes_is_dead(no_backoff):
+    code, log, made, ready = supervise([READY, {**READY, "stubs": {20: "echo_0_0"}}], [READY])
+    assert log == ["launcher: the Python stub of slow_0_0 (pid 21) died; restarting tritonserver (restart 1)"]
+    assert made[0].signals == 1 and made[0].stops[0]["grace_s"] == 0
+    assert ready == made and code == 0
+
+
+def test_in_flight_leaves_the_dead_instance_out():
+    metrics = "\n".join([
+        '# HELP nv_inference_pending_request_count Instantaneous number of pending requests',
+        'nv_inference_pending_request_count{model="qwen_image",version="1"} 2',
+        'nv_inference_pending_request_count{model="flux",version="1"} 1',
+        'diffusion_requests_running{instance="qwen_image_0_0",model="qwen_image"} 4',
+        'diffusion_requests_running{instance="qwen_image_0_1",model="qwen_image"} 3',
+        'diffusion_requests_waiting{instance="flux_0_0",model="flux"} 5',
+        'diffusion_open_streams{instance="flux_0_0",model="flux"} 6',
+        'diffusion_requests_waiting_by_priority{instance="flux_0_0",model="flux",priority="1"} 5',
+    ])
+    assert in_flight(metrics, "qwen_image_0_0") == 1 + 3 + 5 + 6
+    assert in_flight(metrics, "flux_0_0") == 2 + 4 + 3
+
+
+def test_the_drain_ends_once_the_other_models_hold_no_request(no_backoff):
+    """Drained (the other models' gauges read 0 for DRAINED_FOR_S) after a few scrapes, not `stub_drain_s` later."""
+    dead = 'diffusion_requests_running{instance="echo_0_0",model="echo"} 2\n'
+    busy = 'diffusion_requests_running{instance="slow_0_0",model="slow"} 1\n'
+    scrapes: list[str] = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (dead + (busy if len(scrapes) < 3 else "")).encode()
+            scrapes.append(body.decode())
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics) as metrics:
+        threading.Thread(target=metrics.serve_forever, daemon=True).start()
+        began = time.monotonic()
+        code, log, made, ready = supervise([READY, {**READY, "stubs": {21: "slow_0_0"}}], [READY], drain_s=25,
+                                           metrics_url=f"http://127.0.0.1:{metrics.server_port}/metrics")
+        took = time.monotonic() - began
+        metrics.shutdown()
+    assert log == ["launcher: the Python stub of echo_0_0 (pid 20) died; restarting tritonserver (restart 1)"]
+    assert len(scrapes) >= 4 and busy in scrapes[2], "ended before the other model's request"
+    assert took < 20, f"the drain took {took:.1f} s"
