@@ -12,10 +12,11 @@ whose decode waits). All of its state is owned by the engine's busy-loop thread.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import weakref
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -48,21 +49,47 @@ def _blocks(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
             yield from _blocks(child)
 
 
+HOST_LEAD_BLOCKS = 2  # on CUDA, how many blocks the host may run ahead of the device within a tick
+
+
 class BlockBoundaries:
     """Forward pre-hooks on the blocks of the pipeline's modules, where a long tick (a big video forward, a
     tiled VAE decode) stops once `interrupt` is set. Inert outside its runner's ticks (`requests` None), so a
-    hook left on a shared adapter by another runner never acts."""
+    hook left on a shared adapter by another runner never acts.
+
+    On CUDA the host only queues kernels: left alone it runs through every block of a forward long before the
+    device does, and a stop at the host's boundary would still leave the queued blocks to run. So each
+    boundary records an event on the device's stream and waits for the one HOST_LEAD_BLOCKS boundaries back:
+    the device stays busy (two blocks queued) and a stop lands within two blocks of device time.
+    `device_event(device)`: the event maker (tests pass a fake)."""
 
     def __init__(self, modules: list[torch.nn.Module], interrupt: Optional[threading.Event],
-                 before_block: Optional[BeforeBlock]):
+                 before_block: Optional[BeforeBlock], device: Optional[torch.device] = None,
+                 device_event: Optional[Callable[[torch.device], Any]] = None):
         self.interrupt = interrupt
         self.before_block = before_block
         self.requests: Optional[list[DiffusionRequest]] = None  # the running tick's (engine thread)
+        self.device = device
+        if device_event is None and device is not None and torch.device(device).type == "cuda":
+            device_event = _cuda_event
+        self.device_event = device_event
+        self.queued: collections.deque = collections.deque()  # events of the tick's last boundaries
         self.handles = [block.register_forward_pre_hook(self) for module in modules for block in _blocks(module)]
+
+    def start(self, requests: list[DiffusionRequest]) -> None:
+        self.requests = requests
+
+    def end(self) -> None:
+        self.requests = None
+        self.queued.clear()
 
     def __call__(self, module: torch.nn.Module, args: tuple) -> None:
         if self.requests is None:
             return
+        if self.device_event is not None:
+            self.queued.append(self.device_event(self.device))
+            if len(self.queued) > HOST_LEAD_BLOCKS:
+                self.queued.popleft().synchronize()
         if self.before_block is not None:
             self.before_block(self.requests)
         self.check()
@@ -74,6 +101,11 @@ class BlockBoundaries:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _cuda_event(device: torch.device) -> "torch.cuda.Event":
+    """An event recorded now on `device`'s current stream (not the current device's: cuda:1 is not cuda:0)."""
+    return torch.cuda.current_stream(device).record_event()
 
 
 class ModelRunner:
@@ -103,7 +135,7 @@ class ModelRunner:
         self.host = host_copy.HostCopier()
         self._boundaries = BlockBoundaries([], None, None)
         if interrupt is not None or before_block is not None:
-            self._boundaries = BlockBoundaries(adapter.torch_modules(), interrupt, before_block)
+            self._boundaries = BlockBoundaries(adapter.torch_modules(), interrupt, before_block, adapter.device)
             weakref.finalize(self, self._boundaries.remove)
 
     def execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
@@ -112,11 +144,11 @@ class ModelRunner:
         request whose latents are no longer finite fails alone), previews at their boundaries, and one
         batched decode of the requests that finished denoising (but those in `hold_decode_ids`, whose
         decode the scheduler holds for a later tick). Raises TickInterrupted when `interrupt` stops it."""
-        self._boundaries.requests = new + running
+        self._boundaries.start(new + running)
         try:
             return self._execute_step(new, running, hold_decode_ids)
         finally:
-            self._boundaries.requests = None
+            self._boundaries.end()
 
     def _execute_step(self, new: list[DiffusionRequest], running: list[DiffusionRequest],
                       hold_decode_ids: frozenset[str]) -> RunnerOutput:

@@ -8,12 +8,14 @@ takes 20 s, so a request that ends within 2 s of its cancel was stopped inside i
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 
 from engine_lib import interface
@@ -22,6 +24,7 @@ from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import OutputSpec
 from engine_lib.pipelines.base import PipelineAdapter, RequestState
 from engine_lib.request import EngineUnavailableError, RequestCancelledError
+from engine_lib.runner import BlockBoundaries, TickInterrupted
 from engine_lib.testing import EngineHooks, SlowPrompt
 
 BLOCKS = 40
@@ -179,3 +182,30 @@ def test_the_hooks_of_another_runner_stay_inert():
     finally:
         second.close()
     assert first.runner is not None  # alive until here
+
+
+def test_on_cuda_the_host_runs_at_most_two_blocks_ahead_of_the_device():
+    """A CUDA host only queues kernels: each boundary records a device event and waits for the one two
+    boundaries back, so a stop lands within two blocks of device time (fake events stand in for the GPU's)."""
+    waited, numbers = [], itertools.count()
+
+    class Event:
+        def __init__(self):
+            self.number = next(numbers)
+
+        def synchronize(self):
+            waited.append(self.number)
+
+    blocks, interrupt = Blocks(), threading.Event()
+    boundaries = BlockBoundaries([blocks], interrupt, None, torch.device("cuda"), device_event=lambda device: Event())
+    blocks(torch.zeros(1))  # outside a tick: inert
+    assert waited == [] and next(numbers) == 0
+    boundaries.start([])
+    blocks(torch.zeros(1))
+    assert waited == list(range(1, BLOCKS - 1))  # 40 events recorded (1..40), each waited for two blocks later
+    interrupt.set()
+    with pytest.raises(TickInterrupted):
+        blocks(torch.zeros(1))
+    boundaries.end()
+    blocks(torch.zeros(1))
+    boundaries.remove()
