@@ -16,6 +16,17 @@ call, so the model aborts its request; an upstream call that ends ends the clien
 It is asyncio (grpc.aio): an open stream costs no thread. Idle connections are closed, and
 keepalive pings find clients that vanished without closing (their calls are then cancelled).
 
+A stream's responses are read from tritonserver as fast as it sends them, whatever the client does
+(`GateStream`): a client that stops reading made tritonserver buffer every preview it was sent
+(87 to 380 MB in 44 s, never released; measured while the gate read only as fast as its client). The gate keeps at most
+`GRPC_MAX_UNSENT_BYTES` of one stream's responses unsent and drops intermediate ones (previews,
+progress, video chunks, all of which the final repeats or outdates) over that; finals and errors always go out.
+
+On SIGTERM the gate refuses new calls, ends every stream without an open request at once, and the
+others as soon as their requests have their finals; requests still open after `--drain-s` get an
+UNAVAILABLE final made here ("server shutting down") and are cancelled upstream. tritonserver then has
+no client stream left, so the models unload (the launcher's stop) instead of waiting for idle streams.
+
     GRPC_MAX_MESSAGE_BYTES=16777216 python -m engine_lib.serving.grpc_gate --listen 0.0.0.0:8001 \
         --upstream 127.0.0.1:18001
 
@@ -29,10 +40,15 @@ import asyncio
 import os
 import signal
 import sys
+from collections import Counter, deque
 from typing import AsyncIterator, Optional, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
+
+from engine_lib.request import EngineUnavailableError
+from engine_lib.serving.sender import error_message
 
 MAX_MESSAGE_ENV = "GRPC_MAX_MESSAGE_BYTES"
 READY_FD_ENV = "GRPC_GATE_READY_FD"  # a pipe the gate writes "ready" to once it listens (launcher.GrpcGate)
@@ -40,6 +56,12 @@ READY_FD_ENV = "GRPC_GATE_READY_FD"  # a pipe the gate writes "ready" to once it
 # so 16 MiB is a thousand times any real one, and a quarter of the stub's first shared-memory
 # region (launcher.DEFAULT_SHM_BYTES, 64 MiB): requests the gate lets through never make it grow.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_UNSENT_ENV = "GRPC_MAX_UNSENT_BYTES"
+# Per stream: two 1024x1024 raw previews of one image (3 MiB each) fit; one larger response still goes out
+# whenever nothing else of its stream waits, so a reader that keeps up never misses one.
+DEFAULT_MAX_UNSENT_BYTES = 8 * 1024 * 1024
+DEFAULT_DRAIN_S = 25.0  # the launcher passes its own (EXIT_TIMEOUT_SECS less the time the models take to unload)
+SHUTTING_DOWN = EngineUnavailableError("server shutting down")
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 # Headers grpc sets itself on each call and refuses as metadata (pseudo-headers, grpc-*, these).
 _HOP_BY_HOP = {"te", "content-type", "user-agent", "host", "connection", "keep-alive", "proxy-connection",
@@ -64,17 +86,141 @@ def max_message_bytes(environ=os.environ) -> int:
     return int(value) if value else DEFAULT_MAX_MESSAGE_BYTES
 
 
+def max_unsent_bytes(environ=os.environ) -> int:
+    """GRPC_MAX_UNSENT_BYTES, or the default when unset."""
+    value = environ.get(MAX_UNSENT_ENV, "").strip()
+    if value and not value.isdigit():
+        raise ValueError(f"{MAX_UNSENT_ENV} must be a number of bytes, got {value!r}")
+    return int(value) if value else DEFAULT_MAX_UNSENT_BYTES
+
+
 def forwarded_metadata(metadata: Optional[Sequence[tuple[str, str | bytes]]]) -> tuple:
     """The caller's metadata that can be sent on: without the pseudo-headers, grpc-* and hop-by-hop ones."""
     return tuple((key, value) for key, value in metadata or ()
                  if not key.startswith((":", "grpc-")) and key not in _HOP_BY_HOP)
 
 
+class GateStream:
+    """One client's ModelStreamInfer through the gate: its requests still open upstream, and its responses not
+    yet written to the client, bounded in bytes.
+
+    `read` takes tritonserver's responses as they come and `responses` writes them to the client as fast as it
+    reads. Unsent bytes (queued, and the one being written) stay under `max_unsent` by dropping intermediate
+    responses (`dropped` counts them); a final or an error is always queued, and so is any response when
+    nothing else waits. A response is final when its `triton_final_response` parameter says so (an error
+    without it, from tritonserver itself, ends its request too). Owned by the event loop: no lock.
+    """
+
+    def __init__(self, max_unsent: int):
+        self.max_unsent = max_unsent
+        self.queue: deque[bytes] = deque()
+        self.unsent = 0  # bytes queued or being written
+        self.dropped = 0
+        self.open: Counter[str] = Counter()  # request id -> requests forwarded whose final has not come back
+        self.models: dict[str, str] = {}  # request id -> its model, for a final made here
+        self.closing = False  # the gate stops: end once no request is open, forward no new one
+        self.ended = False  # nothing more will be queued
+        self.error: Optional[grpc.aio.AioRpcError] = None  # how the upstream call ended, if it failed
+        self._changed = asyncio.Event()
+
+    async def forwarded(self, requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The client's requests, on their way upstream; while closing, each is answered here instead."""
+        async for raw in requests:
+            try:
+                request = service_pb2.ModelInferRequest.FromString(raw)
+            except DecodeError:
+                yield raw  # not tracked: tritonserver refuses it
+                continue
+            if self.closing:
+                self._queue(self.final(request.id, request.model_name, SHUTTING_DOWN))
+                continue
+            self.open[request.id] += 1
+            self.models[request.id] = request.model_name
+            yield raw
+
+    async def read(self, call) -> None:
+        """Queue the upstream call's responses until it ends (its error kept for the client)."""
+        try:
+            async for raw in call:
+                self.receive(raw)
+        except grpc.aio.AioRpcError as exc:
+            if not self.ended:  # not cut by the gate itself (end_open_requests)
+                self.error = exc
+        self.ended = True
+        self._changed.set()
+
+    def receive(self, raw: bytes) -> None:
+        response = service_pb2.ModelStreamInferResponse.FromString(raw)
+        parameters = response.infer_response.parameters
+        final = parameters["triton_final_response"].bool_param if "triton_final_response" in parameters \
+            else bool(response.error_message)
+        if final:
+            self._forget(response.infer_response.id)
+        elif self.unsent and self.unsent + len(raw) > self.max_unsent and not response.error_message:
+            self.dropped += 1
+            return
+        self._queue(raw)
+
+    def _queue(self, raw: bytes) -> None:
+        if not self.ended:
+            self.queue.append(raw)
+            self.unsent += len(raw)
+            self._changed.set()
+
+    def _forget(self, request_id: str) -> None:
+        self.open[request_id] -= 1
+        if self.open[request_id] <= 0:
+            del self.open[request_id]
+            self.models.pop(request_id, None)
+        self._changed.set()
+
+    async def responses(self) -> AsyncIterator[bytes]:
+        """What the client is sent, in order, until upstream ends or, while closing, no request is open."""
+        while True:
+            if self.queue:
+                raw = self.queue.popleft()
+                try:
+                    yield raw
+                finally:
+                    self.unsent -= len(raw)
+            elif self.ended or (self.closing and not self.open):
+                return
+            else:
+                self._changed.clear()
+                await self._changed.wait()
+
+    def close(self) -> None:
+        """The gate stops: the stream ends once its open requests have their finals (at once if none is open)."""
+        self.closing = True
+        self._changed.set()
+
+    def end_open_requests(self, error: BaseException) -> None:
+        """Queue a final with `error` for every request still open, and take nothing more from upstream."""
+        for request_id, count in self.open.items():
+            for _ in range(count):
+                self._queue(self.final(request_id, self.models.get(request_id, ""), error))
+        self.open.clear()
+        self.ended = True
+        self._changed.set()
+
+    @staticmethod
+    def final(request_id: str, model: str, error: BaseException) -> bytes:
+        """An error final for a request, as tritonserver sends a model's: its message and id, the final flag."""
+        response = service_pb2.ModelStreamInferResponse(error_message=error_message(error, request_id)[1])
+        response.infer_response.id = request_id
+        response.infer_response.model_name = model
+        response.infer_response.parameters["triton_final_response"].bool_param = True
+        return response.SerializeToString()
+
+
 class Forwarder(grpc.GenericRpcHandler):
     """Every method of inference.GRPCInferenceService, forwarded as bytes over one channel to `upstream`."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, max_unsent: int = DEFAULT_MAX_UNSENT_BYTES):
         self.channel = grpc.aio.insecure_channel(upstream, options=_UPSTREAM_OPTIONS)
+        self.max_unsent = max_unsent
+        self.streams: set[GateStream] = set()
+        self.closing = False
         self._handlers = {}
         for method in SERVICE.methods:
             path = f"/{SERVICE.full_name}/{method.name}"
@@ -106,24 +252,51 @@ class Forwarder(grpc.GenericRpcHandler):
         upstream = self.channel.stream_stream(path)
 
         async def forward(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            # The client's request iterator is the upstream call's: grpc.aio sends each message on as it
-            # arrives, half-closes when the client does, and cancels the upstream call if reading fails.
-            call = upstream(requests, metadata=forwarded_metadata(context.invocation_metadata()),
+            # grpc.aio sends each request on as it arrives, half-closes when the client does, and cancels the
+            # upstream call if reading fails; the responses go through the stream's bounded queue.
+            stream = GateStream(self.max_unsent)
+            call = upstream(stream.forwarded(requests), metadata=forwarded_metadata(context.invocation_metadata()),
                             timeout=context.time_remaining())
+            reader = asyncio.ensure_future(stream.read(call))
+            self.streams.add(stream)
+            if self.closing:
+                stream.close()
             try:
-                async for response in call:
+                async for response in stream.responses():
                     yield response
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
+                if stream.error is not None:
+                    await context.abort(stream.error.code(), stream.error.details() or "")
             finally:
-                call.cancel()
+                self.streams.discard(stream)
+                reader.cancel()
+                call.cancel()  # the client cancelled or went away, or the gate ended the stream
+                if stream.dropped:
+                    print(f"grpc gate: a stream ended with {stream.dropped} intermediate responses dropped: its "
+                          f"client read slower than they came ({MAX_UNSENT_ENV}={self.max_unsent})", flush=True)
 
         return forward
 
+    async def close_streams(self, drain_s: float) -> None:
+        """End every stream: those without an open request at once, the others when their requests have
+        their finals, or after `drain_s` with an UNAVAILABLE final made here for each request still open."""
+        self.closing = True
+        for stream in self.streams:
+            stream.close()
+        deadline = asyncio.get_running_loop().time() + drain_s
+        while any(stream.open for stream in self.streams) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        ended = sum(sum(stream.open.values()) for stream in self.streams)
+        for stream in self.streams:
+            stream.end_open_requests(SHUTTING_DOWN)
+        if ended:
+            print(f"grpc gate: {ended} requests still running after the {drain_s:g} s drain ended with "
+                  f"UNAVAILABLE ({SHUTTING_DOWN})", flush=True)
 
-async def serve(listen: str, upstream: str, max_message: int, grace_s: float = 5.0) -> None:
-    """Serve until SIGTERM or SIGINT, then give open calls `grace_s` to end and cancel the rest."""
-    forwarder = Forwarder(upstream)
+
+async def serve(listen: str, upstream: str, max_message: int, max_unsent: int = DEFAULT_MAX_UNSENT_BYTES,
+                drain_s: float = DEFAULT_DRAIN_S) -> None:
+    """Serve until SIGTERM or SIGINT, then end every stream (Forwarder.close_streams) and exit."""
+    forwarder = Forwarder(upstream, max_unsent)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message), *_SERVER_OPTIONS])
     server.add_generic_rpc_handlers((forwarder,))
     try:
@@ -131,7 +304,8 @@ async def serve(listen: str, upstream: str, max_message: int, grace_s: float = 5
     except RuntimeError as exc:  # the port is taken, or not an address
         raise SystemExit(f"grpc gate: {exc}") from None
     await server.start()
-    print(f"grpc gate: {listen} -> {upstream}, messages up to {max_message} bytes", flush=True)
+    print(f"grpc gate: {listen} -> {upstream}, messages up to {max_message} bytes, "
+          f"{max_unsent} bytes unsent per stream", flush=True)
     ready_fd = os.environ.pop(READY_FD_ENV, "")
     if ready_fd:
         os.write(int(ready_fd), b"ready")
@@ -140,7 +314,10 @@ async def serve(listen: str, upstream: str, max_message: int, grace_s: float = 5
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(grace_s)
+    print(f"grpc gate: stopping ({len(forwarder.streams)} streams open)", flush=True)
+    stopped = asyncio.ensure_future(server.stop(drain_s + 5.0))  # refuses new calls at once
+    await forwarder.close_streams(drain_s)
+    await stopped  # the finals written (a client that does not read them is cut after 5 s)
     await forwarder.channel.close()
 
 
@@ -148,16 +325,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_lib.serving.grpc_gate", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", required=True, help="address:port the gate listens on")
     parser.add_argument("--upstream", required=True, help="tritonserver's gRPC address:port")
+    parser.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S,
+                        help="on SIGTERM, how long open requests may still run before they end UNAVAILABLE")
     args = parser.parse_args(argv)
     try:
         limit = max_message_bytes()
+        max_unsent = max_unsent_bytes()
     except ValueError as exc:
         print(f"grpc gate: {exc}", file=sys.stderr, flush=True)
         return 2
     if limit == 0:
         print(f"grpc gate: {MAX_MESSAGE_ENV}=0 means no gate", file=sys.stderr, flush=True)
         return 2
-    asyncio.run(serve(args.listen, args.upstream, limit))
+    asyncio.run(serve(args.listen, args.upstream, limit, max_unsent, args.drain_s))
     return 0
 
 

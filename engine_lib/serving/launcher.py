@@ -69,6 +69,9 @@ DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is expo
 # With an admin key, the models are drained by unloading them before SIGTERM; what tritonserver's
 # own exit timeout still covers is only its wait for idle HTTP connections.
 DRAINED_EXIT_TIMEOUT_S = 3
+# The gRPC gate's drain ends this long before the unload's wait does: the models' requests it ends are
+# cancelled, and the models unload, within it.
+GATE_DRAIN_MARGIN_S = 5.0
 LOADED_LINE = re.compile(rb"successfully loaded '([^']+)'")  # tritonserver's log line once a model is loaded
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
 # Triton's admin-like protocols, closed to clients without the admin key (HTTP and gRPC). shared-memory
@@ -597,15 +600,19 @@ class GrpcGate:
 
     Like the front door it lives as long as the launcher; a restarted server comes back at the same
     `upstream`. `start()` waits until its port accepts connections; a process that exits first, or a
-    timeout, raises TritonServerError with its output's tail. `stop()` is bounded (SIGTERM, then SIGKILL).
+    timeout, raises TritonServerError with its output's tail. `drain()` starts its stop (SIGTERM: it ends
+    every client stream, requests still open after `drain_s` with UNAVAILABLE) and returns at once;
+    `stop()` is bounded (SIGTERM, then SIGKILL).
     """
 
     def __init__(self, upstream: str, host: str, port: int, max_message_bytes: int,
-                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None):
+                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None,
+                 drain_s: float = 25.0):
         self.upstream = upstream
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
+        self.drain_s = drain_s
         self.log_path = Path(log_path) if log_path else None  # None: the launcher's console
         self.env = dict(os.environ if env is None else env)
         self.process: Optional[subprocess.Popen] = None
@@ -624,8 +631,8 @@ class GrpcGate:
         try:
             try:
                 self.process = spawn([sys.executable, "-m", "engine_lib.serving.grpc_gate", "--listen",
-                                      f"{self.host}:{self.port}", "--upstream", self.upstream], env, self.log_path,
-                                     pass_fds=(ready_write,))
+                                      f"{self.host}:{self.port}", "--upstream", self.upstream,
+                                      f"--drain-s={self.drain_s:g}"], env, self.log_path, pass_fds=(ready_write,))
             finally:
                 os.close(ready_write)  # ours: only the gate's copy may keep the pipe open
             ready = select.select([ready_read], [], [], timeout_s)[0] and os.read(ready_read, 16) == b"ready"
@@ -641,6 +648,10 @@ class GrpcGate:
                                     f"its output:\n{self.log_tail()}") from None
         raise TritonServerError(f"the gRPC gate exited with code {self.process.returncode} on port {self.port}; "
                                 f"its output:\n{self.log_tail()}")
+
+    def drain(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
 
     stop = OpenAIFrontDoor.stop  # the same bounded stop and log tail as the front door's
     log_tail = OpenAIFrontDoor.log_tail
@@ -866,9 +877,20 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             threading.Thread(target=_stop_when_exits, args=(children[name], name, stop, failed), daemon=True).start()
         return True
 
+    def drain_gate() -> None:
+        """At the stop, while the models unload: the gate ends its client streams (idle ones at once), so
+        that none keeps tritonserver's unload waiting, and the requests still running after its drain with
+        UNAVAILABLE, before the unload's wait (EXIT_TIMEOUT_SECS) runs out."""
+        stop.wait()
+        if "the gRPC gate" in children:
+            children["the gRPC gate"].drain()
+
+    threading.Thread(target=drain_gate, daemon=True).start()
+    gate_drain_s = max(1.0, _env_int("EXIT_TIMEOUT_SECS", 30) - GATE_DRAIN_MARGIN_S)
+
     def on_ready(server: TritonServer) -> None:
         if max_message and not start_once("the gRPC gate", lambda: GrpcGate(
-                server.grpc_url, address, grpc_port, max_message, log_path=args.log_file)):
+                server.grpc_url, address, grpc_port, max_message, log_path=args.log_file, drain_s=gate_drain_s)):
             return
         front_env = {**os.environ, "TRITON_ADMIN_KEY": admin_key, PRIORITY_KEY_ENV: priority_key}
         if openai_port and not start_once("the front door", lambda: OpenAIFrontDoor(

@@ -157,6 +157,9 @@ class _Child:
     def start(self):
         return self
 
+    def drain(self):
+        pass
+
     def stop(self):
         return 0
 
