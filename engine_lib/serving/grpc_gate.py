@@ -107,8 +107,8 @@ class GateStream:
     `read` takes tritonserver's responses as they come and `responses` writes them to the client as fast as it
     reads. Unsent bytes (queued, and the one being written) stay under `max_unsent` by dropping intermediate
     responses (`dropped` counts them); a final or an error is always queued, and so is any response when
-    nothing else waits. A response is final when its `triton_final_response` parameter says so (an error
-    without it, from tritonserver itself, ends its request too). Owned by the event loop: no lock.
+    nothing else is unsent. A response is final when its `triton_final_response` parameter says so, or when it
+    has none (a model that is not decoupled answers once). Owned by the event loop: no lock.
     """
 
     def __init__(self, max_unsent: int):
@@ -152,8 +152,7 @@ class GateStream:
     def receive(self, raw: bytes) -> None:
         response = service_pb2.ModelStreamInferResponse.FromString(raw)
         parameters = response.infer_response.parameters
-        final = parameters["triton_final_response"].bool_param if "triton_final_response" in parameters \
-            else bool(response.error_message)
+        final = parameters["triton_final_response"].bool_param if "triton_final_response" in parameters else True
         if final:
             self._forget(response.infer_response.id)
         elif self.unsent and self.unsent + len(raw) > self.max_unsent and not response.error_message:
