@@ -73,6 +73,7 @@ DRAINED_EXIT_TIMEOUT_S = 3
 # cancelled, and the models unload, within it.
 GATE_DRAIN_MARGIN_S = 5.0
 LOADED_LINE = re.compile(rb"successfully loaded '([^']+)'")  # tritonserver's log line once a model is loaded
+INSTANCE_LINE = re.compile(rb"TRITONBACKEND_ModelInstanceInitialize: (\S+) ")  # ... as a Python stub starts
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
 # Triton's admin-like protocols, closed to clients without the admin key (HTTP and gRPC). shared-memory
 # (system and CUDA) would let a client register any /dev/shm region, a Python stub's own included, as an
@@ -261,6 +262,7 @@ class TritonServer:
         self._started = 0.0  # time.monotonic() at start()
         # Written by the log copy's thread only, the set replaced whole (never changed in place): no lock needed.
         self.loaded_models: frozenset[str] = frozenset()  # the models its log says loaded
+        self.instances: frozenset[str] = frozenset()  # the model instances (Python stubs) its log says it started
         self.load_failed = False  # its log says a model failed to load
 
     # -- addresses ---------------------------------------------------------------
@@ -355,14 +357,17 @@ class TritonServer:
         return False
 
     def _copy_log(self) -> None:
-        """Copy the server's output (its stubs' too) to the log, noting the models it says loaded or failed to
-        load: the supervisor must know which models loaded before the ports open (only once every one has)."""
+        """Copy the server's output (its stubs' too) to the log, noting the instances it starts and the models it
+        says loaded or failed to load: the supervisor must know which models loaded before the ports open (only
+        once every one has)."""
         try:
             with self.process.stdout as output:
                 for line in output:
-                    loaded = LOADED_LINE.search(line)
+                    loaded, instance = LOADED_LINE.search(line), INSTANCE_LINE.search(line)
                     if loaded:
                         self.loaded_models = self.loaded_models | {loaded.group(1).decode(errors="replace")}
+                    elif instance:
+                        self.instances = self.instances | {instance.group(1).decode(errors="replace")}
                     elif b"failed to load '" in line:
                         self.load_failed = True
                     self._log_file.write(line)

@@ -140,11 +140,14 @@ class Supervisor:
                 return f"tritonserver exited unexpectedly (exit code {server.process.returncode})", ""
             stubs = server.stub_pids()
             loaded = server.loaded_models  # read after the stubs: a model loads before its stub can go
-            for pid, instance in known.items():
-                if pid in stubs or model_of(instance) not in loaded or not server.is_running():
-                    continue  # alive, a load that failed (tritonserver fails the start), or the server's own death
+            gone = [(f"{instance} (pid {pid})", instance) for pid, instance in known.items() if pid not in stubs]
+            # A stub that came and went between two looks is known by its instance's log line.
+            gone += [(instance, instance) for instance in server.instances - {*stubs.values(), *known.values()}]
+            for name, instance in gone:
+                if model_of(instance) not in loaded or not server.is_running():
+                    continue  # a load that failed (tritonserver fails the start), or the server's own death
                 if ready or not self._load_failed(server):
-                    return f"the Python stub of {instance} (pid {pid}) died", instance
+                    return f"the Python stub of {name} died", instance
             known = stubs
         return None
 

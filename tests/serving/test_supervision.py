@@ -296,8 +296,8 @@ def test_a_stub_killed_while_another_model_loads_is_noticed(tmp_path, request):
 
 
 class FakeServer:
-    """Follows a script, one step per look at its stubs: whether it is ready, its live stubs, the models its log
-    says loaded, whether a load failed or it exited. `metrics`: what its /metrics says, one text per scrape."""
+    """Follows a script, one step per look at its stubs: whether it is ready, its live stubs, the models and
+    instances its log says loaded and started, whether a load failed or it exited. `metrics`: what its /metrics says, one text per scrape."""
 
     def __init__(self, steps: list[dict], stop: threading.Event, metrics_url: str = "http://127.0.0.1:1/metrics"):
         self.steps, self.stop_event, self.looks = steps, stop, 0
@@ -308,6 +308,7 @@ class FakeServer:
     step = property(lambda self: self.steps[min(self.looks, len(self.steps) - 1)])
     loaded_models = property(lambda self: frozenset(self.step.get("loaded", ())))
     load_failed = property(lambda self: self.step.get("failed", False))
+    instances = property(lambda self: frozenset(self.step.get("instances", ())))
 
     def start(self, timeout_s: float, wait: bool) -> "FakeServer":
         assert not wait, "the supervisor watches the stubs while the server loads"
@@ -373,6 +374,14 @@ def test_a_stub_killed_while_another_model_loads_restarts_the_server(no_backoff,
                                        [READY])
     assert log == ["launcher: the Python stub of echo_0_0 (pid 10) died; restarting tritonserver (restart 1)"]
     assert made[0].signals == 0, "nothing to drain before the ports open"
+    assert ready == [made[1]] and code == 0
+
+
+def test_a_stub_that_came_and_went_between_two_looks_is_known_by_its_log_line(no_backoff):
+    instances = {"instances": {"echo_0_0", "slow_0_0"}}
+    code, log, made, ready = supervise([{"stubs": {11: "slow_0_0"}, **instances},
+                                        {"stubs": {11: "slow_0_0"}, "loaded": {"echo"}, **instances}], [READY])
+    assert log == ["launcher: the Python stub of echo_0_0 died; restarting tritonserver (restart 1)"]
     assert ready == [made[1]] and code == 0
 
 
