@@ -25,12 +25,13 @@ Environment: TRITON_ADDRESS (127.0.0.1; 0.0.0.0: the gRPC, metrics and front doo
 interface), TRITON_HTTP_ADDRESS (tritonserver's HTTP port, which one request can crash: 127.0.0.1 whatever
 TRITON_ADDRESS says), HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), GRPC_MAX_MESSAGE_BYTES (the
 gate's limit on a gRPC message, 16 MiB; 0: no gate, tritonserver's gRPC port is the public one; with the
-gate tritonserver's own listens on 127.0.0.1, on a free port), OPENAI_PORT (9000; 0: no front door),
+gate tritonserver's own listens on 127.0.0.1, on a free port), GRPC_MAX_UNSENT_BYTES (the gate's bound on
+what one stream holds for a client that reads slowly, 8 MiB), OPENAI_PORT (9000; 0: no front door),
 OPENAI_API_KEY (a bearer key the front door asks for), OPENAI_PRIORITY_KEYS (front door bearer keys that
 may ask for priority up to a level: `key=1,key2=2`), DIFFUSION_PRIORITY_KEY (the request parameter
 `priority_key` a request needs to ask for a priority more urgent than the model's default; default: a
 random one per launch; the models and the front door get it in their environment), MODEL_REPOSITORY
-(<repo>/model_repository), EXIT_TIMEOUT_SECS (30), TRITON_ADMIN_KEY (the repository API's
+(<repo>/model_repository), EXIT_TIMEOUT_SECS (30: the models' unload; the gate's drain 5 s less), TRITON_ADMIN_KEY (the repository API's
 key; default: a random one per launch), TRITONSERVER (a tritonserver binary to use instead
 of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images),
 MODELS (the models loaded at start: names of the repository's models separated by commas,
