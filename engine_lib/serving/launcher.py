@@ -31,10 +31,10 @@ OPENAI_API_KEY (a bearer key the front door asks for), OPENAI_PRIORITY_KEYS (fro
 may ask for priority up to a level: `key=1,key2=2`), DIFFUSION_PRIORITY_KEY (the request parameter
 `priority_key` a request needs to ask for a priority more urgent than the model's default; default: a
 random one per launch; the models and the front door get it in their environment), MODEL_REPOSITORY
-(<repo>/model_repository), EXIT_TIMEOUT_SECS (30: the models' unload; the gate's drain 5 s less), TRITON_ADMIN_KEY (the repository API's
-key; default: a random one per launch), TRITONSERVER (a tritonserver binary to use instead
-of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver in NGC images),
-MODELS (the models loaded at start: names of the repository's models separated by commas,
+(<repo>/model_repository), EXIT_TIMEOUT_SECS (30: the models' unload; the gate's drain 5 s less),
+TRITON_ADMIN_KEY (the repository API's key; default: a random one per launch), TRITONSERVER (a
+tritonserver binary to use instead of the nvidia-pytriton wheel's, e.g. /opt/tritonserver/bin/tritonserver
+in NGC images), MODELS (the models loaded at start: names of the repository's models separated by commas,
 or `all`; default qwen_image; `--load-model` takes precedence).
 """
 
