@@ -150,7 +150,11 @@ class GateStream:
         self._changed.set()
 
     def receive(self, raw: bytes) -> None:
-        response = service_pb2.ModelStreamInferResponse.FromString(raw)
+        try:
+            response = service_pb2.ModelStreamInferResponse.FromString(raw)
+        except DecodeError:
+            self._queue(raw)  # not ours to judge: passed on, never dropped
+            return
         parameters = response.infer_response.parameters
         final = parameters["triton_final_response"].bool_param if "triton_final_response" in parameters else True
         if final:

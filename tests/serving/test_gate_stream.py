@@ -55,6 +55,8 @@ def test_a_slow_readers_intermediate_responses_are_dropped_over_the_bound_and_fi
     asyncio.run(_forward(once, "c"))
     once.receive(service_pb2.ModelStreamInferResponse(infer_response={"id": "c"}).SerializeToString())
     assert once.open == {} and len(once.queue) == 1
+    once.receive(b"\xff not a response")  # passed on as it came
+    assert once.queue[-1] == b"\xff not a response"
 
 
 def test_a_stop_ends_idle_streams_at_once_and_open_requests_with_one_final_each():
