@@ -3,22 +3,23 @@
 Why a restart for a dead stub: tritonserver 2.51 keeps the requests a killed stub held
 open forever (no response, no error), keeps reporting the model ready, and a repository
 reload starts a new stub but leaves those requests, and the old stub's shared memory,
-behind (measured). Ending the server is the one thing that ends them: gRPC clients get
+behind (measured, and re-checked: docs/serving.md, Supervision). Ending the server is the one thing that ends them: gRPC clients get
 UNAVAILABLE ("Socket closed") at once, HTTP clients a closed connection.
 
 The stubs are watched from the server's start, not from its readiness: tritonserver opens its
 ports only once every model has loaded, and a stub killed before then (its model loaded, another
 still loading) leaves a model that says ready and never answers. A stub that goes (a zombie or
 reaped: tritonserver reaps some killed stubs itself) is dead once its model has loaded, as the
-server's log says; a stub of a model still loading that goes is a failed load, which tritonserver
+server's log says (launcher.TritonServer._copy_log; its instance start lines also name the stubs
+a look may have missed); a stub of a model still loading that goes is a failed load, which tritonserver
 turns into a failed start (exit 1), as is any stub that goes once a load has failed.
 
 On a death the supervisor logs one line, SIGTERMs what is left of the server (its HTTP
 port stops answering at once, so readiness is never reported while requests fail),
 gives the other models' running requests up to `stub_drain_s` (the drain ends as soon as
 their gauges show none: `in_flight`), kills the rest, removes the server's /dev/shm
-regions, and starts a new server after a backoff (0, 1, 2, 4, ... 30 s; back to 0 after a
-minute of health). Each start gets the number of restarts so far in
+regions, and starts a new server at once (while servers keep dying within a minute of their
+readiness, after a backoff of 0, 1, 2, 4, ... 30 s). Each start gets the number of restarts so far in
 DIFFUSION_SERVER_RESTARTS, which the models export as the gauge diffusion_server_restarts.
 """
 
@@ -66,7 +67,7 @@ class Supervisor:
     """Runs servers made by `make_server(restarts)` (launcher.TritonServer objects; not imported:
     the launcher imports this module) until `stop` is set.
 
-    `on_ready(server)` runs after each successful start (the launcher prints its
+    `on_ready(server)` runs once each server is ready (the launcher prints its
     addresses). `run()` returns the exit code: 0 when stopped on request and every
     model unloaded cleanly, 1 otherwise (including a first start that fails, which is
     a configuration error, not a crash, and is not retried).
