@@ -361,20 +361,21 @@ class TritonServer:
         """Copy the server's output (its stubs' too) to the log, noting the instances it starts and the models it
         says loaded or failed to load: the supervisor must know which models loaded before the ports open (only
         once every one has)."""
-        try:
-            with self.process.stdout as output:
-                for line in output:
-                    loaded, instance = LOADED_LINE.search(line), INSTANCE_LINE.search(line)
-                    if loaded:
-                        self.loaded_models = self.loaded_models | {loaded.group(1).decode(errors="replace")}
-                    elif instance:
-                        self.instances = self.instances | {instance.group(1).decode(errors="replace")}
-                    elif b"failed to load '" in line:
-                        self.load_failed = True
+        with self.process.stdout as output:
+            for line in output:
+                loaded, instance = LOADED_LINE.search(line), INSTANCE_LINE.search(line)
+                if loaded:
+                    self.loaded_models = self.loaded_models | {loaded.group(1).decode(errors="replace")}
+                elif instance:
+                    self.instances = self.instances | {instance.group(1).decode(errors="replace")}
+                elif b"failed to load '" in line:
+                    self.load_failed = True
+                try:
                     self._log_file.write(line)
                     self._log_file.flush()
-        except (OSError, ValueError):
-            pass  # the log was closed under us (stop() gave up waiting for the copy)
+                except (OSError, ValueError, AttributeError):
+                    pass  # no log to write to (a closed console, or stop() gave up waiting): read on all the same,
+                    # or the server would block on a full pipe
 
     def is_ready(self) -> bool:
         """Every model loaded, and the metrics port answering (it starts a little after the HTTP
