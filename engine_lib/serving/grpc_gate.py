@@ -75,7 +75,10 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),  # within 20 s is gone: its calls are cancelled upstream too
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a silent minutes-long denoise
 ]
-_UPSTREAM_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+# After a restart of tritonserver the gate reconnects within a second of its port opening (grpc's default
+# backoff grows to 120 s between attempts: requests failed for up to 7.7 s after the server was ready).
+_UPSTREAM_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                     ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def max_message_bytes(environ=os.environ) -> int:

@@ -84,10 +84,10 @@ class RequestStream:
     def __init__(self, url: str):
         self.client = grpcclient.InferenceServerClient(url)
         self._queue: "queue.Queue[tuple]" = queue.Queue()
-        self.client.start_stream(callback=self._on_response)
         self.result = StreamResult()
         self.request_id = ""
         self.final_at: Optional[float] = None  # monotonic time the final response (or error) arrived
+        self.client.start_stream(callback=self._on_response)  # last: a callback may come at once
 
     def _on_response(self, result, error) -> None:
         if self.final_at is None and (error is not None or is_final_response(result)):
