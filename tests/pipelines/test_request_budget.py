@@ -19,6 +19,7 @@ from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 def modelless(cls, **pipe):
     instance = object.__new__(cls)
     instance.pipe = SimpleNamespace(**pipe)
+    instance.device = "cpu"
     return instance
 
 
