@@ -899,11 +899,13 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         if max_message and not start_once("the gRPC gate", lambda: GrpcGate(
                 server.grpc_url, address, grpc_port, max_message, log_path=args.log_file, drain_s=gate_drain_s)):
             return
+        grpc_url = children["the gRPC gate"].url if max_message else server.grpc_url
+        # The front door's requests go through the gate too: at the stop they get the gate's drain and its
+        # UNAVAILABLE final like any client's, instead of holding the models' unload past its timeout.
         front_env = {**os.environ, "TRITON_ADMIN_KEY": admin_key, PRIORITY_KEY_ENV: priority_key}
         if openai_port and not start_once("the front door", lambda: OpenAIFrontDoor(
-                server.grpc_url, host=address, port=openai_port, log_path=args.log_file, env=front_env)):
+                grpc_url, host=address, port=openai_port, log_path=args.log_file, env=front_env)):
             return
-        grpc_url = children["the gRPC gate"].url if max_message else server.grpc_url
         front = f", front door {children['the front door'].url}" if openai_port else ""
         print(f"launcher: ready in {time.monotonic() - began[0]:.1f} s (grpc {grpc_url}, http {server.http_url}"
               f"{front}); Ctrl-C stops", flush=True)

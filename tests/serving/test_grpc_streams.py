@@ -10,6 +10,7 @@ exit timeout; the last test stops it with SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import re
 import signal
@@ -25,7 +26,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S
 
 from .conftest import model_path
-from .launched import MODEL, command_lines, serving
+from .launched import MODEL, command_lines, raw_post, serving
 from .streaming import RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape, wait_for_metric
 
 MAX_UNSENT = 256 * 1024  # GRPC_MAX_UNSENT_BYTES of this launcher's gate
@@ -169,8 +170,13 @@ def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(l
 
     launcher.budget.hold()
     busy = RequestStream(launcher.grpc_url).send("busy", prompt="held", num_inference_steps=50, height=32, width=32)
+    front: dict = {}  # a front door request, held too: it reaches tritonserver through the gate
+    body = json.dumps({"prompt": "held", "num_inference_steps": 50, "height": 32, "width": 32}).encode()
+    front_door = threading.Thread(target=lambda: front.update(reply=raw_post(
+        launcher.front, f"/v2/models/{MODEL}/generate", body, timeout=EXIT_TIMEOUT_S + 30)))
+    front_door.start()
     try:
-        assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 1.0, model=MODEL) == 1.0
+        assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 2.0, model=MODEL) == 2.0
         reader = threading.Thread(target=read_idle)
         reader.start()
         start = time.monotonic()
@@ -179,6 +185,7 @@ def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(l
         code = launcher.process.wait(timeout=EXIT_TIMEOUT_S + 30)
         took = time.monotonic() - start
         reader.join(10)
+        front_door.join(10)
     finally:
         outgoing.put(None)
         busy.close()
@@ -191,8 +198,10 @@ def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(l
     assert result.num_final == 1 and not result.responses, (result.responses, result.errors)
     assert "UNAVAILABLE: [request id: busy] server shutting down" in str(result.error)
     assert busy.final_at - start >= DRAIN_S - 1.0  # it had the drain to finish
+    status, reply = front["reply"]
+    assert status == 503 and b"server shutting down" in reply, (status, reply)
     assert took < EXIT_TIMEOUT_S + 10.0
     triton_log = launcher.triton_log.read_text(errors="replace")
     assert f"successfully unloaded '{MODEL}'" in triton_log and f"{MODEL}: stopped" in triton_log
     assert "Exiting immediately" not in triton_log
-    assert f"grpc gate: 1 requests still running after the {DRAIN_S:g} s drain ended with UNAVAILABLE" in triton_log
+    assert f"grpc gate: 2 requests still running after the {DRAIN_S:g} s drain ended with UNAVAILABLE" in triton_log

@@ -151,7 +151,7 @@ class _Child:
     def __init__(self, *args, **kwargs):
         self.args, self.kwargs = args, kwargs
         self.process = SimpleNamespace(poll=lambda: None, returncode=None)
-        self.url = "child"
+        self.url = f"child-{len(_Child.made)}"
         _Child.made.append(self)
 
     def start(self):
@@ -206,7 +206,7 @@ def test_tritonserver_http_stays_on_loopback_when_every_other_port_listens_every
     assert flags["grpc-address"] == "127.0.0.1" and flags["grpc-port"] != "8001"
     gate = children["Gate"]
     assert gate.args == (f"127.0.0.1:{flags['grpc-port']}", "0.0.0.0", 8001, DEFAULT_MAX_MESSAGE_BYTES)
-    assert children["FrontDoor"].args == (f"127.0.0.1:{flags['grpc-port']}",)  # straight to tritonserver
+    assert children["FrontDoor"].args == (gate.url,)  # through the gate, which drains it at the stop
 
     server, _ = _serve(monkeypatch, {"TRITON_ADDRESS": "0.0.0.0", "TRITON_HTTP_ADDRESS": "0.0.0.0"})
     assert _flags(server.command(Path("/backends")))["http-address"] == "0.0.0.0"  # the operator's opt-in
