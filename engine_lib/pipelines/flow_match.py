@@ -75,6 +75,7 @@ class FlowMatchState(RequestState):
     text: dict = field(default_factory=dict)  # "cond" (and "uncond" with CFG) -> TextParts
     sigma_steps: Optional[torch.Tensor] = None  # dt of each Euler step: sigmas[i + 1] - sigmas[i]
     guidance: Optional[torch.Tensor] = None  # [1] float32 embedded guidance (guidance-distilled models only)
+    step_cache: dict = field(default_factory=dict)  # CFG branch -> its cached residuals (step_cache.BranchCache)
 
     @property
     def num_rows(self) -> int:
@@ -289,9 +290,10 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def _denoise(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
                  states: list[FlowMatchState], do_cfg: bool) -> torch.Tensor:
+        # "branches": the CFG branch of each half of the forward's rows (a step cache keeps one state per branch)
         if not do_cfg:
             with self._cache_context("cond"):
-                return self._transformer(latents, timestep, text["cond"], rows, states)
+                return self._transformer(latents, timestep, text["cond"], {**rows, "branches": ("cond",)}, states)
 
         scales = {self.cfg_scale(s.params) for s in states}
         assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
@@ -299,13 +301,14 @@ class FlowMatchAdapter(DiffusersAdapter):
             first, second = self.cfg_order
             with self._cache_context(first):
                 both = self._transformer(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                                         text["cfg"], _repeat_rows(rows), states)
+                                         text["cfg"], {**_repeat_rows(rows), "branches": self.cfg_order}, states)
             pred = dict(zip(self.cfg_order, both.chunk(2)))
         else:
             pred = {}
             for side in ("cond", "uncond"):
                 with self._cache_context(side):
-                    pred[side] = self._transformer(latents, timestep, text[side], rows, states)
+                    pred[side] = self._transformer(latents, timestep, text[side], {**rows, "branches": (side,)},
+                                                   states)
         return self._combine_cfg(pred["cond"], pred["uncond"], scales.pop())
 
     @torch.inference_mode()

@@ -23,7 +23,9 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
+from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
+from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -51,6 +53,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(TRUE_CFG_SCALE, default=4.0),  # QwenImagePipeline.__call__'s default
         replace(GUIDANCE_SCALE, doc="embedded guidance of guidance-distilled checkpoints (required there)"),
+        *CACHE_INPUTS,
     )
     state_class = QwenImageState
     pads_text = True
@@ -102,7 +105,19 @@ class QwenImageAdapter(FlowMatchAdapter):
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
+        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
+        tokens = None if packing is None else [shape[0] * shape[1] * shape[2] for shape in
+                                               (s.img_shape for s in states)]
+        groups = row_groups(states, rows["branches"], tokens)
+        if groups is not None and packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                             text["embeds"], text["mask"], packing, groups)
+        if groups is not None:
+            return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                  text["embeds"], text["mask"], rows["img_shapes"], groups)
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["embeds"],

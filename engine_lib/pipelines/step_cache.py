@@ -1,0 +1,137 @@
+"""A per-request first-block cache inside a shared step batch (diffusers' `FirstBlockCache`, decided per row group).
+
+diffusers' hook (diffusers/hooks/first_block_cache.py) keeps one state per cache context (Qwen-Image's
+pipeline runs "cond" and "uncond" as two transformer calls) and decides for the whole forward: after the
+first block, the mean absolute change of its residual (output minus input of the image stream) relative to
+the residual of the last step that ran every block, `mean|r - r_prev| / mean|r_prev|`; at or below the
+threshold the other blocks are skipped and the last block's output is taken as the first block's output
+plus the residual the other blocks added at that last full step.
+
+Here the same math runs per row group: one request x one CFG branch (its `num_images` rows, as diffusers'
+decision spans its batch). The groups of a step batch decide independently from their own residuals, so
+requests with the cache on and off, and different thresholds, share a forward; only the groups that compute
+run the blocks after the first. The cached residuals are the request's: `FlowMatchState.step_cache`, one
+`BranchCache` per branch, moved with the state when it pauses and freed with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine_lib.host_copy import to_device
+from engine_lib.interface import InputSpec
+
+CACHE_MODES = ("none", "first_block")
+CACHE = InputSpec("cache", "BYTES", "step cache: none, or first_block (a step whose first transformer block "
+                  "changed little reuses the other blocks' last residual)", default="none", choices=CACHE_MODES,
+                  high=16, batch="row")
+CACHE_THRESHOLD = InputSpec("cache_threshold", "FP32", "first_block: the relative change of the first block's "
+                            "residual at or below which a step reuses the cache (higher: faster, less faithful)",
+                            default=0.05, low=0, high=1, batch="row")  # FirstBlockCacheConfig's default
+CACHE_INPUTS = (CACHE, CACHE_THRESHOLD)
+
+
+@dataclass
+class BranchCache:
+    """One CFG branch of one request, as diffusers' `FBCSharedBlockState` holds it for one cache context."""
+
+    head_residual: Optional[torch.Tensor] = None  # the first block's residual at the last step that computed
+    tail_residual: Optional[torch.Tensor] = None  # the last block's output minus the first's, at that step
+
+
+@dataclass
+class RowGroup:
+    """Rows [rows] of a forward: one request's rows of one CFG branch."""
+
+    rows: slice
+    threshold: Optional[float]  # None: this request does not cache (it always computes)
+    cache: Optional[BranchCache]
+    tokens: Optional[int] = None  # its own image tokens, where the forward pads rows to a longer one (mixed sizes)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """This group's rows of a per-row tensor [R, S, ...], without padding."""
+        x = x[self.rows]
+        return x if self.tokens is None else x[:, :self.tokens]
+
+
+def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[int]] = None) -> Optional[list[RowGroup]]:
+    """The groups of a forward whose rows are `branches` halves (cond, or cond and uncond), each half every
+    state's rows in batch order (`tokens`: each state's own image tokens, in a padded forward); None when no state
+    caches (the forward runs as diffusers' own)."""
+    if not any(s.params.get("cache", "none") == "first_block" for s in states):
+        return None
+    groups, start = [], 0
+    for branch in branches:
+        for i, state in enumerate(states):
+            rows = slice(start, start + state.num_rows)
+            start += state.num_rows
+            if state.params.get("cache", "none") == "first_block":
+                groups.append(RowGroup(rows, float(state.params.cache_threshold),
+                                       state.step_cache.setdefault(branch, BranchCache()), tokens and tokens[i]))
+            else:
+                groups.append(RowGroup(rows, None, None, tokens and tokens[i]))
+    return groups
+
+
+def should_compute(groups: list[RowGroup], head_residual: torch.Tensor) -> list[bool]:
+    """diffusers' `_should_compute_remaining_blocks` for each group, from its own rows of `head_residual`: a
+    group without a previous residual (its first step) or without caching computes. One host read per tick
+    for all the groups that compare."""
+    compared = [g for g in groups if g.threshold is not None and g.cache.head_residual is not None]
+    diffs = {}
+    if compared:
+        values = []
+        for g in compared:
+            prev = g.cache.head_residual
+            absmean = (g.own(head_residual) - prev).abs().mean()
+            values.append(absmean / prev.abs().mean())
+        diffs = dict(zip(map(id, compared), torch.stack(values).tolist()))
+    return [id(g) not in diffs or diffs[id(g)] > g.threshold for g in groups]
+
+
+def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest) -> torch.Tensor:
+    """The image stream after every block. `head(img)` runs the first block over every row and returns its image
+    output; `rest(img, rows, index)` runs the other blocks over the rows `rows` (host ints; `index` the same on the
+    device; both None: every row), `img` being those rows of the first block's output, and returns their image
+    output.
+
+    Without groups every row runs every block. With them, each group that computes keeps its first block's
+    residual and the residual the other blocks added (diffusers' head and tail residuals); each group that does
+    not leaves after the first block, with its last tail residual added (`tail + head output`, diffusers' order).
+    """
+    head_in = img
+    img = head(img)
+    if groups is None:
+        return rest(img, None, None)
+    head_residual = img - head_in
+    compute = should_compute(groups, head_residual)
+    rows = [r for g, c in zip(groups, compute) if c for r in range(g.rows.start, g.rows.stop)]
+    if len(rows) == img.shape[0]:
+        out, computed = rest(img, None, None), img
+    elif rows:
+        index = to_device(rows, img.device)
+        computed = img.index_select(0, index)
+        out = rest(computed, rows, index)
+    own = len(groups) > 1  # a group's residuals are copies, so a request's cache holds no other request's rows
+    pieces, taken = [], 0
+    for group, computes in zip(groups, compute):
+        n = group.rows.stop - group.rows.start
+        if computes:
+            piece = out[taken:taken + n]
+            if group.cache is not None:
+                head_rows = group.own(head_residual)
+                tail = piece - computed[taken:taken + n]
+                tail = tail if group.tokens is None else tail[:, :group.tokens]
+                group.cache.head_residual = head_rows.clone() if own else head_rows
+                group.cache.tail_residual = tail
+            taken += n
+        else:
+            tail = group.cache.tail_residual
+            piece = F.pad(tail, (0, 0, 0, img.shape[1] - tail.shape[1])) if tail.shape[1] != img.shape[1] else tail
+            piece = piece + img[group.rows]
+        pieces.append(piece)
+    return out if len(rows) == img.shape[0] else torch.cat(pieces)

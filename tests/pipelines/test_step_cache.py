@@ -1,0 +1,155 @@
+"""The first-block cache (engine_lib/pipelines/step_cache.py) on the tiny Qwen-Image (CPU, float32).
+
+A solo request with `cache=first_block` is bitwise what diffusers' own hook gives (`enable_cache(
+FirstBlockCacheConfig(threshold))`, one cache state per CFG branch); in a shared step batch each request and
+CFG branch decides alone, and the rows that reuse never enter the blocks after the first (counted by a hook
+on the last block's text MLP, which sees every row the block runs). The state is the request's: it survives
+a pause beside other cached requests, moves with the state and goes with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from engine_lib.pipelines.base import move_tensors
+from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+from engine_lib.request import DiffusionRequest, InvalidInputError
+from engine_lib.runner import ModelRunner
+from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, solo_steps, with_cfg_batching
+
+STEPS = 6
+# Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
+# the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.
+BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64}
+
+
+@pytest.fixture(scope="module")
+def adapter() -> QwenImageAdapter:
+    return load_tiny_adapter("qwen_image", QwenImageAdapter)
+
+
+@pytest.fixture
+def tail_rows(adapter):
+    """Rows entering the last block, per call: its text MLP sees one row per row the block runs (packed image
+    streams too), and is not called for a forward diffusers' hook skips."""
+    calls = []
+    mlp = adapter.pipe.transformer.transformer_blocks[-1].txt_mlp
+    handle = mlp.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
+    yield calls
+    handle.remove()
+
+
+def cached(threshold: float, seed: int = 3, **extra) -> dict:
+    return {**BASE, "seed": seed, "cache": "first_block", "cache_threshold": threshold, **extra}
+
+
+def test_inputs_are_declared_per_row_and_checked(adapter):
+    p = parse(adapter, {"prompt": "x"})
+    assert (p.cache, p.cache_threshold) == ("none", 0.05)
+    assert adapter.step_key(parse(adapter, cached(0.5))) == adapter.step_key(parse(adapter, {**BASE, "seed": 3}))
+    for name, value in (("cache", "fast"), ("cache_threshold", -1.0), ("cache_threshold", float("nan"))):
+        with pytest.raises(InvalidInputError) as info:
+            parse(adapter, {"prompt": "x", name: value})
+        assert info.value.input_name == name
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no_cfg", "true_cfg"])
+def test_a_solo_request_is_bitwise_diffusers_first_block_cache(adapter, tail_rows, cfg):
+    """Both paths decide alike and give the same image; with true CFG each branch has its own state
+    (diffusers' cache contexts "cond" and "uncond": two forwards, so cfg_batching off)."""
+    inputs = cached(0.5, **(dict(negative_prompt="bad quality", true_cfg_scale=4.0) if cfg else {}))
+    ours = solo_steps(with_cfg_batching(adapter, not cfg), inputs, float_output=True)
+    ours_rows = list(tail_rows)
+    p = parse(adapter, inputs)
+    tail_rows.clear()
+    adapter.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=p.cache_threshold))
+    try:
+        reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
+    finally:
+        adapter.pipe.transformer.disable_cache()
+    branches = 2 if cfg else 1
+    skipped = STEPS * branches - len(tail_rows)
+    print(f"first_block 0.5, {STEPS} steps x {branches} branches: diffusers' hook reused {skipped}")
+    assert skipped >= 1 and ours_rows == tail_rows
+    assert np.array_equal(ours, reference)
+
+
+def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(adapter, tail_rows):
+    """Four requests (cache off, first_block at 0.3 and 0.5) joining at ticks 0-2 share every forward; each
+    image is within one uint8 level of its solo run, and the last block sees exactly the rows whose own
+    request computed there solo (the same decisions, made per row)."""
+    requests = {"off": {**BASE, "seed": 1}, "a": cached(0.3, seed=2), "b": cached(0.5, seed=3),
+                "c": cached(0.5, seed=4)}
+    solo_rows, solo = {}, {}
+    for rid, inputs in requests.items():
+        tail_rows.clear()
+        solo[rid] = solo_steps(adapter, inputs)
+        solo_rows[rid] = len(tail_rows)
+    tail_rows.clear()
+    result = drive_steps(adapter, [Arrival(t, rid, requests[rid]) for t, rid in
+                                   ((0, "off"), (0, "a"), (1, "b"), (2, "c"))], capacity=4)
+    assert max(result.forward_sizes) == 4
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    print(f"rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
+    assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
+    assert sum(tail_rows) == sum(solo_rows.values())
+
+
+def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_cache(adapter):
+    """Paused after two steps while another cached request runs to its end, then resumed: the same image as
+    its uninterrupted run. Its cache moves with its state (every tensor, and back), and freeing the state
+    (an abort) releases the cached residuals."""
+    inputs = parse(adapter, cached(0.5, seed=5))
+    expected = solo_steps(adapter, inputs)
+    runner = ModelRunner(adapter)
+    paused, other = DiffusionRequest("p", inputs, num_steps=STEPS), DiffusionRequest("o", parse(
+        adapter, cached(0.5, seed=6, num_inference_steps=3)), num_steps=3)
+    runner.execute_step([paused], [])
+    runner.execute_step([], [paused])
+    runner.pause(["p"])
+    cache = runner.states["p"].step_cache["cond"]
+    assert cache.head_residual is not None and cache.tail_residual is not None
+    moved = move_tensors(copy.deepcopy(runner.states["p"]), torch.device("meta"))  # a GPU pause: to the host
+    assert moved.step_cache["cond"].head_residual.device.type == "meta"
+    assert moved.step_cache["cond"].tail_residual.device.type == "meta"
+    runner.execute_step([other], [])
+    while "o" in runner.states:
+        runner.execute_step([], [other])
+    out = None
+    while out is None:
+        out = runner.execute_step([], [paused]).outputs.get("p")
+    assert np.array_equal(out["image"], expected)
+
+    runner.execute_step([DiffusionRequest("x", inputs, num_steps=STEPS)], [])
+    residual = weakref.ref(runner.states["x"].step_cache["cond"].head_residual)
+    runner.free(["x"])  # what an abort does
+    gc.collect()
+    assert residual() is None and not runner.states
+
+
+def test_rows_of_different_sizes_decide_alone_in_a_packed_forward(adapter, tail_rows):
+    """With mixed_size_batching, cached rows of two sizes and an uncached one share packed forwards: each image
+    within one uint8 level of its solo run, and the last block sees only the rows that computed solo."""
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    requests = {"off": {**BASE, "seed": 1, "height": 32}, "a": cached(0.5, seed=2),
+                "b": cached(0.3, seed=3, height=32, width=48)}
+    solo_rows, solo = {}, {}
+    for rid, inputs in requests.items():
+        tail_rows.clear()
+        solo[rid] = solo_steps(mixed, inputs)
+        solo_rows[rid] = len(tail_rows)
+    tail_rows.clear()
+    result = drive_steps(mixed, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "off"), (0, "a"), (1, "b"))])
+    assert max(result.forward_sizes) == 3
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    print(f"packed: rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
+    assert sum(tail_rows) == sum(solo_rows.values()) < STEPS * len(requests)
