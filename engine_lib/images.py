@@ -1,0 +1,110 @@
+"""Input images: one encoded file from a request, decoded under explicit limits, as diffusers' `load_image` does.
+
+Every image input (image-to-image today) goes through `decode_image`, at admission, so a
+file that cannot become an RGB image is refused with an InvalidInputError naming the input
+before the request is queued, never a crash deep in a tick. What is accepted, and how:
+
+* PNG, JPEG and WebP only (other Pillow decoders are never reached), as the file's bytes or
+  as base64 text of them (Triton's HTTP JSON carries BYTES as text);
+* at most MAX_IMAGE_BYTES of file (8 MiB: its base64 text, 10.7 MiB, still fits the gRPC
+  gate's 16 MiB message) and MAX_IMAGE_PIXELS pixels (4096 x 4096), checked on the size
+  the header declares, before any pixel is decoded (a decompression bomb costs nothing);
+* animated files (APNG, animated WebP): the first frame, as `load_image` takes it;
+* EXIF orientation applied (`ImageOps.exif_transpose`), then `convert("RGB")`, as
+  `load_image` does: alpha (LA, RGBA, palette transparency) is dropped, CMYK and palette
+  images convert;
+* refused: 16-bit and float pixels (Pillow's convert to RGB clips them to near white),
+  truncated or corrupt files, empty or unknown data.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from typing import Any
+
+from engine_lib.request import InvalidInputError
+
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+MAX_IMAGE_PIXELS = 4096 * 4096
+FORMATS = ("PNG", "JPEG", "WEBP")
+# File signatures of the accepted formats: anything else is read as base64 text.
+_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")
+# Modes `convert("RGB")` would clip or misread instead of converting.
+_REFUSED_MODES = ("I", "F")
+
+
+class InputImage:
+    """A decoded input image (an RGB PIL image) that compares and hashes by its file's digest, so
+    request params holding it stay hashable and equal files give equal params."""
+
+    __slots__ = ("image", "digest")
+
+    def __init__(self, image: Any, digest: str):
+        self.image = image
+        self.digest = digest
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height), as PIL says it."""
+        return self.image.size
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InputImage) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"InputImage({self.size[0]}x{self.size[1]}, sha256 {self.digest[:12]})"
+
+
+def decode_image(data: Any, name: str = "image") -> InputImage:
+    """One encoded image (bytes, or base64 text of them) -> an RGB InputImage, or InvalidInputError naming `name`."""
+    from PIL import Image, ImageOps, UnidentifiedImageError  # noqa: PLC0415 (only image requests pay the import)
+
+    def fail(message: str) -> InvalidInputError:
+        return InvalidInputError(name, message)
+
+    if isinstance(data, str):
+        data = data.encode("utf-8", "replace")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise fail(f"must be an encoded image (bytes), got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:  # bounds the base64 decode below too
+        raise fail(f"{len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes of image file allowed")
+    if not data.startswith(_MAGIC):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise fail("is not a PNG, JPEG or WebP file (nor base64 text of one)") from None
+    if not data:
+        raise fail("is empty: send one PNG, JPEG or WebP file")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise fail(f"{len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes of image file allowed")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Pillow's own bomb warning and palette notes: our limits decide
+            image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise fail(f"{width}x{height} is {width * height} pixels; at most {MAX_IMAGE_PIXELS} allowed")
+            if width < 1 or height < 1:
+                raise fail(f"has no pixels ({width}x{height})")
+            if image.mode.split(";")[0] in _REFUSED_MODES:
+                raise fail(f"16-bit or float pixels (mode {image.mode}) are not supported: send an 8-bit image")
+            image.seek(0)  # an animation's first frame
+            image.load()
+            image = ImageOps.exif_transpose(image).convert("RGB")
+    except InvalidInputError:
+        raise
+    except Image.DecompressionBombError:  # Pillow's own check, at open, of sizes far past ours
+        raise fail(f"declares more than {MAX_IMAGE_PIXELS} pixels; at most {MAX_IMAGE_PIXELS} allowed") from None
+    except UnidentifiedImageError:
+        raise fail("is not a PNG, JPEG or WebP file") from None
+    except Exception as exc:  # noqa: BLE001 (whatever a hostile file makes a decoder raise refuses the file)
+        raise fail(f"cannot be decoded ({type(exc).__name__}: {exc})"[:200]) from None
+    return InputImage(image, hashlib.sha256(data).hexdigest())

@@ -1,0 +1,127 @@
+"""Input image decoding (engine_lib/images.py): what `load_image` accepts, decoded as it decodes it; hostile
+files refused with an InvalidInputError naming the input, quickly and without decoding their pixels."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from diffusers.utils import load_image
+from PIL import Image
+
+from engine_lib import images
+from engine_lib.images import decode_image
+from engine_lib.request import InvalidInputError
+
+RNG = np.random.default_rng(0)
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def rgb(width: int = 24, height: int = 16) -> Image.Image:
+    return Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def as_load_image(data: bytes) -> np.ndarray:
+    """What diffusers' load_image makes of the same file."""
+    return np.asarray(load_image(Image.open(io.BytesIO(data))))
+
+
+def refused(data, fragment: str = "") -> str:
+    with pytest.raises(InvalidInputError) as info:
+        decode_image(data, "image")
+    message = str(info.value)
+    assert message.startswith("input 'image': "), message
+    assert fragment in message, message
+    return message
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height and whose data is a few bytes: a decompression bomb."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: encode(rgb()),
+    lambda: encode(rgb(), "JPEG", quality=90),
+    lambda: encode(rgb(), "WEBP", lossless=True),
+    lambda: encode(rgb().convert("P", palette=Image.Palette.ADAPTIVE)),
+    lambda: encode(rgb().convert("RGBA")),
+    lambda: encode(rgb().convert("LA")),
+    lambda: encode(rgb().convert("CMYK"), "JPEG"),
+    lambda: encode(rgb().convert("L")),
+], ids=["png", "jpeg", "webp", "palette", "rgba", "la", "cmyk-jpeg", "gray"])
+def test_accepted_files_decode_as_load_image_does(make):
+    data = make()
+    decoded = decode_image(data)
+    assert decoded.image.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(decoded.image), as_load_image(data))
+    assert decode_image(base64.b64encode(data)) == decoded  # base64 text (HTTP JSON) is the same image
+
+
+def test_exif_rotation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 clockwise to display
+    data = encode(rgb(24, 16), "JPEG", exif=exif)
+    decoded = decode_image(data)
+    assert decoded.size == (16, 24)
+    np.testing.assert_array_equal(np.asarray(decoded.image), as_load_image(data))
+
+
+def test_an_animation_gives_its_first_frame_without_decoding_the_rest():
+    frames = [Image.new("RGB", (8, 8), (i % 256, 0, 0)) for i in range(500)]
+    data = encode(frames[0], "PNG", save_all=True, append_images=frames[1:])  # APNG, 500 frames
+    start = time.monotonic()
+    decoded = decode_image(data)
+    assert time.monotonic() - start < 1.0  # generous: the 499 other frames are never decoded
+    assert decoded.image.getpixel((0, 0)) == (0, 0, 0)
+
+
+def test_hostile_files_are_refused_by_name():
+    start = time.monotonic()
+    refused(png_header_only(100_000, 100_000), "at most 16777216 allowed")  # 10^10 pixels in 100 bytes
+    assert time.monotonic() - start < 1.0
+    refused(png_header_only(images.MAX_IMAGE_PIXELS // 1000 + 1, 1000), "pixels")
+    refused(encode(rgb(64, 64))[:200], "cannot be decoded")  # truncated
+    refused(bytes(RNG.integers(0, 256, 4096, dtype=np.uint8)), "not a PNG, JPEG or WebP")
+    refused(b"", "empty")
+    refused(np.bytes_(b""), "empty")
+    refused("a red cube", "not a PNG, JPEG or WebP")  # a text string
+    refused(12, "must be an encoded image")
+    frames = [Image.new("RGB", (8, 8), (i % 256, 0, 0)) for i in range(500)]
+    refused(encode(frames[0], "GIF", save_all=True, append_images=frames[1:]), "not a PNG, JPEG or WebP")
+    refused(encode(rgb(), "BMP"), "not a PNG, JPEG or WebP")
+    gray16 = Image.fromarray((RNG.integers(0, 65536, (8, 8))).astype(np.uint16))
+    refused(encode(gray16), "16-bit")
+    refused(b"\x89PNG\r\n\x1a\n" + b"\0" * images.MAX_IMAGE_BYTES, "bytes of image file allowed")
+
+
+def test_sixteen_bit_rgb_keeps_its_high_bytes():
+    """Pillow reads 48-bit RGB PNG as 8-bit RGB (the high byte), as load_image does."""
+    pixels = RNG.integers(0, 65536, (4, 4, 3)).astype(">u2")
+    rows = b"".join(b"\0" + row.tobytes() for row in pixels)
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    np.testing.assert_array_equal(np.asarray(decode_image(data).image), (pixels >> 8).astype(np.uint8))
+
+
+def test_equal_files_give_equal_hashable_values():
+    data = encode(rgb())
+    assert hash(decode_image(data)) == hash(decode_image(data))
+    assert decode_image(data) != decode_image(encode(rgb()))
+    assert "sha256" in repr(decode_image(data))
