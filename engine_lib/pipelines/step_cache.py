@@ -26,12 +26,14 @@ from engine_lib.host_copy import to_device
 from engine_lib.interface import InputSpec
 
 CACHE_MODES = ("none", "first_block")
-CACHE = InputSpec("cache", "BYTES", "step cache: none, or first_block (a step whose first transformer block "
-                  "changed little reuses the other blocks' last residual)", default="none", choices=CACHE_MODES,
-                  high=16, batch="row")
+DEFAULT_THRESHOLD = 0.05  # FirstBlockCacheConfig's default
+# No declared defaults, so a deployer's `default_cache` / `default_cache_threshold` parameters set them (interface.py).
+CACHE = InputSpec("cache", "BYTES", "step cache: none (absent: the model's default_cache, else none) or first_block "
+                  "(a step whose first transformer block changed little reuses the other blocks' last residual)",
+                  choices=CACHE_MODES, high=16, batch="row")
 CACHE_THRESHOLD = InputSpec("cache_threshold", "FP32", "first_block: the relative change of the first block's "
-                            "residual at or below which a step reuses the cache (higher: faster, less faithful)",
-                            default=0.05, low=0, high=1, batch="row")  # FirstBlockCacheConfig's default
+                            f"residual at or below which a step reuses the cache (absent: default_cache_threshold, "
+                            f"else {DEFAULT_THRESHOLD}; higher: faster, less faithful)", low=0, high=1, batch="row")
 CACHE_INPUTS = (CACHE, CACHE_THRESHOLD)
 
 
@@ -58,19 +60,28 @@ class RowGroup:
         return x if self.tokens is None else x[:, :self.tokens]
 
 
+def caches(params) -> bool:
+    return params.get("cache") == "first_block"
+
+
+def threshold(params) -> float:
+    value = params.get("cache_threshold")
+    return DEFAULT_THRESHOLD if value is None else float(value)
+
+
 def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[int]] = None) -> Optional[list[RowGroup]]:
     """The groups of a forward whose rows are `branches` halves (cond, or cond and uncond), each half every
     state's rows in batch order (`tokens`: each state's own image tokens, in a padded forward); None when no state
     caches (the forward runs as diffusers' own)."""
-    if not any(s.params.get("cache", "none") == "first_block" for s in states):
+    if not any(caches(s.params) for s in states):
         return None
     groups, start = [], 0
     for branch in branches:
         for i, state in enumerate(states):
             rows = slice(start, start + state.num_rows)
             start += state.num_rows
-            if state.params.get("cache", "none") == "first_block":
-                groups.append(RowGroup(rows, float(state.params.cache_threshold),
+            if caches(state.params):
+                groups.append(RowGroup(rows, threshold(state.params),
                                        state.step_cache.setdefault(branch, BranchCache()), tokens and tokens[i]))
             else:
                 groups.append(RowGroup(rows, None, None, tokens and tokens[i]))

@@ -18,11 +18,13 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
+from engine_lib.config import EngineConfig
 from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, solo_steps, with_cfg_batching
+from parity_checks import FLOAT_BOUND, Arrival, image_diff, drive_steps, load_tiny_adapter, parse, solo_steps, with_cfg_batching
 
 STEPS = 6
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
@@ -52,7 +54,10 @@ def cached(threshold: float, seed: int = 3, **extra) -> dict:
 
 def test_inputs_are_declared_per_row_and_checked(adapter):
     p = parse(adapter, {"prompt": "x"})
-    assert (p.cache, p.cache_threshold) == ("none", 0.05)
+    assert (p.cache, p.cache_threshold) == (None, None) and not caches(p) and threshold(p) == 0.05
+    deployed = adapter.input_schema(EngineConfig.from_parameters(
+        {"default_cache": "first_block", "default_cache_threshold": "0.2"})).parse({"prompt": "x"})
+    assert caches(deployed) and threshold(deployed) == pytest.approx(0.2)
     assert adapter.step_key(parse(adapter, cached(0.5))) == adapter.step_key(parse(adapter, {**BASE, "seed": 3}))
     for name, value in (("cache", "fast"), ("cache_threshold", -1.0), ("cache_threshold", float("nan"))):
         with pytest.raises(InvalidInputError) as info:
@@ -69,16 +74,21 @@ def test_a_solo_request_is_bitwise_diffusers_first_block_cache(adapter, tail_row
     ours_rows = list(tail_rows)
     p = parse(adapter, inputs)
     tail_rows.clear()
-    adapter.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=p.cache_threshold))
+    adapter.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold(p)))
     try:
         reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
     finally:
         adapter.pipe.transformer.disable_cache()
+    reference_rows = list(tail_rows)
     branches = 2 if cfg else 1
     skipped = STEPS * branches - len(tail_rows)
     print(f"first_block 0.5, {STEPS} steps x {branches} branches: diffusers' hook reused {skipped}")
     assert skipped >= 1 and ours_rows == tail_rows
     assert np.array_equal(ours, reference)
+    if cfg:  # cond and uncond as one forward of 2 rows (the default): the same decisions, each branch its own
+        tail_rows.clear()
+        assert image_diff(solo_steps(adapter, inputs, float_output=True), reference) <= FLOAT_BOUND
+        assert sum(tail_rows) == len(reference_rows)
 
 
 def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(adapter, tail_rows):
@@ -95,7 +105,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     tail_rows.clear()
     result = drive_steps(adapter, [Arrival(t, rid, requests[rid]) for t, rid in
                                    ((0, "off"), (0, "a"), (1, "b"), (2, "c"))], capacity=4)
-    assert max(result.forward_sizes) == 4
+    assert max(result.forward_sizes) == 4 and result.forward_sizes == result.batch_sizes  # none retried alone
     for rid, image in result.images.items():
         assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
     print(f"rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
@@ -148,8 +158,33 @@ def test_rows_of_different_sizes_decide_alone_in_a_packed_forward(adapter, tail_
         solo_rows[rid] = len(tail_rows)
     tail_rows.clear()
     result = drive_steps(mixed, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "off"), (0, "a"), (1, "b"))])
-    assert max(result.forward_sizes) == 3
+    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
     for rid, image in result.images.items():
         assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
     print(f"packed: rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
     assert sum(tail_rows) == sum(solo_rows.values()) < STEPS * len(requests)
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(adapter) -> QwenImageAdapter:
+    """The same pipe with the toy LoRAs and mixed_size_batching (one LoRA library per pipe)."""
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    loras = ensure_loras("qwen_image", ensure_model("qwen_image", "tiny"))
+    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
+                         {**adapter.options, "lora_dir": str(loras), "mixed_size_batching": True})
+
+
+@pytest.mark.parametrize("sizes", ["one_size", "mixed_sizes"])
+def test_rows_that_compute_alone_keep_their_own_lora(lora_adapter, tail_rows, sizes):
+    """The rows that run the later blocks on their own carry their own LoRA (toy_a, none, toy_b), one size or
+    packed: each image within one uint8 level of its solo run."""
+    requests = {"a": cached(0.5, seed=2, lora_name="toy_a"), "plain": cached(0.05, seed=3),
+                "b": cached(0.3, seed=4, lora_name="toy_b", **({"height": 32} if sizes != "one_size" else {}))}
+    solo = {rid: solo_steps(lora_adapter, inputs) for rid, inputs in requests.items()}
+    tail_rows.clear()
+    result = drive_steps(lora_adapter, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))])
+    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
+    assert sum(tail_rows) < STEPS * len(requests)
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
