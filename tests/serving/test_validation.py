@@ -39,6 +39,9 @@ BAD_INPUTS = [
     # Triton checks only how many inputs came, so this reaches the model (a request with none it refuses itself).
     ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
     ("true cfg huge", dict(VALID, true_cfg_scale=1e38), "true_cfg_scale"),
+    ("unknown cache", dict(VALID, cache="fast"), "cache"),
+    ("cache threshold negative", dict(VALID, cache="first_block", cache_threshold=-1.0), "cache_threshold"),
+    ("cache threshold NaN", dict(VALID, cache_threshold=float("nan")), "cache_threshold"),
 ]
 
 # Rejected by Triton itself (config.pbtxt types and shapes) before the model sees them:
@@ -74,6 +77,27 @@ def test_bad_inputs_are_rejected_while_a_valid_request_completes(server):
     assert not problems, "\n".join(problems)
     assert not done.errors and done.num_final == 1
     assert done.final.as_numpy("image").shape == (1, 32, 32, 3)
+
+
+def test_the_cache_inputs_reach_the_engine(server):
+    """A served request with cache=first_block is the image the engine makes for it in-process, which the cache
+    changed (it reused steps)."""
+    from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+    from tests.pipelines.parity_checks import load_tiny_adapter, solo_steps
+
+    inputs = dict(prompt="a cat", height=64, width=64, num_inference_steps=6, seed=3)
+    cached = dict(inputs, cache="first_block", cache_threshold=0.5)
+    stream = RequestStream(server.grpc_url).send("cached", **cached)
+    try:
+        result = stream.collect(timeout=120)
+    finally:
+        stream.close()
+    assert not result.errors and result.num_final == 1
+    adapter = load_tiny_adapter("qwen_image", QwenImageAdapter)
+    expected = solo_steps(adapter, cached)
+    assert not np.array_equal(expected, solo_steps(adapter, inputs))
+    served = result.final.as_numpy("image").astype(int)
+    assert np.abs(served - expected.astype(int)).max() <= 1
 
 
 @pytest.mark.parametrize("body, input_name", [
