@@ -140,6 +140,14 @@ def command_lines() -> dict[int, list[str]]:
     return found
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def http_status(url: str, headers: Optional[dict[str, str]] = None) -> int:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as reply:

@@ -16,7 +16,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,7 +25,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S
 
 from .conftest import model_path
-from .launched import MODEL, command_lines, raw_post, serving
+from .launched import MODEL, command_lines, raw_post, rss_bytes, serving
 from .streaming import RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape, wait_for_metric
 
 MAX_UNSENT = 256 * 1024  # GRPC_MAX_UNSENT_BYTES of this launcher's gate
@@ -58,13 +57,6 @@ def _pids(launcher) -> dict[str, int]:
     return found
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def _successes(launcher) -> float:
     return metric(scrape(launcher.metrics_url), "diffusion_requests_total", model=MODEL, outcome="success")
 
@@ -87,7 +79,7 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_gets_every_final(l
                             * requests)  # the same load, read: tritonserver's allocations for it are made
     assert all(result.num_final == 1 and not result.errors for result in warm)
     pids = _pids(launcher)
-    before = {name: _rss(pid) for name, pid in pids.items()}
+    before = {name: rss_bytes(pid) for name, pid in pids.items()}
     peak = dict(before)
     reading = threading.Event()
     received: "queue.Queue[tuple]" = queue.Queue()
@@ -110,10 +102,10 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_gets_every_final(l
         deadline = time.monotonic() + 180
         while _successes(launcher) < successes + requests:  # every response sent by the model, none read
             assert time.monotonic() < deadline, "the requests did not finish"
-            peak = {name: max(peak[name], _rss(pid)) for name, pid in pids.items()}
+            peak = {name: max(peak[name], rss_bytes(pid)) for name, pid in pids.items()}
             time.sleep(0.1)
         time.sleep(1.0)  # what tritonserver still holds reaches the gate, or stays where it is
-        peak = {name: max(peak[name], _rss(pid)) for name, pid in pids.items()}
+        peak = {name: max(peak[name], rss_bytes(pid)) for name, pid in pids.items()}
         reading.set()
         previews, finals = {f"slow-{i}": [] for i in range(requests)}, {f"slow-{i}": [] for i in range(requests)}
         while sum(map(len, finals.values())) < requests:

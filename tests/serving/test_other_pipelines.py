@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import io
 import shutil
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -421,11 +423,24 @@ def test_ltx2_refuses_bad_and_oversize_requests_naming_the_input(server, inputs,
     assert says in result.error.message(), result.error.message()
 
 
+def _cancel_and_check_freed(server, stream, model: str, within_s: float) -> None:
+    """Cancel `stream`'s request: the model logs it cancelled within `within_s`, then holds nothing for it."""
+    import re
+    import time
+
+    cancelled_at = time.monotonic()
+    stream.cancel()
+    while not re.search(rf"{model}: cancelled request {re.escape(stream.request_id)}", server.log_text()):
+        assert time.monotonic() - cancelled_at < within_s, server.log_tail(20)
+        time.sleep(0.02)
+    for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
+        assert wait_for_metric(server.metrics_url, gauge, 0.0, model=model) == 0.0, gauge
+
+
 def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_request(server):
     """SLOW_PROMPT's ticks sleep 1 s per block: its first one (encoding, then a step of three transformer passes)
     passes 12 block boundaries, 12 s. Cancelled inside it, the request ends within 2 s: the tick stopped between
     two blocks."""
-    import re
     import time
 
     stream = RequestStream(server.grpc_url).send("slow-tick", model="ltx2", prompt=SLOW_PROMPT, height=32, width=32,
@@ -433,15 +448,9 @@ def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_
     try:
         assert wait_for_metric(server.metrics_url, "diffusion_requests_running", 1.0, model="ltx2") == 1.0
         time.sleep(1.0)  # inside its first tick (running from the tick's start): 11 s of it left
-        cancelled_at = time.monotonic()
-        stream.cancel()
-        while not re.search(r"ltx2: cancelled request slow-tick", server.log_text()):
-            assert time.monotonic() - cancelled_at < 2.0, server.log_tail(20)
-            time.sleep(0.02)
+        _cancel_and_check_freed(server, stream, "ltx2", within_s=2.0)
     finally:
         close_all([stream])
-    for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
-        assert wait_for_metric(server.metrics_url, gauge, 0.0, model="ltx2") == 0.0, gauge
     after = run_request(server.grpc_url, model="ltx2", request_id="after-slow", prompt="x", height=32, width=32,
                         num_frames=9, num_inference_steps=1, output_format="raw")
     assert not after.errors and after.final.as_numpy("video").shape == (1, 9, 32, 32, 3)
@@ -467,25 +476,14 @@ def test_the_openai_images_front_door_offers_only_the_image_models(server):
 def test_a_helios_request_cancelled_after_its_first_chunk_frees_everything(server):
     """229 frames = seven chunks of 20 steps: cancelled once the first chunk arrives (six chunks still to run),
     the request ends CANCELLED, the model holds nothing for it, and the next request is served."""
-    import re
-    import time
-
-    from .streaming import RequestStream, close_all, wait_for_metric
-
     stream = RequestStream(server.grpc_url).send("long-video", model="helios", prompt="a long river", height=32,
                                                  width=32, num_frames=229, num_inference_steps=20)
     try:
         first = stream.wait_first(timeout=60)
         assert not first.errors and int(first.responses[0].as_numpy("frame_offset")[0]) == 0
-        stream.cancel()
-        deadline = time.monotonic() + 5
-        while not re.search(r"helios: cancelled request long-video", server.log_text()):
-            assert time.monotonic() < deadline, server.log_tail(20)
-            time.sleep(0.02)
+        _cancel_and_check_freed(server, stream, "helios", within_s=5.0)
     finally:
         close_all([stream])
-    for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
-        assert wait_for_metric(server.metrics_url, gauge, 0.0, model="helios") == 0.0, gauge
     after = run_request(server.grpc_url, model="helios", request_id="after", prompt="x", height=32, width=32,
                         num_inference_steps=1)
     assert not after.errors and after.final.as_numpy("video").shape == (1, 33, 32, 32, 3)

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from engine_lib.serving import launcher
 from engine_lib.serving.grpc_gate import DEFAULT_MAX_MESSAGE_BYTES
 
-from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines
+from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines, rss_bytes
 from .streaming import RequestStream, metric, run_request, scrape, wait_for_metric
 
 # -- the gate, served ------------------------------------------------------------------------------
@@ -40,22 +40,15 @@ def _processes(secured) -> dict[str, int]:
     return found
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def test_a_64_mb_prompt_is_refused_by_the_gate_before_tritonserver_reads_it(secured):
     server = _processes(secured)["tritonserver"]
-    shm_before, rss_before = secured.stub_shm_bytes(), _rss_bytes(server)
+    shm_before, rss_before = secured.stub_shm_bytes(), rss_bytes(server)
     result = run_request(secured.grpc_url, prompt="x" * (64 << 20), num_inference_steps=2, height=32, width=32)
     assert result.num_final == 1 and not result.responses
     assert result.error.status() == "StatusCode.RESOURCE_EXHAUSTED", str(result.error)
     assert f"vs. {DEFAULT_MAX_MESSAGE_BYTES})" in result.error.message(), result.error.message()  # names the limit
     assert secured.stub_shm_bytes() == shm_before
-    assert _rss_bytes(server) - rss_before < 16 << 20, (rss_before, _rss_bytes(server))
+    assert rss_bytes(server) - rss_before < 16 << 20, (rss_before, rss_bytes(server))
     # The gate serves on, and so does the model.
     after = run_request(secured.grpc_url, prompt="after", num_inference_steps=2, height=32, width=32)
     assert after.num_final == 1 and not after.errors
