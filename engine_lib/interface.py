@@ -58,14 +58,15 @@ class InputSpec:
     """One optional or required request input, as a `[1]` Triton tensor.
 
     Text inputs (BYTES) count `low` as "must not be blank" (1) and `high` as the
-    most characters; numbers are checked against `[low, high]` (inclusive) and,
+    most characters; image inputs (BYTES, `content="image"`) are one encoded file, decoded
+    and bounded by engine_lib/images.py into an `InputImage`; numbers are checked against `[low, high]` (inclusive) and,
     for integers, `multiple_of`. A model's config may lower `high` (`max_<input>`)
     and give an input without a declared default its default (`default_<input>`);
     `high_from` names an EngineConfig field that caps `high` (resolved by `InputSchema`).
     """
 
     name: str
-    datatype: str  # Triton datatype: BYTES (UTF-8 text), INT32, INT64, FP32
+    datatype: str  # Triton datatype: BYTES (UTF-8 text, or an encoded image), INT32, INT64, FP32
     doc: str  # one line: what the input does (config.pbtxt comment and docs)
     default: Any = None  # a left-out input takes this (None: absent; RANDOM: a random seed)
     required: bool = False
@@ -79,9 +80,12 @@ class InputSpec:
     low_note: str = ""  # why `low` is what it is; appended to the error of a value below it
     unused: str = ""  # set by a checkpoint that does not use a declared input: why (sending it is an error)
     count: int = 1  # elements of the [count] tensor; above 1 the value is a tuple (e.g. an interval)
+    content: str = "text"  # BYTES only: "text" (UTF-8) or "image" (one PNG, JPEG or WebP file)
 
     def __post_init__(self) -> None:
         assert self.datatype in ("BYTES", "INT32", "INT64", "FP32"), f"{self.name}: datatype {self.datatype}"
+        assert self.content == "text" or (self.content == "image" and self.datatype == "BYTES"), \
+            f"{self.name}: content {self.content!r}"
         assert self.batch in BATCH_ROLES, f"{self.name}: batch role {self.batch!r}"
         # A float knob without bounds lets 1e38 through, and the image comes back black, counted a success.
         assert self.datatype != "FP32" or None not in (self.low, self.high), f"{self.name}: FP32 needs low and high"
@@ -97,6 +101,10 @@ class InputSpec:
                     len(value) != self.count:
                 raise self._fail(f"must be {self.count} values, got {value!r:.60}")
             return tuple(replace(self, count=1).check(item) for item in value)
+        if self.content == "image":
+            from engine_lib.images import decode_image  # noqa: PLC0415 (PIL only for image inputs)
+
+            return decode_image(value, self.name)
         if self.datatype == "BYTES":
             return self._check_text(value)
         if self.datatype in INT_RANGES:

@@ -46,6 +46,15 @@ TextParts = dict
 
 IMAGE = OutputSpec("image", "UINT8", (-1, -1, -1, 3), "images [N, H, W, 3] (previews too)", encodings=("png",),
                    pipe_output="images")
+
+
+def strength_steps(num_inference_steps: int, strength: float) -> int:
+    """The steps image-to-image runs at `strength`: the tail of the schedule, as diffusers' `get_timesteps`
+    counts it (0 when the strength is too small for one step)."""
+    init_timestep = min(num_inference_steps * strength, num_inference_steps)
+    return num_inference_steps - int(max(num_inference_steps - init_timestep, 0))
+
+
 def max_sequence_length(default: int, high: int) -> InputSpec:
     """Text tokens per prompt: the pipeline's `__call__` default and what its `check_inputs` allows."""
     return InputSpec("max_sequence_length", "INT32", "text tokens each prompt is encoded to (default: the "
@@ -75,6 +84,7 @@ class FlowMatchState(RequestState):
     text: dict = field(default_factory=dict)  # "cond" (and "uncond" with CFG) -> TextParts
     sigma_steps: Optional[torch.Tensor] = None  # dt of each Euler step: sigmas[i + 1] - sigmas[i]
     guidance: Optional[torch.Tensor] = None  # [1] float32 embedded guidance (guidance-distilled models only)
+    begin_index: int = 0  # the schedule's first step in the scheduler's timesteps (image-to-image skips the head)
     step_cache: dict = field(default_factory=dict)  # CFG branch -> its cached residuals (step_cache.BranchCache)
 
     @property
@@ -252,8 +262,6 @@ class FlowMatchAdapter(DiffusersAdapter):
     @torch.inference_mode()
     def prepare_encode(self, state: FlowMatchState) -> None:
         """Encode prompts, draw the request's latents, and give it its own scheduler with its timesteps."""
-        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
-
         p = state.params
         with self.loras.rows([self.row_lora(p)]):  # loads it (a bad file fails this request alone); its
             # text-encoder layers, if any, apply to this encode
@@ -262,15 +270,25 @@ class FlowMatchAdapter(DiffusersAdapter):
             state.guidance = to_device([float(p.guidance_scale)], self.device, torch.float32)
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.latents = self._initial_latents(state)
+        if state.scheduler is None:  # (image-to-image sets it first: its latents start at its first timestep)
+            self._set_schedule(state)
+        assert state.schedule.num_steps == state.num_steps, "the schedule runs the request's total_steps"
+
+    def _set_schedule(self, state: FlowMatchState, strength: float = 1.0) -> None:
+        """The request's own scheduler and timesteps: the last `strength` of the schedule, cut where diffusers'
+        image-to-image `get_timesteps` cuts it (1: the whole schedule, text-to-image)."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+        n = state.params.num_inference_steps
         # The copy is request-local: diffusers keeps `_step_index` on the scheduler object.
         # Copying before set_timesteps (rather than after) also leaves pipe.scheduler untouched.
         scheduler = copy.deepcopy(self.pipe.scheduler)
-        timesteps, _ = retrieve_timesteps(scheduler, p.num_inference_steps, self.device, **self._timestep_kwargs(state))
-        scheduler.set_begin_index(0)  # the step loop starts at the first timestep
-        state.scheduler = scheduler
-        state.sigma_steps = scheduler.sigmas[1:] - scheduler.sigmas[:-1]  # as step() computes each dt
-        state.schedule = Schedule([timesteps])
-        assert state.schedule.num_steps == state.num_steps, "the schedule runs the request's total_steps"
+        timesteps, _ = retrieve_timesteps(scheduler, n, self.device, **self._timestep_kwargs(state))
+        begin = (n - strength_steps(n, strength)) * scheduler.order
+        scheduler.set_begin_index(begin)  # the step loop starts at the schedule's first timestep
+        state.scheduler, state.begin_index = scheduler, begin
+        state.sigma_steps = (scheduler.sigmas[1:] - scheduler.sigmas[:-1])[begin:]  # as step() computes each dt
+        state.schedule = Schedule([timesteps[begin:]])
 
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[FlowMatchState]) -> torch.Tensor:
@@ -346,7 +364,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         for state, rows in zip(states, input_batch.adopt("latents", stepped)):
             state.latents = rows
             state.step_index += 1
-            state.scheduler._step_index = state.step_index  # diffusers' own counter, for a later per-request step
+            state.scheduler._step_index = state.begin_index + state.step_index  # diffusers' own counter, for a
+            # later per-request step
         return True
 
     @torch.inference_mode()

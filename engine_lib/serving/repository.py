@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from engine_lib import images
 from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX
 from engine_lib.interface import PROGRESS_OUTPUTS, RANDOM, InputSpec, encoded_outputs
 from engine_lib.pipelines import registry
@@ -161,6 +162,9 @@ def _high(spec: InputSpec) -> str:
 
 
 def _allowed(spec: InputSpec) -> str:
+    if spec.content == "image":
+        return (f"one PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB and "
+                f"{images.MAX_IMAGE_PIXELS} pixels")
     if spec.datatype == "BYTES":
         if spec.choices:
             return ", ".join(f"`{c}`" for c in spec.choices)

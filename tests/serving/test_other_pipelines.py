@@ -186,6 +186,45 @@ def test_every_model_refuses_inputs_as_parameters_and_huge_scales(server):
         assert message.startswith(f"INVALID_ARG: [request id: huge] input '{scale}': ") and "[0, 100]" in message
 
 
+def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(server, model_dirs):
+    """An image (PNG bytes) at strength 0.5 runs 2 of 4 steps and gives StableDiffusion3Img2ImgPipeline's image;
+    random bytes and a decompression bomb (10^10 pixels declared in 70 bytes) get INVALID_ARG naming `image`,
+    and the model serves on."""
+    from diffusers import StableDiffusion3Img2ImgPipeline
+
+    from engine_lib.config import EngineConfig
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 10**5, 10**5, 8, 2, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(buffer, "PNG")
+    picture = buffer.getvalue()
+    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=4, seed=2,
+                  guidance_scale=1.0, image=picture, strength=0.5)
+    for rid, image in (("random", np.random.default_rng(2).bytes(512)), ("bomb", bomb)):
+        result = run_request(server.grpc_url, model="sd3", request_id=rid, **{**inputs, "image": image})
+        assert not result.responses and len(result.errors) == 1
+        assert result.error.message().startswith(f"INVALID_ARG: [request id: {rid}] input 'image': "), \
+            result.error.message()
+    result = run_request(server.grpc_url, model="sd3", request_id="img2img", **inputs)
+    assert not result.errors and result.num_final == 1, result.errors
+    assert int(result.final.as_numpy("num_steps")[0]) == 2
+    adapter = registry.load_adapter(EngineConfig(pipeline="sd3", model_path=str(model_dirs["sd3"]), device="cpu",
+                                                 dtype="float32"))
+    pipe = StableDiffusion3Img2ImgPipeline(**adapter.pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = pipe(**adapter.pipe_kwargs(adapter.input_schema(EngineConfig()).parse(inputs)), output_type="np")
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(result.final.as_numpy("image"), adapter.outputs[0].convert(expected.images))
+
+
 def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
     # sd3's config does not declare true_cfg_scale: Triton refuses it over gRPC, naming it ...
     result = run_request(server.grpc_url, model="sd3", request_id="bad-cfg", prompt="x", true_cfg_scale=4.0)

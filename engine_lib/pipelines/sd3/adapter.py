@@ -14,7 +14,11 @@ each piece calling the pipeline's helpers:
 * transformer: the scheduler's timestep as is (no `/ 1000`); classifier-free
   guidance (`guidance_scale` > 1) as diffusers runs it: one forward of 2B rows,
   negatives first, then `uncond + scale * (cond - uncond)`;
-* decode: `/ scaling_factor + shift_factor`, `vae.decode`.
+* decode: `/ scaling_factor + shift_factor`, `vae.decode`;
+* image-to-image (`StableDiffusion3Img2ImgPipeline`): with an `image`, the request runs the last
+  `strength` of its schedule (`get_timesteps`), from the image's VAE latents noised to the first
+  of those timesteps (`prepare_latents`: a latent sample, then the noise, from the request's
+  generator; `scale_noise` on its own scheduler). The encoded image stays in the request's state.
 
 The text length is shared by every row of a forward (no text mask), so it is in
 the keys, with whether CFG is on and its scale; the image size is too, unless
@@ -23,29 +27,50 @@ the keys, with whether CFG is on and its scale; the image size is too, unless
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from engine_lib import interface
+from engine_lib.host_copy import to_device
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
-                                             TextParts, max_sequence_length)
+                                             TextParts, max_sequence_length, strength_steps)
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
+from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.sched.keys import RequestBatchKey
 
 DEFAULT_GUIDANCE_SCALE = 7.0  # StableDiffusion3Pipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline.check_inputs rejects more
 
+IMAGE = interface.InputSpec("image", "BYTES", "image-to-image: the image to start from (PNG, JPEG or WebP; resized "
+                            "to height x width)", content="image", batch="row", pipe_arg="image")
+STRENGTH = interface.InputSpec("strength", "FP32", "with an image: how much of the schedule runs (the last "
+                               "strength x num_inference_steps steps; 1: all, the image only seeds the noise)",
+                               default=1.0, low=0, high=1, batch="row", pipe_arg="strength")
+
+
+@dataclass
+class SD3State(FlowMatchState):
+    """An SD3 request between steps; with an input image, its VAE latents too (as tokens, one row per image)."""
+
+    image_latents: Optional[torch.Tensor] = None
+
 
 class SD3Adapter(FlowMatchAdapter):
-    """`StableDiffusion3Pipeline` (text-to-image) with request batching, step execution and previews."""
+    """`StableDiffusion3Pipeline` (text-to-image) and `StableDiffusion3Img2ImgPipeline` (with an `image`), with
+    request batching, step execution and previews."""
 
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
+    state_class = SD3State
     inputs = IMAGE_INPUTS + (
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="adapter",
                 doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
+        IMAGE, STRENGTH,
     )
     cfg_kind = "cfg"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
@@ -62,6 +87,55 @@ class SD3Adapter(FlowMatchAdapter):
         max_patches = self.pipe.transformer.config.pos_embed_max_size
         return max_patches * self.size_multiple if max_patches else None
 
+    # -- image-to-image ------------------------------------------------------------
+    def check_inputs(self, params: SamplingParams) -> None:
+        super().check_inputs(params)
+        if params.image is None:
+            if params.strength != 1.0:
+                raise InvalidInputError("strength", "needs an image: without one the request is text-to-image")
+        elif strength_steps(params.num_inference_steps, params.strength) < 1:
+            raise InvalidInputError("strength", f"{params.strength:g} of {params.num_inference_steps} steps runs "
+                                    f"none: at least 1/{params.num_inference_steps} needed")
+
+    def total_steps(self, params: SamplingParams) -> int:
+        """The steps that really run: with an image, the last `strength` of the schedule."""
+        if params.image is None:
+            return int(params.num_inference_steps)
+        return strength_steps(params.num_inference_steps, params.strength)
+
+    def request_key(self, params: SamplingParams) -> RequestBatchKey:
+        """A request-mode wave runs one step count: the steps that run, not the schedule's length."""
+        return replace(super().request_key(params), num_inference_steps=self.total_steps(params))
+
+    def pipe_kwargs(self, params: SamplingParams) -> dict:
+        """Text-to-image: `StableDiffusion3Pipeline`'s arguments; with an image, `StableDiffusion3Img2ImgPipeline`'s
+        (the decoded PIL image)."""
+        kwargs = super().pipe_kwargs(params)
+        if params.image is None:
+            kwargs.pop("strength", None)
+        else:
+            kwargs["image"] = params.image.image
+        return kwargs
+
+    @functools.cached_property
+    def image_processor(self):
+        """`StableDiffusion3Img2ImgPipeline`'s image processor (resize to height x width, then [-1, 1])."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor,
+                                 vae_latent_channels=self.latent_channels)
+
+    def _image_latents(self, state: SD3State, dtype: torch.dtype) -> torch.Tensor:
+        """The input image's VAE latents [N, C, h, w], sampled with the request's generator, as `prepare_latents`
+        encodes it (one sample, repeated for each image of the request)."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_img2img import retrieve_latents
+
+        p, vae = state.params, self.pipe.vae
+        image = self.image_processor.preprocess(p.image.image, height=p.height, width=p.width)
+        latents = retrieve_latents(vae.encode(to_device(image, self.device, dtype)), generator=state.generator)
+        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return torch.cat([latents] * p.num_images)
+
     # -- pipeline-specific phases ------------------------------------------------
     def _encode(self, state: FlowMatchState) -> dict[str, TextParts]:
         p = state.params
@@ -76,11 +150,20 @@ class SD3Adapter(FlowMatchAdapter):
             text["uncond"] = {"embeds": negative_embeds, "pooled": negative_pooled}
         return text
 
-    def _initial_latents(self, state: FlowMatchState) -> torch.Tensor:
+    def _initial_latents(self, state: SD3State) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
         p = state.params
         dtype = state.text["cond"]["embeds"].dtype
-        return to_tokens(self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels, p.height,
-                                                   p.width, dtype, self.device, state.generator))
+        if p.image is None:
+            return to_tokens(self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels,
+                                                       p.height, p.width, dtype, self.device, state.generator))
+        self._set_schedule(state, p.strength)  # the latents start at its first timestep
+        image_latents = self._image_latents(state, dtype)
+        state.image_latents = to_tokens(image_latents)
+        noise = randn_tensor(image_latents.shape, generator=state.generator, device=self.device, dtype=dtype)
+        first = state.schedule.timestep(0).expand(p.num_images)
+        return to_tokens(state.scheduler.scale_noise(image_latents, first, noise).to(dtype))
 
     def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         if not self.pipe.scheduler.config.get("use_dynamic_shifting", None):
