@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cfg", type=float, dest="true_cfg_scale", help="true_cfg_scale")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--num-images", type=_positive)
+    gen.add_argument("--image", type=Path, help="image-to-image: start from this PNG, JPEG or WebP file (sd3)")
+    gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
     gen.add_argument("--frames", type=_positive, dest="num_frames", help="num_frames (video models)")
     gen.add_argument("--fps", type=float, dest="frame_rate", help="frame_rate (LTX-2)")
     gen.add_argument("--preview-every", type=_non_negative, default=1,
@@ -157,6 +159,8 @@ def run_generate(args: argparse.Namespace) -> int:
         frame_rate=args.frame_rate,
         preview_interval=args.preview_every or 0,
         output_format=output_format,
+        image=None if args.image is None else args.image.read_bytes(),
+        strength=args.strength,
     )
     final = None
     # closing() cancels the request if we leave early (Ctrl-C while saving a preview).

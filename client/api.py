@@ -7,6 +7,7 @@ the inputs the caller sets are sent; the server applies its defaults to the rest
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from PIL import Image
@@ -31,6 +32,8 @@ INPUT_DTYPES = {
     "frame_rate": "FP32",
     "preview_interval": "INT32",
     "output_format": "BYTES",
+    "image": "BYTES",
+    "strength": "FP32",
 }
 
 
@@ -49,8 +52,11 @@ def build_inputs(
     frame_rate: Optional[float] = None,
     preview_interval: int = 0,
     output_format: Optional[str] = None,
+    image: Optional[bytes] = None,
+    strength: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """The request's inputs by Triton name, leaving out everything not set."""
+    """The request's inputs by Triton name, leaving out everything not set. `image` (an encoded file, for
+    image-to-image) is sent as base64 text, which the server takes over gRPC and HTTP alike."""
     values = {
         "prompt": prompt,
         "negative_prompt": negative_prompt,
@@ -65,6 +71,8 @@ def build_inputs(
         "frame_rate": frame_rate,
         "preview_interval": preview_interval or None,  # 0 is the server's default
         "output_format": output_format,
+        "image": None if image is None else base64.b64encode(image).decode("ascii"),
+        "strength": strength,
     }
     return {name: value for name, value in values.items() if value is not None}
 

@@ -73,6 +73,10 @@ def test_only_inputs_the_user_set_are_sent():
     inputs = build_inputs("p", steps=5, height=32, true_cfg_scale=4.0, preview_interval=0, seed=0)
     assert inputs == {"prompt": "p", "num_inference_steps": 5, "height": 32, "true_cfg_scale": 4.0, "seed": 0}
     assert build_inputs("p", preview_interval=2, output_format="png")["preview_interval"] == 2
+    image = build_inputs("p", image=_png(), strength=0.6)  # base64 text: one form for gRPC and HTTP JSON
+    assert base64.b64decode(image["image"]) == _png() and image["strength"] == 0.6
+    args = parse_args(["generate", "--prompt", "x", "--image", "in.png", "--strength", "0.6", "--model", "sd3"])
+    assert (args.image, args.strength) == (Path("in.png"), 0.6)
 
 
 def test_several_images_get_numbered_paths():
