@@ -61,10 +61,12 @@ class RowGroup:
 
 
 def caches(params) -> bool:
+    """Whether the request asked for the first-block cache (or the deployment's default_cache did)."""
     return params.get("cache") == "first_block"
 
 
 def threshold(params) -> float:
+    """The request's threshold, as a Python float (diffusers compares the ratio's `.item()` with its float)."""
     value = params.get("cache_threshold")
     return DEFAULT_THRESHOLD if value is None else float(value)
 

@@ -24,7 +24,8 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import FLOAT_BOUND, Arrival, image_diff, drive_steps, load_tiny_adapter, parse, solo_steps, with_cfg_batching
+from parity_checks import (FLOAT_BOUND, Arrival, drive_steps, image_diff, load_tiny_adapter, parse, solo_steps,
+                           with_cfg_batching)
 
 STEPS = 6
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
@@ -183,7 +184,8 @@ def test_rows_that_compute_alone_keep_their_own_lora(lora_adapter, tail_rows, si
                 "b": cached(0.3, seed=4, lora_name="toy_b", **({"height": 32} if sizes != "one_size" else {}))}
     solo = {rid: solo_steps(lora_adapter, inputs) for rid, inputs in requests.items()}
     tail_rows.clear()
-    result = drive_steps(lora_adapter, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))])
+    arrivals = [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))]
+    result = drive_steps(lora_adapter, arrivals)
     assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
     assert sum(tail_rows) < STEPS * len(requests)
     for rid, image in result.images.items():

@@ -71,8 +71,9 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
 
 @torch.inference_mode()
 def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Tensor,
-                          guidance: Optional[torch.Tensor], text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor],
-                          packing: QwenPacking, groups: list[step_cache.RowGroup]) -> torch.Tensor:
+                          guidance: Optional[torch.Tensor], text_embeds: torch.Tensor,
+                          text_mask: Optional[torch.Tensor], packing: QwenPacking,
+                          groups: list[step_cache.RowGroup]) -> torch.Tensor:
     """mixed_sizes.packed_forward with per-group skips: the residuals are compared in the padded row layout, each
     group over its own tokens; the rows that compute run the other blocks packed on their own (a packing of just
     their sizes, made in that tick)."""
