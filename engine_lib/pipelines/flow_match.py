@@ -364,8 +364,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         for state, rows in zip(states, input_batch.adopt("latents", stepped)):
             state.latents = rows
             state.step_index += 1
-            state.scheduler._step_index = state.begin_index + state.step_index  # diffusers' own counter, for a
-            # later per-request step
+            # diffusers' own counter (counted from the schedule's begin), for a later per-request step
+            state.scheduler._step_index = state.begin_index + state.step_index
         return True
 
     @torch.inference_mode()
