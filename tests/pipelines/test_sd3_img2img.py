@@ -17,7 +17,7 @@ from diffusers import StableDiffusion3Img2ImgPipeline
 from PIL import Image
 
 from engine_lib.interface import to_uint8
-from engine_lib.pipelines.base import move_tensors
+from engine_lib.pipelines.base import InputBatch, move_tensors
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
@@ -101,6 +101,35 @@ def test_image_and_strength_never_split_a_batch(adapter):
     assert adapter.step_key(one) == adapter.step_key(other) == adapter.step_key(text)
     # a request-mode wave runs one step count: the steps that run (3, 2 and 5 of 5)
     assert len({adapter.request_key(p) for p in (one, other, text)}) == 3
+
+
+@torch.inference_mode()
+def test_a_cut_schedule_steps_on_alone_after_batched_steps(adapter):
+    """After batched Euler steps each request's own scheduler stands where its cut schedule is (its begin plus
+    the steps done), so a later per-request step (a ragged or failed batch) uses the right sigma."""
+    def prepared():
+        states = []
+        for i, strength in enumerate((0.6, 0.8)):
+            state = adapter.new_state(f"r{i}", parse(adapter, params(image=i, strength=strength, seed=i)))
+            adapter.prepare_encode(state)
+            states.append(state)
+        return states
+
+    batched, alone = prepared(), prepared()
+    generator = torch.Generator().manual_seed(0)
+    for tick in range(3):
+        prediction = torch.randn(InputBatch.gather(alone)["latents"].shape, generator=generator)
+        batch = InputBatch.gather(batched)
+        if tick < 2:
+            assert adapter.step_batch(batch, batched, prediction)
+        else:
+            for state, pred in zip(batched, batch.split(prediction)):
+                adapter.step_scheduler(state, pred)
+        for state, pred in zip(alone, InputBatch.gather(alone).split(prediction)):
+            adapter.step_scheduler(state, pred)
+    assert [s.begin_index for s in batched] == [2, 1]
+    for b, a in zip(batched, alone):
+        assert torch.equal(b.latents, a.latents)
 
 
 def test_step_batch_of_different_images_strengths_and_prompts_matches_solo(adapter):
