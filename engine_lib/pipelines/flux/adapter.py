@@ -28,7 +28,9 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
+from engine_lib.pipelines.flux.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
+from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
@@ -58,6 +60,7 @@ class FluxAdapter(FlowMatchAdapter):
         TRUE_CFG_SCALE,  # FluxPipeline.__call__'s default 1.0: no true CFG
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="row",
                 doc="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev), per row"),
+        *CACHE_INPUTS,
     )
     state_class = FluxState
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
@@ -108,7 +111,17 @@ class FluxAdapter(FlowMatchAdapter):
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
+        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
+        groups = row_groups(states, rows["branches"], None if packing is None else [s.img_ids.shape[0] for s in states])
+        if groups is not None and packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                             text["pooled"], text["embeds"], packing, groups)
+        if groups is not None:
+            return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                  text["pooled"], text["embeds"], states[0].txt_ids, states[0].img_ids, groups)
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],

@@ -106,18 +106,24 @@ def _single_block(block, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tenso
     return img, txt
 
 
+def embed(transformer, img: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
+          pooled: torch.Tensor, text_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's preamble after `x_embedder`: the timestep (and guidance) embedding and the text stream."""
+    timestep = timestep.to(img.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(img.dtype) * 1000
+    temb = (transformer.time_text_embed(timestep, pooled) if guidance is None
+            else transformer.time_text_embed(timestep, guidance, pooled))
+    return temb, transformer.context_embedder(text_embeds)
+
+
 @torch.inference_mode()
 def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
                    pooled: torch.Tensor, text_embeds: torch.Tensor, packing: FluxPacking) -> torch.Tensor:
     """`FluxTransformer2DModel.forward` over rows of different image sizes: latents [R, longest, C]
     (right-padded), one timestep per row; the prediction [R, longest, C], zeros on the padding."""
     img = transformer.x_embedder(packing.pack(latents))
-    timestep = timestep.to(img.dtype) * 1000
-    if guidance is not None:
-        guidance = guidance.to(img.dtype) * 1000
-    temb = (transformer.time_text_embed(timestep, pooled) if guidance is None
-            else transformer.time_text_embed(timestep, guidance, pooled))
-    txt = transformer.context_embedder(text_embeds)
+    temb, txt = embed(transformer, img, timestep, guidance, pooled, text_embeds)
     for block in transformer.transformer_blocks:
         img, txt = _double_block(block, img, txt, temb, packing)
     for block in transformer.single_transformer_blocks:
