@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -135,6 +136,11 @@ class FlowMatchAdapter(DiffusersAdapter):
         self._batched_step_exact: dict[tuple, bool] = {}  # (dtype, device type) -> step_batch equals per request
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
         self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
+        self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch (step_cache.py)
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(), "cache_steps_computed": self.cache_steps["computed"],
+                "cache_steps_reused": self.cache_steps["reused"]}
 
     # -- limits --------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ run the blocks after the first. The cached residuals are the request's: `FlowMat
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +54,7 @@ class RowGroup:
     threshold: Optional[float]  # None: this request does not cache (it always computes)
     cache: Optional[BranchCache]
     tokens: Optional[int] = None  # its own image tokens, where the forward pads rows to a longer one (mixed sizes)
+    tally: Optional[Counter] = None  # the adapter's count of decisions ("computed", "reused"), for the metrics
 
     def own(self, x: torch.Tensor) -> torch.Tensor:
         """This group's rows of a per-row tensor [R, S, ...], without padding."""
@@ -71,10 +73,11 @@ def threshold(params) -> float:
     return DEFAULT_THRESHOLD if value is None else float(value)
 
 
-def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[int]] = None) -> Optional[list[RowGroup]]:
+def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[int]] = None,
+               tally: Optional[Counter] = None) -> Optional[list[RowGroup]]:
     """The groups of a forward whose rows are `branches` halves (cond, or cond and uncond), each half every
-    state's rows in batch order (`tokens`: each state's own image tokens, in a padded forward); None when no state
-    caches (the forward runs as diffusers' own)."""
+    state's rows in batch order (`tokens`: each state's own image tokens, in a padded forward; `tally`: counts
+    each caching group's decision); None when no state caches (the forward runs as diffusers' own)."""
     if not any(caches(s.params) for s in states):
         return None
     groups, start = [], 0
@@ -84,7 +87,8 @@ def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[in
             start += state.num_rows
             if caches(state.params):
                 groups.append(RowGroup(rows, threshold(state.params),
-                                       state.step_cache.setdefault(branch, BranchCache()), tokens and tokens[i]))
+                                       state.step_cache.setdefault(branch, BranchCache()), tokens and tokens[i],
+                                       tally))
             else:
                 groups.append(RowGroup(rows, None, None, tokens and tokens[i]))
     return groups
@@ -122,6 +126,9 @@ def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest) 
         return rest(img, None, None)
     head_residual = img - head_in
     compute = should_compute(groups, head_residual)
+    for group, computes in zip(groups, compute):
+        if group.tally is not None:
+            group.tally["computed" if computes else "reused"] += 1
     rows = [r for g, c in zip(groups, compute) if c for r in range(g.rows.start, g.rows.stop)]
     if len(rows) == img.shape[0]:
         out, computed = rest(img, None, None), img

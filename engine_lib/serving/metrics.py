@@ -90,6 +90,9 @@ class ModelMetrics:
                                  "steps for a more urgent one", family.COUNTER).Metric(labels=labels)
         phases = make("diffusion_engine_phase_seconds_total", "Seconds the engine thread (and the sender, phases "
                       "encode and send) spent per phase", family.COUNTER)
+        cache_steps = make("diffusion_cache_steps_total", "First-block cache decisions, one per request and CFG "
+                           "branch at each step of a request that caches: computed (every block ran) or reused",
+                           family.COUNTER)
         # Counters that follow monotone totals of the engine's stats: (stats field, key) -> metric.
         self._totals = {("num_preempted", None): self._preemptions,
                         **{("phase_seconds", phase): phases.Metric(labels={**labels, "phase": phase})
@@ -98,6 +101,8 @@ class ModelMetrics:
                             f"diffusion_prompt_cache_{kind}_total", f"Prompt embeddings {text}",
                             family.COUNTER).Metric(labels=labels)
                            for kind, text in (("hits", "reused from the cache"), ("misses", "encoded"))},
+                        **{("counters", f"cache_steps_{outcome}"): cache_steps.Metric(
+                            labels={**labels, "outcome": outcome}) for outcome in ("computed", "reused")},
                         ("counters", "frames_generated"): make(
                             "diffusion_frames_generated_total", "Video frames generated (finished requests of video "
                             "pipelines)", family.COUNTER).Metric(labels=labels)}

@@ -91,6 +91,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_single_bl
         solo[rid] = solo_steps(runner, inputs)
         solo_rows[rid] = sum(tail_rows)
     tail_rows.clear()
+    before = runner.counters()
     ticks = ((0, "off"), (0, "a"), (1, "b"), (2, "c"))
     result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ticks], capacity=4)
     assert max(result.forward_sizes) == 4 and result.forward_sizes == result.batch_sizes  # none retried alone
@@ -99,3 +100,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_single_bl
     print(f"flux {sizes}: rows through the last single block {sum(tail_rows)}; solo: {solo_rows}")
     assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
     assert sum(tail_rows) == sum(solo_rows.values())
+    # the metrics' counts: one decision per caching request and step (the request without the cache makes none)
+    counts = {k: runner.counters()[k] - before[k] for k in ("cache_steps_computed", "cache_steps_reused")}
+    computed = sum(solo_rows.values()) - solo_rows["off"]
+    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}

@@ -30,6 +30,21 @@ def test_counters_and_histograms_move(server):
     assert metric(after, "nv_inference_request_success", model="qwen_image", version="1") > 0
 
 
+def test_first_block_cache_decisions_are_counted(server):
+    """One request with the cache on: one decision per step (no CFG), at least its first step computed and, at
+    threshold 0.5 on the tiny model, some reused."""
+    before = scrape(server.metrics_url)
+    result = run_request(server.grpc_url, prompt="a cat", height=64, width=64, num_inference_steps=6, seed=3,
+                         cache="first_block", cache_threshold=0.5)
+    assert result.num_final == 1 and not result.errors
+    total = metric(before, "diffusion_cache_steps_total", **LABELS) + 6
+    assert wait_for_metric(server.metrics_url, "diffusion_cache_steps_total", total, **LABELS) == total
+    after = scrape(server.metrics_url)
+    for outcome in ("computed", "reused"):
+        assert metric(after, "diffusion_cache_steps_total", outcome=outcome, **LABELS) > \
+            metric(before, "diffusion_cache_steps_total", outcome=outcome, **LABELS), outcome
+
+
 def test_gauges_show_running_and_waiting_requests_then_nothing(server, held):
     """With max_num_seqs 4 and the engine held after one step: 4 running (each with runner state and an open
     stream), 2 waiting; once released and done, every gauge is back to 0. Which 4 run is the order the

@@ -114,7 +114,8 @@ class FluxAdapter(FlowMatchAdapter):
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
         over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
-        groups = row_groups(states, rows["branches"], None if packing is None else [s.img_ids.shape[0] for s in states])
+        tokens = None if packing is None else [s.img_ids.shape[0] for s in states]
+        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
         if groups is not None and packing is not None:
             with self.loras.packed(packing.token_rows):
                 return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],

@@ -110,7 +110,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         packing = rows.get("packing")
         tokens = None if packing is None else [shape[0] * shape[1] * shape[2] for shape in
                                                (s.img_shape for s in states)]
-        groups = row_groups(states, rows["branches"], tokens)
+        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
         if groups is not None and packing is not None:
             with self.loras.packed(packing.token_rows):
                 return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
