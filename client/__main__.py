@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-images", type=_positive)
     gen.add_argument("--image", type=Path, help="image-to-image: start from this PNG, JPEG or WebP file (sd3)")
     gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
+    gen.add_argument("--cache", choices=("none", "first_block"),
+                     help="step cache: first_block reuses the later blocks' work on steps that change little "
+                          "(qwen_image, flux; default: the model's)")
+    gen.add_argument("--cache-threshold", type=float, help="with --cache first_block: at most this relative change "
+                     "of the first block reuses (default: the model's, else 0.05; higher: faster, less faithful)")
     gen.add_argument("--frames", type=_positive, dest="num_frames", help="num_frames (video models)")
     gen.add_argument("--fps", type=float, dest="frame_rate", help="frame_rate (LTX-2)")
     gen.add_argument("--preview-every", type=_non_negative, default=1,
@@ -161,6 +166,8 @@ def run_generate(args: argparse.Namespace) -> int:
         output_format=output_format,
         image=None if args.image is None else args.image.read_bytes(),
         strength=args.strength,
+        cache=args.cache,
+        cache_threshold=args.cache_threshold,
     )
     final = None
     # closing() cancels the request if we leave early (Ctrl-C while saving a preview).

@@ -34,6 +34,8 @@ INPUT_DTYPES = {
     "output_format": "BYTES",
     "image": "BYTES",
     "strength": "FP32",
+    "cache": "BYTES",
+    "cache_threshold": "FP32",
 }
 
 
@@ -54,6 +56,8 @@ def build_inputs(
     output_format: Optional[str] = None,
     image: Optional[bytes] = None,
     strength: Optional[float] = None,
+    cache: Optional[str] = None,
+    cache_threshold: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The request's inputs by Triton name, leaving out everything not set. `image` (an encoded file, for
     image-to-image) is sent as base64 text, which the server takes over gRPC and HTTP alike."""
@@ -73,6 +77,8 @@ def build_inputs(
         "output_format": output_format,
         "image": None if image is None else base64.b64encode(image).decode("ascii"),
         "strength": strength,
+        "cache": cache,
+        "cache_threshold": cache_threshold,
     }
     return {name: value for name, value in values.items() if value is not None}
 
