@@ -37,7 +37,9 @@ from engine_lib import interface
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
                                              TextParts, max_sequence_length, strength_steps)
+from engine_lib.pipelines.sd3.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
+from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey
 
@@ -70,7 +72,7 @@ class SD3Adapter(FlowMatchAdapter):
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="adapter",
                 doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
-        IMAGE, STRENGTH,
+        IMAGE, STRENGTH, *CACHE_INPUTS,
     )
     cfg_kind = "cfg"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
@@ -183,7 +185,21 @@ class SD3Adapter(FlowMatchAdapter):
                                        for _ in range(s.num_rows)], self.pipe.patch_size, self.device)}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
+        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
+        patch = self.size_multiple
+        tokens = None if packing is None else [s.params.height // patch * (s.params.width // patch) for s in states]
+        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
+        if groups is not None and packing is not None:
+            with self.loras.packed(packing.token_rows):
+                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, text["pooled"],
+                                             text["embeds"], packing, groups)
+        if groups is not None:
+            return to_tokens(cached_forward(
+                self.pipe.transformer, self.loras, self._unpack(latents, states[0].params.height,
+                                                                states[0].params.width),
+                timestep, text["pooled"], text["embeds"], groups))
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],
