@@ -104,3 +104,29 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_single_bl
     counts = {k: runner.counters()[k] - before[k] for k in ("cache_steps_computed", "cache_steps_reused")}
     computed = sum(solo_rows.values()) - solo_rows["off"]
     assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(adapter) -> FluxAdapter:
+    """The same pipe with the toy LoRAs and mixed_size_batching (one LoRA library per pipe)."""
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    loras = ensure_loras("flux", ensure_model("flux", "tiny"))
+    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
+                         {**adapter.options, "lora_dir": str(loras), "mixed_size_batching": True})
+
+
+@pytest.mark.parametrize("sizes", ["one_size", "mixed_sizes"])
+def test_rows_that_compute_alone_keep_their_own_lora(lora_adapter, tail_rows, sizes):
+    """The rows that run the later blocks on their own carry their own LoRA (toy_a, none, toy_b), one size or
+    packed: each image within one uint8 level of its solo run."""
+    requests = {"a": cached(0.5, seed=2, lora_name="toy_a"), "plain": cached(0.05, seed=3),
+                "b": cached(0.4, seed=4, lora_name="toy_b", **({"height": 32} if sizes != "one_size" else {}))}
+    solo = {rid: solo_steps(lora_adapter, inputs) for rid, inputs in requests.items()}
+    tail_rows.clear()
+    result = drive_steps(lora_adapter, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"),
+                                                                                      (1, "b"))])
+    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
+    assert sum(tail_rows) < STEPS * len(requests)
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid

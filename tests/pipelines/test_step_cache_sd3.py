@@ -111,3 +111,22 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     print(f"sd3 {sizes}: rows through the last block {sum(tail_rows)}; solo: {solo_rows}")
     assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
     assert sum(tail_rows) == sum(solo_rows.values())
+
+
+def test_rows_that_compute_alone_keep_their_own_lora(adapter, tail_rows):
+    """In a packed forward, the rows that run the later blocks on their own carry their own LoRA (toy_a, none,
+    toy_b): each image within one uint8 level of its solo run."""
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    loras = ensure_loras("sd3", ensure_model("sd3", "tiny"))
+    runner = type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
+                           {**adapter.options, "lora_dir": str(loras), "mixed_size_batching": True})
+    requests = {"a": cached(0.6, seed=2, lora_name="toy_a"), "plain": cached(0.2, seed=3),
+                "b": cached(0.4, seed=4, lora_name="toy_b", height=32)}
+    solo = {rid: solo_steps(runner, inputs) for rid, inputs in requests.items()}
+    tail_rows.clear()
+    result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))])
+    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
+    assert sum(tail_rows) < STEPS * len(requests)
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
