@@ -1,7 +1,7 @@
 """A per-request first-block cache inside a shared step batch (diffusers' `FirstBlockCache`, decided per row group).
 
 diffusers' hook (diffusers/hooks/first_block_cache.py) keeps one state per cache context (Qwen-Image's
-pipeline runs "cond" and "uncond" as two transformer calls) and decides for the whole forward: after the
+and Flux's pipelines run "cond" and "uncond" as two transformer calls) and decides for the whole forward: after the
 first block, the mean absolute change of its residual (output minus input of the image stream) relative to
 the residual of the last step that ran every block, `mean|r - r_prev| / mean|r_prev|`; at or below the
 threshold the other blocks are skipped and the last block's output is taken as the first block's output
@@ -11,7 +11,8 @@ Here the same math runs per row group: one request x one CFG branch (its `num_im
 decision spans its batch). The groups of a step batch decide independently from their own residuals, so
 requests with the cache on and off, and different thresholds, share a forward; only the groups that compute
 run the blocks after the first. The cached residuals are the request's: `FlowMatchState.step_cache`, one
-`BranchCache` per branch, moved with the state when it pauses and freed with it.
+`BranchCache` per branch, moved with the state when it pauses and freed with it. Each pipeline's
+`first_block.py` hands its block loop to `run_blocks` (qwen_image/, flux/, sd3/).
 """
 
 from __future__ import annotations
