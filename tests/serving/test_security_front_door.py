@@ -186,8 +186,24 @@ def test_bodies_that_are_no_request_are_a_400(client, body):
 
 def test_a_body_announced_over_the_limit_is_refused_unread(client):
     reply = client.post("/v2/models/m/generate", content=b"{}", headers={"Authorization": f"Bearer {API_KEY}",
-                                                                        "Content-Length": str(2 << 20)})
+                                                                        "Content-Length": str(64 << 20)})
     assert reply.status_code == 413
+
+
+def test_a_body_over_the_limit_is_read_to_its_end_before_the_413():
+    """A client still sending reads the 413 (no reset connection): the body is read and dropped, never kept."""
+    body = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+    chunks = [{"type": "http.request", "body": body[i:i + 65536], "more_body": i + 65536 < len(body)}
+              for i in range(0, len(body), 65536)]
+    pending = list(chunks)
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(app_module.read_json(request))
+    assert info.value.status == 413 and not pending
 
 
 def read_json_of(messages, delay_s: float = 0.0):

@@ -41,6 +41,9 @@ from engine_lib.serving.tensors import encode_png_base64
 
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
 BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 kB/s; a client that dribbles its body slower holds a request for nothing
+# A body over MAX_BODY_BYTES is still read (and dropped) up to this size before the 413, so that a client still
+# sending it reads the answer instead of a reset connection; one declared larger is refused unread.
+MAX_DISCARD_BYTES = 8 << 20
 # The usage OpenAI reports for GPT image models; these models count no tokens.
 NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
             "total_tokens": 0}
@@ -136,24 +139,33 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
 
 
 async def read_json(request: Request) -> Any:
-    """The JSON body, refused with 413 past MAX_BODY_BYTES (as soon as Content-Length says so), 408 when it
+    """The JSON body, refused with 413 past MAX_BODY_BYTES (read and dropped up to MAX_DISCARD_BYTES first, so
+    the client reads the answer; at once when Content-Length says more), 408 when it
     takes over BODY_TIMEOUT_S, and 400 when it is not JSON (or nests too deep) or holds text that is not
     Unicode (a lone surrogate; naming the field). A client gone meanwhile ends the request quietly: its
     answer goes nowhere, and Starlette's ClientDisconnect would log a traceback per client."""
+    too_large = OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
     length = request.headers.get("content-length", "")
-    if length.isdecimal() and int(length) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    data = bytearray()
+    declared = int(length) if length.isdecimal() else 0
+    if declared > MAX_DISCARD_BYTES:
+        raise too_large
+    data, received = bytearray(), 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             async for chunk in request.stream():
-                data += chunk
-                if len(data) > MAX_BODY_BYTES:
-                    raise OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+                received += len(chunk)
+                if received > MAX_DISCARD_BYTES:
+                    raise too_large
+                if received <= MAX_BODY_BYTES and declared <= MAX_BODY_BYTES:
+                    data += chunk
     except TimeoutError:
+        if received > MAX_BODY_BYTES or declared > MAX_BODY_BYTES:
+            raise too_large from None
         raise OpenAIError(408, f"the request body took over {BODY_TIMEOUT_S:g} s", code="timeout") from None
     except ClientDisconnect:
         raise OpenAIError(499, "the client went away during the request body", code="cancelled") from None
+    if received > MAX_BODY_BYTES or declared > MAX_BODY_BYTES:
+        raise too_large
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
