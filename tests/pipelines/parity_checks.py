@@ -451,3 +451,21 @@ class FlowMatchParitySuite:
         with pytest.raises(InvalidInputError) as info:
             parse(adapter, {"prompt": "x", **bad})
         assert info.value.input_name == name
+
+
+def step_batched_then_alone(adapter: PipelineAdapter, batched: list, alone: list, batched_ticks: int = 2,
+                            ticks: int = 3) -> None:
+    """Step `batched` with the adapter's batched Euler step for `batched_ticks` ticks, then per request, and
+    `alone` per request throughout, on the same random predictions: a request that steps alone after batched
+    steps (a ragged next tick, a failed batched step) must find its scheduler where those left it."""
+    generator = torch.Generator().manual_seed(0)
+    for tick in range(ticks):
+        prediction = torch.randn(InputBatch.gather(alone)["latents"].shape, generator=generator)
+        batch = InputBatch.gather(batched)
+        if tick < batched_ticks:
+            assert adapter.step_batch(batch, batched, prediction)
+        else:
+            for state, pred in zip(batched, batch.split(prediction)):
+                adapter.step_scheduler(state, pred)
+        for state, pred in zip(alone, InputBatch.gather(alone).split(prediction)):
+            adapter.step_scheduler(state, pred)

@@ -11,7 +11,7 @@ from engine_lib.pipelines.base import InputBatch
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse
+from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, step_batched_then_alone
 
 ADAPTERS = {"qwen_image": QwenImageAdapter, "flux": FluxAdapter, "sd3": SD3Adapter}
 
@@ -108,17 +108,7 @@ def test_a_request_steps_on_alone_after_batched_steps(adapter):
     """E.g. a batch whose next tick is ragged, or whose batched step failed: each scheduler must be where
     the batched steps left it."""
     batched, alone = prepared(adapter, "one", "two"), prepared(adapter, "one", "two")
-    generator = torch.Generator().manual_seed(0)
-    for tick in range(3):
-        prediction = torch.randn(InputBatch.gather(alone)["latents"].shape, generator=generator)
-        batch = InputBatch.gather(batched)
-        if tick < 2:
-            assert adapter.step_batch(batch, batched, prediction)
-        else:
-            for state, pred in zip(batched, batch.split(prediction)):
-                adapter.step_scheduler(state, pred)
-        for state, pred in zip(alone, InputBatch.gather(alone).split(prediction)):
-            adapter.step_scheduler(state, pred)
+    step_batched_then_alone(adapter, batched, alone)
     for b, a in zip(batched, alone):
         assert b.step_index == a.step_index == 3
         assert torch.equal(b.latents, a.latents)

@@ -17,12 +17,13 @@ from diffusers import StableDiffusion3Img2ImgPipeline
 from PIL import Image
 
 from engine_lib.interface import to_uint8
-from engine_lib.pipelines.base import InputBatch, move_tensors
+from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.sched import Scheduler
-from parity_checks import PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps
+from parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps,
+                           step_batched_then_alone)
 
 RNG = np.random.default_rng(7)
 
@@ -116,17 +117,7 @@ def test_a_cut_schedule_steps_on_alone_after_batched_steps(adapter):
         return states
 
     batched, alone = prepared(), prepared()
-    generator = torch.Generator().manual_seed(0)
-    for tick in range(3):
-        prediction = torch.randn(InputBatch.gather(alone)["latents"].shape, generator=generator)
-        batch = InputBatch.gather(batched)
-        if tick < 2:
-            assert adapter.step_batch(batch, batched, prediction)
-        else:
-            for state, pred in zip(batched, batch.split(prediction)):
-                adapter.step_scheduler(state, pred)
-        for state, pred in zip(alone, InputBatch.gather(alone).split(prediction)):
-            adapter.step_scheduler(state, pred)
+    step_batched_then_alone(adapter, batched, alone)
     assert [s.begin_index for s in batched] == [2, 1]
     for b, a in zip(batched, alone):
         assert torch.equal(b.latents, a.latents)
