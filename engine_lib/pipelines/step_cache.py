@@ -12,11 +12,13 @@ decision spans its batch). The groups of a step batch decide independently from 
 requests with the cache on and off, and different thresholds, share a forward; only the groups that compute
 run the blocks after the first. The cached residuals are the request's: `FlowMatchState.step_cache`, one
 `BranchCache` per branch, moved with the state when it pauses and freed with it. Each pipeline's
-`first_block.py` hands its block loop to `run_blocks` (qwen_image/, flux/, sd3/).
+`first_block.py` hands its block loop to `run_joint_blocks` (qwen_image/, flux/, sd3/), which takes the rows
+that compute, their text stream and LoRA plan around `run_blocks`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -156,3 +158,41 @@ def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest) 
             piece = piece + img[group.rows]
         pieces.append(piece)
     return out if len(rows) == img.shape[0] else torch.cat(pieces)
+
+
+def take(x: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The rows `index` of a per-row tensor (index None: every row; a None input stays None)."""
+    return x if x is None or index is None else x.index_select(0, index)
+
+
+def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor, txt: torch.Tensor, per_row: tuple,
+                     run, packing=None) -> torch.Tensor:
+    """`run_blocks` for blocks that carry an image and a text stream. `run(which, img, txt, *per_row)` runs the
+    blocks `blocks[which]` (a slice) and returns (img, txt); the rows that compute run the blocks after the first
+    under their own LoRA plan, with their rows of the first block's text output and of `per_row` (the other
+    per-row inputs: timestep embedding, text mask).
+
+    With `packing`, `img` is the padded [R, longest, ...] layout and `run` gets the packed stream and its packing
+    last: the rows that compute are packed on their own (`packing.subset`, made in that tick) under their tokens'
+    LoRA plan (every row: the caller's plan holds)."""
+    head_txt = []
+
+    def blocks(which, img, txt, per_row, rows):
+        if packing is None:
+            return run(which, img, txt, *per_row)
+        own = packing if rows is None else packing.subset(rows)
+        with contextlib.nullcontext() if rows is None else loras.packed(own.token_rows):
+            out, txt = run(which, own.pack(img[:, :own.longest]), txt, *per_row, own)
+        out = own.unpack(out)
+        return (out if out.shape[1] == img.shape[1] else F.pad(out, (0, 0, 0, img.shape[1] - out.shape[1]))), txt
+
+    def head(img):
+        img, out_txt = blocks(slice(0, 1), img, txt, per_row, None)
+        head_txt.append(out_txt)
+        return img
+
+    def rest(img, rows, index):
+        with contextlib.nullcontext() if rows is None else loras.only(rows):
+            return blocks(slice(1, None), img, take(head_txt[0], index), [take(x, index) for x in per_row], rows)[0]
+
+    return run_blocks(groups, img, head, rest)

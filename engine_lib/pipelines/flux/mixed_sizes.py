@@ -37,6 +37,10 @@ class FluxPacking(Packing):
     def _repeat(self, times: int) -> "FluxPacking":
         return FluxPacking(self.pos_embed, self.txt_ids, self.img_ids * times, self.device)
 
+    def subset(self, rows: list[int]) -> "FluxPacking":
+        """The packing of just the rows `rows`, in that order."""
+        return FluxPacking(self.pos_embed, self.txt_ids, [self.img_ids[r] for r in rows], self.device)
+
 
 def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: FluxPacking) -> tuple[torch.Tensor, torch.Tensor]:
     """`FluxAttnProcessor` with a packed image stream: projections per real token, the joint attention once

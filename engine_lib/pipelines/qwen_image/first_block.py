@@ -2,18 +2,16 @@
 
 `cached_forward` is `QwenImageTransformer2DModel.forward` operation for operation (rows of one size), and
 `cached_packed_forward` is mixed_sizes.packed_forward (rows of different sizes), each with its block loop
-handed to `step_cache.run_blocks`: the first block over every row, the others over the rows that compute,
+handed to `step_cache.run_joint_blocks`: the first block over every row, the others over the rows that compute,
 taken by index with their text stream, text mask, timestep embedding (and, packed, their own positions).
 A row that computes every block gets what the plain forward gives it (bitwise for a solo request).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from engine_lib.pipelines import step_cache
@@ -35,10 +33,6 @@ def _embed(transformer, img: torch.Tensor, timestep: torch.Tensor, guidance: Opt
     return txt, text_len, txt_mask, temb
 
 
-def _rows(x: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return x if x is None or index is None else x.index_select(0, index)
-
-
 @torch.inference_mode()
 def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
                    text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], img_shapes: list,
@@ -48,24 +42,14 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
     txt, text_len, txt_mask, temb = _embed(transformer, img, timestep, guidance, text_embeds, text_mask)
     rope = transformer.pos_embed(img_shapes, max_txt_seq_len=text_len, device=img.device)
     blocks = transformer.transformer_blocks
-    head_txt = []
 
-    def run(blocks, img, txt, mask, temb):
-        for block in blocks:
+    def run(which, img, txt, mask, temb):
+        for block in blocks[which]:
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
                              temb=temb, image_rotary_emb=rope)
         return img, txt
 
-    def head(img):
-        img, out_txt = run(blocks[:1], img, txt, txt_mask, temb)
-        head_txt.append(out_txt)
-        return img
-
-    def rest(img, rows, index):
-        with loras.only(rows) if rows is not None else contextlib.nullcontext():
-            return run(blocks[1:], img, _rows(head_txt[0], index), _rows(txt_mask, index), _rows(temb, index))[0]
-
-    img = step_cache.run_blocks(groups, img, head, rest)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (txt_mask, temb), run)
     return transformer.proj_out(transformer.norm_out(img, temb))
 
 
@@ -80,32 +64,12 @@ def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: t
     img = transformer.img_in(packing.pack(latents))
     txt, text_len, txt_mask, temb = _embed(transformer, img, timestep, guidance, text_embeds, text_mask)
     blocks = transformer.transformer_blocks
-    head_txt = []
 
-    def run(blocks, img, txt, mask, temb, packing):
+    def run(which, img, txt, mask, temb, packing):
         txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(mask)
-        for block in blocks:
+        for block in blocks[which]:
             img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
         return img, txt
 
-    def head(padded):
-        img, out_txt = run(blocks[:1], packing.pack(padded), txt, txt_mask, temb, packing)
-        head_txt.append(out_txt)
-        return packing.unpack(img)
-
-    def rest(padded, rows, index):
-        if rows is None:
-            own, padded_rows = packing, padded
-        else:
-            own = QwenPacking(packing.pos_embed, [packing.img_shapes[r] for r in rows], packing.device)
-            padded_rows = padded[:, :own.longest]
-        # the rows alone: their LoRA plan, then their tokens' (every row: the caller's plan holds)
-        with loras.only(rows) if rows is not None else contextlib.nullcontext(), \
-                loras.packed(own.token_rows) if rows is not None else contextlib.nullcontext():
-            img, _ = run(blocks[1:], own.pack(padded_rows), _rows(head_txt[0], index), _rows(txt_mask, index),
-                         _rows(temb, index), own)
-        out = own.unpack(img)
-        return F.pad(out, (0, 0, 0, padded.shape[1] - out.shape[1]))
-
-    img = step_cache.run_blocks(groups, packing.unpack(img), head, rest)
+    img = step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (txt_mask, temb), run, packing)
     return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, packing.pack(img), temb)))

@@ -36,6 +36,10 @@ class QwenPacking(Packing):
     def _repeat(self, times: int) -> "QwenPacking":
         return QwenPacking(self.pos_embed, self.img_shapes * times, self.device)
 
+    def subset(self, rows: list[int]) -> "QwenPacking":
+        """The packing of just the rows `rows`, in that order."""
+        return QwenPacking(self.pos_embed, [self.img_shapes[r] for r in rows], self.device)
+
     def text_freqs(self, text_len: int) -> torch.Tensor:
         """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
         pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)

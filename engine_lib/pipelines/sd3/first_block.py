@@ -6,27 +6,16 @@ hook subtracts from the text output that SD3's last, `context_pre_only`, block d
 is the hook's with that text residual left out, which changes nothing the forward returns (the text stream
 ends at the last block). `cached_forward` is `SD3Transformer2DModel.forward` operation for operation (rows of
 one size), `cached_packed_forward` is mixed_sizes.packed_forward (rows of different sizes), each with its block
-loop handed to `step_cache.run_blocks`. A row that computes every block gets what the plain forward gives it.
+loop handed to `step_cache.run_joint_blocks`. A row that computes every block gets what the plain forward gives it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, _block
-
-
-def _rows(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
-
-
-def _only(loras, rows):
-    return contextlib.nullcontext() if rows is None else loras.only(rows)
 
 
 @torch.inference_mode()
@@ -38,23 +27,13 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
     temb = transformer.time_text_embed(timestep, pooled)
     txt = transformer.context_embedder(text_embeds)
     blocks = transformer.transformer_blocks
-    head_txt = []
 
-    def run(blocks, img, txt, temb):
-        for block in blocks:
+    def run(which, img, txt, temb):
+        for block in blocks[which]:
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, joint_attention_kwargs=None)
         return img, txt
 
-    def head(img):
-        img, out_txt = run(blocks[:1], img, txt, temb)
-        head_txt.append(out_txt)
-        return img
-
-    def rest(img, rows, index):
-        with _only(loras, rows):
-            return run(blocks[1:], img, _rows(head_txt[0], index), _rows(temb, index))[0]
-
-    img = step_cache.run_blocks(groups, img, head, rest)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run)
     img = transformer.proj_out(transformer.norm_out(img, temb))
     p, channels = transformer.config.patch_size, transformer.out_channels  # unpatchify, as the forward does
     img = img.reshape(shape=(img.shape[0], height // p, width // p, p, p, channels))
@@ -73,30 +52,12 @@ def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: t
     temb = transformer.time_text_embed(timestep, pooled)
     txt = transformer.context_embedder(text_embeds)
     blocks = transformer.transformer_blocks
-    head_txt = []
 
-    def run(blocks, img, txt, temb, packing):
-        for block in blocks:
+    def run(which, img, txt, temb, packing):
+        for block in blocks[which]:
             img, txt = _block(block, img, txt, temb, packing)
         return img, txt
 
-    def head(padded):
-        img, out_txt = run(blocks[:1], packing.pack(padded), txt, temb, packing)
-        head_txt.append(out_txt)
-        return packing.unpack(img)
-
-    def rest(padded, rows, index):
-        if rows is None:
-            own, padded_rows = packing, padded
-        else:
-            own = SD3Packing([packing.sizes[r] for r in rows], packing.patch_size, packing.device)
-            padded_rows = padded[:, :own.longest]
-        # the rows alone: their LoRA plan, then their tokens' (every row: the caller's plan holds)
-        with _only(loras, rows), loras.packed(own.token_rows) if rows is not None else contextlib.nullcontext():
-            img, _ = run(blocks[1:], own.pack(padded_rows), _rows(head_txt[0], index), _rows(temb, index), own)
-        out = own.unpack(img)
-        return F.pad(out, (0, 0, 0, padded.shape[1] - out.shape[1]))
-
-    img = packing.pack(step_cache.run_blocks(groups, packing.unpack(img), head, rest))
+    img = packing.pack(step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (temb,), run, packing))
     img = transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb))
     return packing.unpatchify(img, transformer.out_channels)

@@ -55,6 +55,10 @@ class SD3Packing(Packing):
     def _repeat(self, times: int) -> "SD3Packing":
         return SD3Packing(self.sizes * times, self.patch_size, self.device)
 
+    def subset(self, rows: list[int]) -> "SD3Packing":
+        """The packing of just the rows `rows`, in that order."""
+        return SD3Packing([self.sizes[r] for r in rows], self.patch_size, self.device)
+
     def patchify(self, pos_embed, latents: torch.Tensor, loras: Optional[LoraLibrary] = None) -> torch.Tensor:
         """Token latents [R, longest, C] -> packed patch embeddings [1, T, D], each row with its size's crop
         (and, with `loras`, its own LoRA on the patch convolution)."""
