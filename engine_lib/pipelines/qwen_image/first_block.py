@@ -12,25 +12,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
 from engine_lib.pipelines import step_cache
-from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, _block
+from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, _block, embed
 
 
-def _embed(transformer, img: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
-           text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor]):
-    """The forward's preamble after `img_in`: the text stream, its length and mask, the timestep embedding."""
+def _embed(transformer, *args):
+    """mixed_sizes.embed, on the transformers the cache supports."""
     if transformer.zero_cond_t:
         raise NotImplementedError("the first-block cache with zero_cond_t (edit checkpoints) is not supported")
-    timestep = timestep.to(img.dtype)
-    txt = transformer.txt_in(transformer.txt_norm(text_embeds))
-    text_len, _, txt_mask = compute_text_seq_len_from_mask(txt, text_mask)
-    if guidance is not None:
-        guidance = guidance.to(img.dtype) * 1000
-    temb = (transformer.time_text_embed(timestep, img) if guidance is None
-            else transformer.time_text_embed(timestep, guidance, img))
-    return txt, text_len, txt_mask, temb
+    return embed(transformer, *args)
 
 
 @torch.inference_mode()

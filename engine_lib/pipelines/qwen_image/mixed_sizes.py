@@ -116,6 +116,19 @@ def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[tor
     return img, txt
 
 
+def embed(transformer, img: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
+          text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor]):
+    """The forward's preamble after `img_in`: the text stream, its length and mask, the timestep embedding."""
+    timestep = timestep.to(img.dtype)
+    txt = transformer.txt_in(transformer.txt_norm(text_embeds))
+    text_len, _, txt_mask = compute_text_seq_len_from_mask(txt, text_mask)
+    if guidance is not None:
+        guidance = guidance.to(img.dtype) * 1000
+    temb = (transformer.time_text_embed(timestep, img) if guidance is None
+            else transformer.time_text_embed(timestep, guidance, img))
+    return txt, text_len, txt_mask, temb
+
+
 @torch.inference_mode()
 def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
                    text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], packing: QwenPacking) -> torch.Tensor:
@@ -124,13 +137,7 @@ def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, g
     if transformer.zero_cond_t:
         raise NotImplementedError("mixed sizes with zero_cond_t (edit checkpoints) are not supported")
     img = transformer.img_in(packing.pack(latents))
-    timestep = timestep.to(img.dtype)
-    txt = transformer.txt_in(transformer.txt_norm(text_embeds))
-    text_len, _, txt_mask = compute_text_seq_len_from_mask(txt, text_mask)
-    if guidance is not None:
-        guidance = guidance.to(img.dtype) * 1000
-    temb = (transformer.time_text_embed(timestep, img) if guidance is None
-            else transformer.time_text_embed(timestep, guidance, img))
+    txt, text_len, txt_mask, temb = embed(transformer, img, timestep, guidance, text_embeds, text_mask)
     txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(txt_mask)
     for block in transformer.transformer_blocks:
         img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
