@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from diffusers.hooks import FirstBlockCacheConfig
 
 from engine_lib.config import EngineConfig
 from engine_lib.pipelines.base import move_tensors
@@ -24,13 +24,14 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import (FLOAT_BOUND, Arrival, drive_steps, image_diff, load_tiny_adapter, parse, solo_steps,
-                           with_cfg_batching)
+from parity_checks import load_tiny_adapter, parse, solo_steps
+from step_cache_checks import (STEPS, cached_inputs, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
+                               lora_runner, rows_into, with_options)
 
-STEPS = 6
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
 # the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.
 BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64}
+cached = partial(cached_inputs, BASE)  # cached(threshold, seed=3, **extra): BASE with the cache on
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +43,7 @@ def adapter() -> QwenImageAdapter:
 def tail_rows(adapter):
     """Rows entering the last block, per call: its text MLP sees one row per row the block runs (packed image
     streams too), and is not called for a forward diffusers' hook skips."""
-    calls = []
-    mlp = adapter.pipe.transformer.transformer_blocks[-1].txt_mlp
-    handle = mlp.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
-    yield calls
-    handle.remove()
-
-
-def cached(threshold: float, seed: int = 3, **extra) -> dict:
-    return {**BASE, "seed": seed, "cache": "first_block", "cache_threshold": threshold, **extra}
+    yield from rows_into(adapter.pipe.transformer.transformer_blocks[-1].txt_mlp)
 
 
 def test_inputs_are_declared_per_row_and_checked(adapter):
@@ -71,25 +64,7 @@ def test_a_solo_request_is_bitwise_diffusers_first_block_cache(adapter, tail_row
     """Both paths decide alike and give the same image; with true CFG each branch has its own state
     (diffusers' cache contexts "cond" and "uncond": two forwards, so cfg_batching off)."""
     inputs = cached(0.5, **(dict(negative_prompt="bad quality", true_cfg_scale=4.0) if cfg else {}))
-    ours = solo_steps(with_cfg_batching(adapter, not cfg), inputs, float_output=True)
-    ours_rows = list(tail_rows)
-    p = parse(adapter, inputs)
-    tail_rows.clear()
-    adapter.pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold(p)))
-    try:
-        reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
-    finally:
-        adapter.pipe.transformer.disable_cache()
-    reference_rows = list(tail_rows)
-    branches = 2 if cfg else 1
-    skipped = STEPS * branches - len(tail_rows)
-    print(f"first_block 0.5, {STEPS} steps x {branches} branches: diffusers' hook reused {skipped}")
-    assert skipped >= 1 and ours_rows == tail_rows
-    assert np.array_equal(ours, reference)
-    if cfg:  # cond and uncond as one forward of 2 rows (the default): the same decisions, each branch its own
-        tail_rows.clear()
-        assert image_diff(solo_steps(adapter, inputs, float_output=True), reference) <= FLOAT_BOUND
-        assert sum(tail_rows) == len(reference_rows)
+    check_solo_is_the_hooks(adapter, tail_rows, inputs, diffusers_cache, "qwen_image", cfg)
 
 
 def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(adapter, tail_rows):
@@ -98,20 +73,13 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     request computed there solo (the same decisions, made per row)."""
     requests = {"off": {**BASE, "seed": 1}, "a": cached(0.3, seed=2), "b": cached(0.5, seed=3),
                 "c": cached(0.5, seed=4)}
-    solo_rows, solo = {}, {}
-    for rid, inputs in requests.items():
-        tail_rows.clear()
-        solo[rid] = solo_steps(adapter, inputs)
-        solo_rows[rid] = len(tail_rows)
-    tail_rows.clear()
-    result = drive_steps(adapter, [Arrival(t, rid, requests[rid]) for t, rid in
-                                   ((0, "off"), (0, "a"), (1, "b"), (2, "c"))], capacity=4)
-    assert max(result.forward_sizes) == 4 and result.forward_sizes == result.batch_sizes  # none retried alone
-    for rid, image in result.images.items():
-        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    solo_rows, counts = check_shared_batch(adapter, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
+                                           capacity=4)
     print(f"rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
     assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
     assert sum(tail_rows) == sum(solo_rows.values())
+    computed = sum(solo_rows.values()) - solo_rows["off"]  # the metrics: one decision per caching request and step
+    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
 
 
 def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_cache(adapter):
@@ -149,31 +117,17 @@ def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_
 def test_rows_of_different_sizes_decide_alone_in_a_packed_forward(adapter, tail_rows):
     """With mixed_size_batching, cached rows of two sizes and an uncached one share packed forwards: each image
     within one uint8 level of its solo run, and the last block sees only the rows that computed solo."""
-    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    mixed = with_options(adapter, mixed_size_batching=True)
     requests = {"off": {**BASE, "seed": 1, "height": 32}, "a": cached(0.5, seed=2),
                 "b": cached(0.3, seed=3, height=32, width=48)}
-    solo_rows, solo = {}, {}
-    for rid, inputs in requests.items():
-        tail_rows.clear()
-        solo[rid] = solo_steps(mixed, inputs)
-        solo_rows[rid] = len(tail_rows)
-    tail_rows.clear()
-    result = drive_steps(mixed, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "off"), (0, "a"), (1, "b"))])
-    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
-    for rid, image in result.images.items():
-        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    solo_rows, _ = check_shared_batch(mixed, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b")))
     print(f"packed: rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
     assert sum(tail_rows) == sum(solo_rows.values()) < STEPS * len(requests)
 
 
 @pytest.fixture(scope="module")
 def lora_adapter(adapter) -> QwenImageAdapter:
-    """The same pipe with the toy LoRAs and mixed_size_batching (one LoRA library per pipe)."""
-    from engine_lib.tiny_models import ensure_loras, ensure_model
-
-    loras = ensure_loras("qwen_image", ensure_model("qwen_image", "tiny"))
-    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
-                         {**adapter.options, "lora_dir": str(loras), "mixed_size_batching": True})
+    return lora_runner(adapter, "qwen_image")
 
 
 @pytest.mark.parametrize("sizes", ["one_size", "mixed_sizes"])
@@ -182,11 +136,5 @@ def test_rows_that_compute_alone_keep_their_own_lora(lora_adapter, tail_rows, si
     packed: each image within one uint8 level of its solo run."""
     requests = {"a": cached(0.5, seed=2, lora_name="toy_a"), "plain": cached(0.05, seed=3),
                 "b": cached(0.3, seed=4, lora_name="toy_b", **({"height": 32} if sizes != "one_size" else {}))}
-    solo = {rid: solo_steps(lora_adapter, inputs) for rid, inputs in requests.items()}
-    tail_rows.clear()
-    arrivals = [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))]
-    result = drive_steps(lora_adapter, arrivals)
-    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
+    check_shared_batch(lora_adapter, tail_rows, requests, ((0, "a"), (0, "plain"), (1, "b")))
     assert sum(tail_rows) < STEPS * len(requests)
-    for rid, image in result.images.items():
-        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid

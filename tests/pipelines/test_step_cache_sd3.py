@@ -10,20 +10,21 @@ block (counted by a hook on its modulation, which sees one row per row the block
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
-import numpy as np
 import pytest
 from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
 from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
-from parity_checks import (FLOAT_BOUND, Arrival, drive_steps, image_diff, load_tiny_adapter, parse, solo_steps,
-                           with_cfg_batching)
+from parity_checks import FLOAT_BOUND, image_diff, load_tiny_adapter, solo_steps, with_cfg_batching
+from step_cache_checks import (STEPS, cached_inputs, check_shared_batch, check_solo_is_the_hooks, lora_runner,
+                               rows_into, with_options)
 
-STEPS = 6
 # Measured on the tiny model with these inputs: the first block's residual changes by 0.30-0.53 relative to the
 # first step's, so 0.6 reuses all 5 later steps, 0.4 some, 0.2 none. guidance_scale 1: no CFG.
 BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64, "guidance_scale": 1.0}
+cached = partial(cached_inputs, BASE)  # cached(threshold, seed=3, **extra): BASE with the cache on
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +34,7 @@ def adapter() -> SD3Adapter:
 
 @pytest.fixture
 def tail_rows(adapter):
-    calls = []
-    linear = adapter.pipe.transformer.transformer_blocks[-1].norm1.linear
-    handle = linear.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
-    yield calls
-    handle.remove()
-
-
-def cached(threshold: float, seed: int = 3, **extra) -> dict:
-    return {**BASE, "seed": seed, "cache": "first_block", "cache_threshold": threshold, **extra}
+    yield from rows_into(adapter.pipe.transformer.transformer_blocks[-1].norm1.linear)
 
 
 @contextlib.contextmanager
@@ -63,16 +56,7 @@ def diffusers_first_block_cache(transformer, threshold: float):
 
 
 def test_a_solo_request_is_bitwise_the_hooks_math(adapter, tail_rows):
-    inputs = cached(0.4)
-    ours = solo_steps(adapter, inputs, float_output=True)
-    ours_rows = list(tail_rows)
-    tail_rows.clear()
-    p = parse(adapter, inputs)
-    with diffusers_first_block_cache(adapter.pipe.transformer, 0.4):
-        reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
-    print(f"sd3 first_block 0.4, {STEPS} steps: the hook reused {STEPS - len(tail_rows)}")
-    assert STEPS - len(tail_rows) >= 1 and ours_rows == tail_rows
-    assert np.array_equal(ours, reference)
+    check_solo_is_the_hooks(adapter, tail_rows, cached(0.4), diffusers_first_block_cache, "sd3")
 
 
 def test_with_cfg_each_branch_decides_alone_in_one_forward_or_two(adapter, tail_rows):
@@ -93,40 +77,23 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     of one size or packed: each image within one uint8 level of its solo run, and the last block sees exactly the
     rows whose own request computed there solo."""
     mixed = sizes == "mixed_sizes"
-    runner = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": mixed})
+    runner = with_options(adapter, mixed_size_batching=mixed)
     small = {"height": 32, "width": 48} if mixed else {}
     requests = {"off": {**BASE, "seed": 1, **small}, "a": cached(0.2, seed=2), "b": cached(0.6, seed=3, **small),
                 "c": cached(0.4, seed=4)}
-    solo_rows, solo = {}, {}
-    for rid, inputs in requests.items():
-        tail_rows.clear()
-        solo[rid] = solo_steps(runner, inputs)
-        solo_rows[rid] = sum(tail_rows)
-    tail_rows.clear()
-    ticks = ((0, "off"), (0, "a"), (1, "b"), (2, "c"))
-    result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ticks], capacity=4)
-    assert max(result.forward_sizes) == 4 and result.forward_sizes == result.batch_sizes  # none retried alone
-    for rid, image in result.images.items():
-        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    solo_rows, counts = check_shared_batch(runner, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
+                                           capacity=4)
     print(f"sd3 {sizes}: rows through the last block {sum(tail_rows)}; solo: {solo_rows}")
     assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
     assert sum(tail_rows) == sum(solo_rows.values())
+    computed = sum(solo_rows.values()) - solo_rows["off"]  # the metrics: one decision per caching request and step
+    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
 
 
 def test_rows_that_compute_alone_keep_their_own_lora(adapter, tail_rows):
     """In a packed forward, the rows that run the later blocks on their own carry their own LoRA (toy_a, none,
     toy_b): each image within one uint8 level of its solo run."""
-    from engine_lib.tiny_models import ensure_loras, ensure_model
-
-    loras = ensure_loras("sd3", ensure_model("sd3", "tiny"))
-    runner = type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
-                           {**adapter.options, "lora_dir": str(loras), "mixed_size_batching": True})
     requests = {"a": cached(0.6, seed=2, lora_name="toy_a"), "plain": cached(0.2, seed=3),
                 "b": cached(0.4, seed=4, lora_name="toy_b", height=32)}
-    solo = {rid: solo_steps(runner, inputs) for rid, inputs in requests.items()}
-    tail_rows.clear()
-    result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ((0, "a"), (0, "plain"), (1, "b"))])
-    assert max(result.forward_sizes) == 3 and result.forward_sizes == result.batch_sizes
+    check_shared_batch(lora_runner(adapter, "sd3"), tail_rows, requests, ((0, "a"), (0, "plain"), (1, "b")))
     assert sum(tail_rows) < STEPS * len(requests)
-    for rid, image in result.images.items():
-        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid

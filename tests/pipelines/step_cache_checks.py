@@ -1,0 +1,102 @@
+"""What the first-block cache tests of every pipeline share (test_step_cache*.py).
+
+A hook on a module of the cache's tail block counts the rows that run it per call (it sees one row per row the
+block runs, packed image streams too, and is not called for a forward the cache skips), so the tests count the
+work a decision saves instead of timing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from engine_lib.pipelines.base import PipelineAdapter
+from engine_lib.pipelines.step_cache import threshold
+from parity_checks import FLOAT_BOUND, Arrival, drive_steps, image_diff, parse, solo_steps, with_cfg_batching
+
+STEPS = 6
+
+
+def rows_into(module):
+    """For a fixture: the rows entering `module`, one entry per call."""
+    calls = []
+    handle = module.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
+    yield calls
+    handle.remove()
+
+
+def cached_inputs(base: dict, threshold: float, seed: int = 3, **extra) -> dict:
+    """`base` with the first-block cache at `threshold`."""
+    return {**base, "seed": seed, "cache": "first_block", "cache_threshold": threshold, **extra}
+
+
+@contextlib.contextmanager
+def diffusers_cache(transformer, threshold: float):
+    """diffusers' own hook (`enable_cache(FirstBlockCacheConfig)`), on a pipeline whose transformer has it."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        yield
+    finally:
+        transformer.disable_cache()
+
+
+def check_solo_is_the_hooks(adapter: PipelineAdapter, tail_rows: list, inputs: dict, hook, label: str,
+                            cfg: bool = False) -> None:
+    """A solo request decides as the pipeline under `hook(transformer, threshold)` does (the same rows through
+    the tail block per call, at least one step reused) and gives the same image bitwise. With true CFG
+    (`cfg`) each branch has its own state: two forwards (cfg_batching off) against the pipeline's cache
+    contexts "cond" and "uncond", then one forward of 2 rows (the default) with the same decisions, each
+    branch its own, within the float bound."""
+    ours = solo_steps(with_cfg_batching(adapter, not cfg), inputs, float_output=True)
+    ours_rows = list(tail_rows)
+    tail_rows.clear()
+    p = parse(adapter, inputs)
+    with hook(adapter.pipe.transformer, threshold(p)):
+        reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
+    reference_rows = list(tail_rows)
+    branches = 2 if cfg else 1
+    skipped = STEPS * branches - len(reference_rows)
+    print(f"{label} first_block {threshold(p):g}, {STEPS} steps x {branches} branches: the hook reused {skipped}")
+    assert skipped >= 1 and ours_rows == reference_rows
+    assert np.array_equal(ours, reference)
+    if cfg:
+        tail_rows.clear()
+        assert image_diff(solo_steps(adapter, inputs, float_output=True), reference) <= FLOAT_BOUND
+        assert sum(tail_rows) == len(reference_rows)
+
+
+def check_shared_batch(runner: PipelineAdapter, tail_rows: list, requests: dict, ticks: tuple,
+                       **drive) -> tuple[dict, dict]:
+    """Each request solo, then all of them joining at `ticks` ((tick, request id)): every forward holds them all
+    (none retried alone) and each image is within one uint8 level of its solo run. Returns each request's rows
+    through the tail block solo and the cache decisions the shared run counted for the metrics; `tail_rows`
+    then holds the shared run's rows."""
+    solo_rows, solo = {}, {}
+    for rid, inputs in requests.items():
+        tail_rows.clear()
+        solo[rid] = solo_steps(runner, inputs)
+        solo_rows[rid] = sum(tail_rows)
+    tail_rows.clear()
+    before = runner.counters()
+    result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ticks], **drive)
+    assert max(result.forward_sizes) == len(requests) and result.forward_sizes == result.batch_sizes
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+    counts = {k: runner.counters()[k] - before[k] for k in ("cache_steps_computed", "cache_steps_reused")}
+    return solo_rows, counts
+
+
+def with_options(adapter: PipelineAdapter, **options) -> PipelineAdapter:
+    """The same pipe with `options` over its own."""
+    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, **options})
+
+
+def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
+    """The same pipe with the toy LoRAs and mixed_size_batching (one LoRA library per pipe)."""
+    from engine_lib.tiny_models import ensure_loras, ensure_model
+
+    loras = ensure_loras(pipeline, ensure_model(pipeline, "tiny"))
+    return with_options(adapter, lora_dir=str(loras), mixed_size_batching=True)
