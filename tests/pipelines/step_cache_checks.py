@@ -89,6 +89,19 @@ def check_shared_batch(runner: PipelineAdapter, tail_rows: list, requests: dict,
     return solo_rows, counts
 
 
+def check_rows_decide_alone(runner: PipelineAdapter, tail_rows: list, requests: dict, label: str) -> None:
+    """`requests` "off" (the cache off), "a", "b" (which reuses solo) and "c" join at ticks 0, 0, 1 and 2 and
+    share every forward (`check_shared_batch`): the tail block sees exactly the rows whose own request and branch
+    computed there solo, and the metrics count one decision per caching request and step."""
+    solo_rows, counts = check_shared_batch(runner, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
+                                           capacity=4)
+    print(f"{label}: rows through the tail block {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
+    assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
+    assert sum(tail_rows) == sum(solo_rows.values())
+    computed = sum(solo_rows.values()) - solo_rows["off"]  # the request without the cache makes no decision
+    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+
+
 def with_options(adapter: PipelineAdapter, **options) -> PipelineAdapter:
     """The same pipe with `options` over its own."""
     return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, **options})

@@ -25,8 +25,8 @@ from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from parity_checks import load_tiny_adapter, parse, solo_steps
-from step_cache_checks import (STEPS, cached_inputs, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
-                               lora_runner, rows_into, with_options)
+from step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
+                               check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into, with_options)
 
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
 # the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.
@@ -73,13 +73,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     request computed there solo (the same decisions, made per row)."""
     requests = {"off": {**BASE, "seed": 1}, "a": cached(0.3, seed=2), "b": cached(0.5, seed=3),
                 "c": cached(0.5, seed=4)}
-    solo_rows, counts = check_shared_batch(adapter, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
-                                           capacity=4)
-    print(f"rows through the last block: {sum(tail_rows)} of {STEPS * len(requests)}; solo: {solo_rows}")
-    assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
-    assert sum(tail_rows) == sum(solo_rows.values())
-    computed = sum(solo_rows.values()) - solo_rows["off"]  # the metrics: one decision per caching request and step
-    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+    check_rows_decide_alone(adapter, tail_rows, requests, "qwen_image")
 
 
 def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_cache(adapter):

@@ -15,8 +15,8 @@ import pytest
 
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from parity_checks import load_tiny_adapter, parse
-from step_cache_checks import (STEPS, cached_inputs, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
-                               lora_runner, rows_into, with_options)
+from step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
+                               check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into, with_options)
 
 # Measured on the tiny model with these inputs: the first block's residual changes by 0.36-0.49 relative to the
 # first step's, so 0.5 reuses all 5 later steps, 0.4 some, 0.3 none.
@@ -59,14 +59,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_single_bl
     small = {"height": 32, "width": 48} if mixed else {}
     requests = {"off": {**BASE, "seed": 1, **small}, "a": cached(0.3, seed=2), "b": cached(0.5, seed=3, **small),
                 "c": cached(0.4, seed=4)}
-    solo_rows, counts = check_shared_batch(runner, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
-                                           capacity=4)
-    print(f"flux {sizes}: rows through the last single block {sum(tail_rows)}; solo: {solo_rows}")
-    assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
-    assert sum(tail_rows) == sum(solo_rows.values())
-    # the metrics' counts: one decision per caching request and step (the request without the cache makes none)
-    computed = sum(solo_rows.values()) - solo_rows["off"]
-    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+    check_rows_decide_alone(runner, tail_rows, requests, f"flux {sizes}")
 
 
 @pytest.fixture(scope="module")

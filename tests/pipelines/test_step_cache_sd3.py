@@ -18,8 +18,8 @@ from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from parity_checks import FLOAT_BOUND, image_diff, load_tiny_adapter, solo_steps, with_cfg_batching
-from step_cache_checks import (STEPS, cached_inputs, check_shared_batch, check_solo_is_the_hooks, lora_runner,
-                               rows_into, with_options)
+from step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
+                               check_solo_is_the_hooks, lora_runner, rows_into, with_options)
 
 # Measured on the tiny model with these inputs: the first block's residual changes by 0.30-0.53 relative to the
 # first step's, so 0.6 reuses all 5 later steps, 0.4 some, 0.2 none. guidance_scale 1: no CFG.
@@ -81,13 +81,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     small = {"height": 32, "width": 48} if mixed else {}
     requests = {"off": {**BASE, "seed": 1, **small}, "a": cached(0.2, seed=2), "b": cached(0.6, seed=3, **small),
                 "c": cached(0.4, seed=4)}
-    solo_rows, counts = check_shared_batch(runner, tail_rows, requests, ((0, "off"), (0, "a"), (1, "b"), (2, "c")),
-                                           capacity=4)
-    print(f"sd3 {sizes}: rows through the last block {sum(tail_rows)}; solo: {solo_rows}")
-    assert solo_rows["off"] == STEPS and solo_rows["b"] < STEPS
-    assert sum(tail_rows) == sum(solo_rows.values())
-    computed = sum(solo_rows.values()) - solo_rows["off"]  # the metrics: one decision per caching request and step
-    assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+    check_rows_decide_alone(runner, tail_rows, requests, f"sd3 {sizes}")
 
 
 def test_rows_that_compute_alone_keep_their_own_lora(adapter, tail_rows):
