@@ -225,6 +225,41 @@ def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(serv
     np.testing.assert_array_equal(result.final.as_numpy("image"), adapter.outputs[0].convert(expected.images))
 
 
+def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
+    """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise); a
+    model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
+    edit cap a 413, and the front door serves on."""
+    import openai
+
+    from engine_lib.serving.openai_api.app import MAX_EDIT_BODY_BYTES
+
+    from .test_openai import decode, front_door, sdk
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(buffer, "PNG")
+    picture = buffer.getvalue()
+    extra = {"strength": 0.6, "seed": 1, "num_inference_steps": 4}
+    door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
+    try:
+        client = sdk(door)
+        result = client.images.edit(model="sd3", image=("in.png", picture, "image/png"), prompt="in winter",
+                                    size="64x48", extra_body=extra)
+        expected = run_request(server.grpc_url, model="sd3", request_id="edit", prompt="in winter", width=64,
+                               height=48, image=picture, **extra)
+        assert not expected.errors and int(expected.final.as_numpy("num_steps")[0]) == 3  # the last 60% of 4
+        np.testing.assert_array_equal(decode(result.data[0].b64_json), expected.final.as_numpy("image")[0])
+        for model, image, param in (("flux", picture, "model"), ("sd3", np.random.default_rng(4).bytes(512), "image")):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.images.edit(model=model, image=("in.png", image), prompt="x", extra_body=extra)
+            assert info.value.param == param, info.value.body
+        with pytest.raises(openai.APIStatusError) as info:
+            client.images.edit(model="sd3", image=("big.png", b"\0" * MAX_EDIT_BODY_BYTES), prompt="x")
+        assert info.value.status_code == 413
+        assert "sd3" in [m.id for m in client.models.list()]
+    finally:
+        door.stop()
+
+
 def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
     # sd3's config does not declare true_cfg_scale: Triton refuses it over gRPC, naming it ...
     result = run_request(server.grpc_url, model="sd3", request_id="bad-cfg", prompt="x", true_cfg_scale=4.0)

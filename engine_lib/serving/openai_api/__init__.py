@@ -1,4 +1,4 @@
-"""An OpenAI Images API front door for the Triton models: `/v1/models`, `/v1/images/generations`.
+"""An OpenAI Images API front door for the Triton models: `/v1/models`, `/v1/images/generations`, `/edits`.
 
 A thin async HTTP server (FastAPI + uvicorn) that speaks gRPC streaming to the local
 tritonserver through tritonclient's asyncio client; no model code runs in it (it imports

@@ -1,5 +1,10 @@
-"""The FastAPI app of the front door: the OpenAI Images API (`/v1/models`, `/v1/images/generations`)
-and strict versions of Triton's `generate` / `generate_stream` (generate.py).
+"""The FastAPI app of the front door: the OpenAI Images API (`/v1/models`, `/v1/images/generations`,
+`/v1/images/edits` for the models with an `image` input) and strict versions of Triton's `generate` /
+`generate_stream` (generate.py).
+
+An edit is a multipart/form-data body: its image file goes to the model's `image` input as it
+came, its other fields as a generations body would (requests.py). Its body may hold one image
+of MAX_IMAGE_BYTES and a request's fields; every other body stays within MAX_BODY_BYTES.
 
 Streaming (`stream: true`) answers server-sent events as OpenAI streams images: up to
 `partial_images` events `image_generation.partial_image` (the engine's previews, spread
@@ -28,13 +33,16 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from engine_lib.serving.openai_api.gateway import Response, TritonGateway, TritonRequestError
+from engine_lib.images import MAX_IMAGE_BYTES
 from engine_lib.request import InvalidInputError
+from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway, TritonRequestError
 from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, bad_request, error_from_triton,
-                                                    lone_surrogate_field, openai_param, parse_image_request)
+                                                    lone_surrogate_field, openai_param, parse_edit_request,
+                                                    parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
 from engine_lib.serving.openai_api.watch import next_response, until_final
 from engine_lib.serving.tensors import encode_png_base64
@@ -44,6 +52,10 @@ BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 kB/s; a client that dribbles its body slowe
 # A body over MAX_BODY_BYTES is still read (and dropped) up to this size before the 413, so that a client still
 # sending it reads the answer instead of a reset connection; one declared larger is refused unread.
 MAX_DISCARD_BYTES = 8 << 20
+# An edit's form: one image file and a request's worth of fields; 120 s is 75 kB/s for all of it.
+MAX_EDIT_BODY_BYTES = MAX_IMAGE_BYTES + MAX_BODY_BYTES
+EDIT_BODY_TIMEOUT_S = 120.0
+MAX_FORM_FILES, MAX_FORM_FIELDS = 16, 64  # OpenAI takes up to 16 images; a form of more is no request
 # The usage OpenAI reports for GPT image models; these models count no tokens.
 NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
             "total_tokens": 0}
@@ -105,18 +117,37 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "triton"}
                                            for n in names]}
 
-    @v1.post("/images/generations")
-    async def generations(request: Request, caller: Caller = Depends(authorize)):
-        gateway: TritonGateway = request.app.state.gateway
-        body = await read_json(request)
+    async def model_inputs(gateway: TritonGateway, model: Any) -> tuple[dict[str, InputType], Optional[str]]:
+        """(the declared inputs of the model asked for, or of the only ready one; the default model): 404 for a
+        model not served here."""
         names = await ready_models(gateway)
-        model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model not in names:
             raise OpenAIError(404, f"model {model!r} is not served here (ready: {', '.join(names)})", param="model",
                               code="model_not_found")
         default = names[0] if len(names) == 1 else None
-        input_types = await gateway.input_types(model or default) if (model or default) else {}
-        image_request = parse_image_request(body, input_types, default)
+        return (await gateway.input_types(model or default) if (model or default) else {}), default
+
+    @v1.post("/images/generations")
+    async def generations(request: Request, caller: Caller = Depends(authorize)):
+        body = await read_json(request)
+        input_types, default = await model_inputs(request.app.state.gateway,
+                                                  body.get("model") if isinstance(body, dict) else None)
+        return await run(request, caller, parse_image_request(body, input_types, default), input_types,
+                         "image_generation")
+
+    @v1.post("/images/edits")
+    async def edits(request: Request, caller: Caller = Depends(authorize)):
+        fields, files = await read_form(request)
+        model = next((value for name, value in fields if name == "model"), None)
+        input_types, default = await model_inputs(request.app.state.gateway, model)
+        return await run(request, caller, parse_edit_request(fields, files, input_types, default), input_types,
+                         "image_edit")
+
+    async def run(request: Request, caller: Caller, image_request: ImageRequest, input_types: dict[str, InputType],
+                  kind: str):
+        """Send the request to its model and answer with its images (events named `<kind>.partial_image` and
+        `<kind>.completed` when streamed)."""
+        gateway: TritonGateway = request.app.state.gateway
         request_id = f"openai-{next(request_ids)}"
         try:
             tensors = gateway.tensors(image_request.inputs, input_types)
@@ -127,7 +158,7 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
         responses = gateway.stream(image_request.model, tensors, request_id, parameters)
         if image_request.stream:  # watched: without partial images the first response is the last
             first = await next_response(responses, request, on_error=error_from_triton)
-            return StreamingResponse(events(image_request, first, responses), media_type="text/event-stream")
+            return StreamingResponse(events(image_request, first, responses, kind), media_type="text/event-stream")
         final = await until_final(responses, request, on_error=error_from_triton)
         images = await run_in_threadpool(png_base64, final.images)
         return {"created": int(time.time()), "data": [{"b64_json": image} for image in images],
@@ -138,34 +169,41 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
     return app
 
 
-async def read_json(request: Request) -> Any:
-    """The JSON body, refused with 413 past MAX_BODY_BYTES (read and dropped up to MAX_DISCARD_BYTES first, so
-    the client reads the answer; at once when Content-Length says more), 408 when it
-    takes over BODY_TIMEOUT_S, and 400 when it is not JSON (or nests too deep) or holds text that is not
-    Unicode (a lone surrogate; naming the field). A client gone meanwhile ends the request quietly: its
-    answer goes nowhere, and Starlette's ClientDisconnect would log a traceback per client."""
-    too_large = OpenAIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 past `max_bytes` (read and dropped up to twice that, at least MAX_DISCARD_BYTES,
+    first, so the client reads the answer; at once when Content-Length says more) and 408 when it takes over
+    `timeout_s`. A client gone meanwhile ends the request quietly: its answer goes nowhere, and Starlette's
+    ClientDisconnect would log a traceback per client."""
+    too_large = OpenAIError(413, f"the request body is over {max_bytes} bytes", code="body_too_large")
+    discard = max(MAX_DISCARD_BYTES, 2 * max_bytes)
     length = request.headers.get("content-length", "")
     declared = int(length) if length.isdecimal() else 0
-    if declared > MAX_DISCARD_BYTES:
+    if declared > discard:
         raise too_large
     data, received = bytearray(), 0
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 received += len(chunk)
-                if received > MAX_DISCARD_BYTES:
+                if received > discard:
                     raise too_large
-                if received <= MAX_BODY_BYTES and declared <= MAX_BODY_BYTES:
+                if received <= max_bytes and declared <= max_bytes:
                     data += chunk
     except TimeoutError:
-        if received > MAX_BODY_BYTES or declared > MAX_BODY_BYTES:
+        if received > max_bytes or declared > max_bytes:
             raise too_large from None
-        raise OpenAIError(408, f"the request body took over {BODY_TIMEOUT_S:g} s", code="timeout") from None
+        raise OpenAIError(408, f"the request body took over {timeout_s:g} s", code="timeout") from None
     except ClientDisconnect:
         raise OpenAIError(499, "the client went away during the request body", code="cancelled") from None
-    if received > MAX_BODY_BYTES or declared > MAX_BODY_BYTES:
+    if received > max_bytes or declared > max_bytes:
         raise too_large
+    return bytes(data)
+
+
+async def read_json(request: Request) -> Any:
+    """The JSON body (read_body within MAX_BODY_BYTES and BODY_TIMEOUT_S), 400 when it is not JSON (or nests too
+    deep) or holds text that is not Unicode (a lone surrogate; naming the field)."""
+    data = await read_body(request, MAX_BODY_BYTES, BODY_TIMEOUT_S)
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
@@ -177,14 +215,47 @@ async def read_json(request: Request) -> Any:
     return body
 
 
+async def read_form(request: Request) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]]]:
+    """A multipart/form-data body (read_body within MAX_EDIT_BODY_BYTES and EDIT_BODY_TIMEOUT_S) as its text fields
+    and its files, each (name, value) in order; 400 when it is no such form, 413 for a file over MAX_IMAGE_BYTES."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
+        raise OpenAIError(400, "the request body must be multipart/form-data (with a boundary)", code="invalid_form")
+    data = await read_body(request, MAX_EDIT_BODY_BYTES, EDIT_BODY_TIMEOUT_S)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    try:
+        form = await MultiPartParser(request.headers, chunks(), max_files=MAX_FORM_FILES,
+                                     max_fields=MAX_FORM_FIELDS).parse()
+    except MultiPartException as exc:
+        raise OpenAIError(400, f"the form cannot be read: {exc.message}", code="invalid_form") from None
+    fields, files = [], []
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, str):
+                fields.append((name, value))
+            else:
+                files.append((name, await value.read()))
+    finally:
+        await form.close()
+    for name, file in files:
+        if len(file) > MAX_IMAGE_BYTES:
+            raise OpenAIError(413, f"the file {name!r} is {len(file)} bytes; at most {MAX_IMAGE_BYTES} allowed",
+                              param=name.removesuffix("[]"), code="file_too_large")
+    return fields, files
+
+
 async def ready_models(gateway: TritonGateway) -> list[str]:
     if not await gateway.server_ready():
         raise OpenAIError(503, f"Triton at {gateway.url} is not ready", code="unavailable", type_="server_error")
     return await gateway.ready_models()
 
 
-async def events(image_request: ImageRequest, first: Response, responses: AsyncIterator[Response]):
-    """Server-sent events: the chosen previews as partial images, then each final image."""
+async def events(image_request: ImageRequest, first: Response, responses: AsyncIterator[Response], kind: str):
+    """Server-sent events: the chosen previews as `<kind>.partial_image`, then each final image as
+    `<kind>.completed`."""
     common = {"background": "opaque", "output_format": "png", "quality": "auto", "size": image_request.size}
     targets: Optional[list[int]] = None
     index = 0
@@ -195,12 +266,12 @@ async def events(image_request: ImageRequest, first: Response, responses: AsyncI
                 targets = partial_steps(response.num_steps, image_request.partial_images)
             if response.is_final:
                 for image in await run_in_threadpool(png_base64, response.images):
-                    yield sse("image_generation.completed", {"b64_json": image, "created_at": int(time.time()),
+                    yield sse(f"{kind}.completed", {"b64_json": image, "created_at": int(time.time()),
                                                              "usage": NO_USAGE, **common})
                 return
             if response.images is not None and response.step in targets:
                 for image in await run_in_threadpool(png_base64, response.images):
-                    yield sse("image_generation.partial_image", {"b64_json": image, "created_at": int(time.time()),
+                    yield sse(f"{kind}.partial_image", {"b64_json": image, "created_at": int(time.time()),
                                                                  "partial_image_index": index, **common})
                 index += 1
             response = await responses.__anext__()

@@ -66,6 +66,8 @@ def to_tensor(name: str, value: Any, input_type: InputType) -> np.ndarray:
     if isinstance(value, (list, dict)):
         raise InvalidInputError(name, f"must be one JSON value, not {type(value).__name__} {_short(value)}")
     if datatype == "BYTES":
+        if isinstance(value, bytes):  # a file of a form (an edit's image), as it came
+            return np.array([value], dtype=dtype)
         if not isinstance(value, str):
             raise InvalidInputError(name, f"must be a string, got {_short(value)}")
         return np.array([value.encode("utf-8")], dtype=dtype)

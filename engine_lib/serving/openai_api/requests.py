@@ -6,10 +6,14 @@ What the body may hold: OpenAI's own fields (`model`, `prompt`, `n`, `size`,
 config (`seed`, `num_inference_steps`, `negative_prompt`, `guidance_scale`, ...), sent as
 that input. Anything else is refused naming it. Values are checked by the model itself
 (its one validation); its INVALID_ARG errors come back naming the OpenAI field.
+
+An edit (`/v1/images/edits`) is a form of the same fields, typed as the JSON body would be
+(`form_body`), plus its `image` file(s), which go to the model's `image` input as they came.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -19,6 +23,7 @@ MANAGED_INPUTS = {"prompt": "prompt", "num_images": "n", "height": "size", "widt
                   "output_format": "output_format", "preview_interval": "partial_images"}
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "stream", "partial_images",
                  "user", "quality", "background")
+TEXT_FIELDS = ("model", "prompt", "size", "response_format", "output_format", "user", "quality", "background")
 NO_OP_VALUES = {"quality": ("auto",), "background": ("auto", "opaque")}
 MAX_PARTIAL_IMAGES = 3
 SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only as a lone surrogate: JSON's "\ud800" makes one
@@ -61,13 +66,18 @@ def parse_size(size: Any) -> tuple[Optional[int], Optional[int]]:
     return int(match.group(1)), int(match.group(2))
 
 
-def parse_image_request(body: Any, input_types: Mapping[str, str], default_model: Optional[str]) -> ImageRequest:
-    """Map an `/v1/images/generations` body onto the model's inputs (`input_types`: name -> Triton datatype)."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+def model_name(body: Mapping[str, Any], default_model: Optional[str]) -> str:
     model = body.get("model", default_model)
     if not isinstance(model, str) or not model:
         raise bad_request("model is required (GET /v1/models lists them)", "model", "missing_required_parameter")
+    return model
+
+
+def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model: Optional[str]) -> ImageRequest:
+    """Map an `/v1/images/generations` body onto the model's inputs (`input_types`: name -> InputType)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    model = model_name(body, default_model)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt is required and must be a string", "prompt", "missing_required_parameter")
@@ -109,6 +119,65 @@ def parse_image_request(body: Any, input_types: Mapping[str, str], default_model
                               "unknown_parameter")
         request.inputs[name] = value
     return request
+
+
+def parse_edit_request(fields: list[tuple[str, str]], files: list[tuple[str, bytes]], input_types: Mapping[str, Any],
+                       default_model: Optional[str]) -> ImageRequest:
+    """Map an `/v1/images/edits` form (its text fields and its files, in order) onto the model's inputs: the
+    fields as a generations body (typed by `form_body`), the `image` file (or `image[]` files) as the model's
+    `image` input, its bytes as they came."""
+    if any(name == "mask" for name, _ in fields + files):
+        raise bad_request("mask is not supported: no model served here takes one", "mask")
+    for name, _ in fields:
+        if name in ("image", "image[]"):
+            raise bad_request("image must be a file (a multipart file part), not a text field", "image")
+    for name, _ in files:
+        if name not in ("image", "image[]"):
+            raise bad_request(f"{name!r} is a file; only image takes one", name)
+    body = form_body(fields, input_types)
+    surrogate = lone_surrogate_field(body)  # JSON's "\ud800" in a typed field
+    if surrogate is not None:
+        raise bad_request(f"input '{surrogate}': holds a lone surrogate, which is not Unicode text", surrogate)
+    model = model_name(body, default_model)
+    if "image" not in input_types:
+        raise bad_request(f"{model} does not take an input image", "model")
+    images = [data for _, data in files]
+    wanted = input_types["image"].count
+    if len(images) != wanted:
+        raise bad_request(f"{model} takes {wanted} image file(s), got {len(images)}", "image",
+                          "missing_required_parameter" if not images else "invalid_value")
+    request = parse_image_request(body, input_types, default_model)
+    request.inputs["image"] = images[0] if wanted == 1 else images
+    return request
+
+
+def form_body(fields: list[tuple[str, str]], input_types: Mapping[str, Any]) -> dict[str, Any]:
+    """Form fields (all text) as the JSON body generations would get: a field that is text (an OpenAI text field,
+    a string input, an unknown name) as it is, any other parsed as JSON (`4`, `0.6`, `true`; what is no JSON
+    stays text and is refused naming it); `name[]` repeated as a list. A field given twice is refused."""
+    body: dict[str, Any] = {}
+    for name, text in fields:
+        key = name.removesuffix("[]")
+        declared = input_types.get(key)
+        is_text = key in TEXT_FIELDS or (declared.triton_type == "TYPE_STRING" if declared else key not in OPENAI_FIELDS)
+        value = text if is_text else json_or_text(text)
+        if name.endswith("[]"):
+            body.setdefault(key, [])
+            if not isinstance(body[key], list):
+                raise bad_request(f"{key} is given both as {key} and {key}[]", key)
+            body[key].append(value)
+        elif key in body:
+            raise bad_request(f"{key} is given more than once", key)
+        else:
+            body[key] = value
+    return body
+
+
+def json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
 
 
 def lone_surrogate_field(body: Any) -> Optional[str]:

@@ -1,0 +1,143 @@
+"""`/v1/images/edits` in-process: the official SDK over FastAPI's TestClient and a fake gateway that records
+what would reach Triton (the served edit, bitwise against gRPC, is in test_other_pipelines.py)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from engine_lib.images import MAX_IMAGE_BYTES
+from engine_lib.serving.openai_api import app as app_module
+from engine_lib.serving.openai_api.gateway import InputType, Response
+
+from .fake_gateway import OneModelGateway
+from .test_security_front_door import HOSTILE_VALUES
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"not decoded by the front door"
+EDIT_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT32"),
+               "width": InputType("TYPE_INT32"), "num_images": InputType("TYPE_INT32"),
+               "preview_interval": InputType("TYPE_INT32"), "seed": InputType("TYPE_INT64"),
+               "num_inference_steps": InputType("TYPE_INT32"), "strength": InputType("TYPE_FP32"),
+               "negative_prompt": InputType("TYPE_STRING"), "cfg_interval": InputType("TYPE_FP32", 2),
+               "image": InputType("TYPE_STRING")}
+
+
+class EditGateway(OneModelGateway):
+    """Two ready models: `m` takes an image, `plain` does not; `sent` records each request's inputs."""
+
+    sent: list = []
+
+    async def ready_models(self) -> list[str]:
+        return ["m", "plain"]
+
+    async def _config(self, model: str):
+        if model not in ("m", "plain"):
+            raise RuntimeError(f"no model {model}")
+        inputs = EDIT_INPUTS if model == "m" else {k: v for k, v in EDIT_INPUTS.items() if k != "image"}
+        return inputs, {"image"}, 2
+
+    async def stream(self, model, tensors, request_id, parameters=None):
+        EditGateway.sent.append({t.name(): t._get_content() for t in tensors})
+        for step in (1, 2):
+            yield Response(step=step, num_steps=2, is_final=step == 2, images=np.full((1, 8, 8, 3), step, np.uint8),
+                           outputs={"step": np.array([step], np.int32)})
+
+
+@pytest.fixture
+def http(monkeypatch):
+    monkeypatch.setattr(app_module, "TritonGateway", EditGateway)
+    EditGateway.sent = []
+    with TestClient(app_module.create_app("fake:1"), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def client(http):
+    return openai.OpenAI(api_key="unused", base_url="http://testserver/v1", http_client=http, max_retries=0)
+
+
+def test_an_edit_sends_the_file_and_the_typed_extra_fields(client):
+    result = client.images.edit(model="m", image=("in.png", io.BytesIO(PNG), "image/png"), prompt="in winter",
+                                size="16x8", n=1, extra_body={"strength": 0.6, "seed": 1, "num_inference_steps": 4,
+                                                              "negative_prompt": "4", "cfg_interval": [0.1, 0.9]})
+    assert len(result.data) == 1 and result.size == "16x8"
+    sent = EditGateway.sent[-1]
+    assert set(sent) == {"prompt", "num_images", "width", "height", "strength", "seed", "num_inference_steps",
+                         "negative_prompt", "cfg_interval", "image"}
+    assert sent["image"].endswith(PNG)  # the file as it came (BYTES, after Triton's 4-byte length)
+    assert np.frombuffer(sent["strength"], np.float32).tolist() == [np.float32(0.6)]
+    assert np.frombuffer(sent["seed"], np.int64).tolist() == [1]
+    assert np.frombuffer(sent["num_inference_steps"], np.int32).tolist() == [4]
+    assert np.frombuffer(sent["cfg_interval"], np.float32).tolist() == [np.float32(0.1), np.float32(0.9)]
+    assert sent["negative_prompt"].endswith(b"4")  # a text input stays text
+
+
+def test_an_edit_streams_its_events_as_image_edit(client):
+    events = list(client.images.edit(model="m", image=("in.png", PNG), prompt="x", stream=True, partial_images=1))
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(model="plain"), "model"),
+    (dict(image=[("a.png", PNG), ("b.png", PNG)]), "image"),
+    (dict(mask=("mask.png", PNG)), "mask"),
+    (dict(extra_body={"num_inference_steps": 2.5}), "num_inference_steps"),
+    (dict(extra_body={"seed": "one"}), "seed"),
+    (dict(extra_body={"strength": "NaN"}), "strength"),
+    (dict(extra_body={"height": 64}), "height"),
+    (dict(extra_body={"unknown": 1}), "unknown"),
+    (dict(n="two"), "n"),
+    (dict(stream="yes"), "stream"),
+    (dict(size="64"), "size"),
+    (dict(output_format="jpeg"), "output_format"),
+])
+def test_a_bad_edit_is_a_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(**{"model": "m", "image": ("in.png", PNG), "prompt": "x", **kwargs})
+    assert info.value.param == param, info.value.body
+    assert EditGateway.sent == []
+
+
+def test_an_edit_without_its_image_or_prompt_or_form_is_a_400(http):
+    no_file = {"model": (None, "m")}  # a text part: multipart even without a file
+    for files, data, param in ((no_file, {"prompt": "x"}, "image"),
+                               ({"image": ("in.png", PNG)}, {"model": "m"}, "prompt"),
+                               (no_file, {"prompt": "x", "image": "text"}, "image"),
+                               ({"other": ("o.png", PNG)}, {"model": "m", "prompt": "x"}, "other")):
+        reply = http.post("/v1/images/edits", files=files, data=data)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    for body, content_type in ((b'{"prompt": "x"}', "application/json"), (b"--x\r\nbroken", "multipart/form-data"),
+                               (b"--x\r\nbroken", "multipart/form-data; boundary=x"), (b"\xff" * 100, "")):
+        reply = http.post("/v1/images/edits", content=body, headers={"Content-Type": content_type})
+        assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert EditGateway.sent == []
+
+
+def test_the_edit_body_cap_holds_one_image_and_no_more(http):
+    """A file of MAX_IMAGE_BYTES passes (the model decides on it); a larger file is a 413 naming image; a body
+    past the edit cap is a 413; the JSON endpoints keep their 1 MiB."""
+    form = {"model": "m", "prompt": "x"}
+    assert http.post("/v1/images/edits", files={"image": ("in.png", PNG.ljust(MAX_IMAGE_BYTES, b"\0"))},
+                     data=form).status_code == 200
+    reply = http.post("/v1/images/edits", files={"image": ("in.png", PNG.ljust(MAX_IMAGE_BYTES + 1, b"\0"))},
+                      data=form)
+    assert reply.status_code == 413 and reply.json()["error"]["param"] == "image", reply.text
+    reply = http.post("/v1/images/edits", files={"image": ("in.png", b"\0" * (app_module.MAX_EDIT_BODY_BYTES + 1))},
+                      data=form)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "body_too_large"
+    assert http.post("/v1/images/generations", json={"model": "m", "prompt": "x" * (2 << 20)}).status_code == 413
+    assert len(EditGateway.sent) == 1
+    assert http.get("/v1/models").status_code == 200
+
+
+def test_no_hostile_form_value_in_any_field_is_a_500(http):
+    for field in ("model", "n", "seed", "cfg_interval[]", "image[]"):  # each kind of field: text, JSON, a list
+        for value in HOSTILE_VALUES + ["\ud800", '"\\ud800"', "\0"]:
+            data = {"model": "m", "prompt": "x", field: value.encode("utf-8", "surrogatepass")}
+            reply = http.post("/v1/images/edits", files={"image": ("in.png", PNG)}, data=data)
+            assert reply.status_code < 500, (field, value[:20], reply.text[:200])
+            assert reply.status_code == 200 or "error" in reply.json()
