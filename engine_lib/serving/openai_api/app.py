@@ -218,10 +218,10 @@ async def read_json(request: Request) -> Any:
 async def read_form(request: Request) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]]]:
     """A multipart/form-data body (read_body within MAX_EDIT_BODY_BYTES and EDIT_BODY_TIMEOUT_S) as its text fields
     and its files, each (name, value) in order; 400 when it is no such form, 413 for a file over MAX_IMAGE_BYTES."""
+    data = await read_body(request, MAX_EDIT_BODY_BYTES, EDIT_BODY_TIMEOUT_S)  # first: the client reads the answer
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
         raise OpenAIError(400, "the request body must be multipart/form-data (with a boundary)", code="invalid_form")
-    data = await read_body(request, MAX_EDIT_BODY_BYTES, EDIT_BODY_TIMEOUT_S)
 
     async def chunks() -> AsyncIterator[bytes]:
         yield data
