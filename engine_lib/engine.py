@@ -169,15 +169,13 @@ class DiffusionEngine:
     def parse(self, inputs: Mapping[str, Any]) -> SamplingParams:
         """Validate a request's inputs (by declared name) into SamplingParams; InvalidInputError names the input."""
         params = self.inputs.parse(inputs)
-        budget = self.config.max_batch_tokens
-        cost = self.adapter.request_cost(params) if budget else 0
-        if cost > budget:
+        budget, limit = self.config.max_batch_tokens, self.max_request_cost
+        cost = self.adapter.request_cost(params) if budget or limit else 0
+        if budget and cost > budget:
             counts = "".join(f", {name}={params[name]}" for name in ("num_images", "num_frames") if name in params)
             raise InvalidInputError("height", f"{params.height}x{params.width}{counts} needs {cost} latent tokens per "
                                     f"step, more than max_batch_tokens={budget}")
-        limit = self.max_request_cost
-        cost = self.adapter.request_cost(params) if limit else 0
-        if cost > limit:
+        if limit and cost > limit:
             names = [name for name in ("height", "width", "num_frames", "num_images") if name in params]
             raise InvalidInputError(names[-1], f"{' x '.join(names)} = {' x '.join(str(params[n]) for n in names)} "
                                     f"costs {cost} latent tokens x rows per forward, above this model's "
