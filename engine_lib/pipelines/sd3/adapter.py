@@ -19,6 +19,14 @@ each piece calling the pipeline's helpers:
   `strength` of its schedule (`get_timesteps`), from the image's VAE latents noised to the first
   of those timesteps (`prepare_latents`: a latent sample, then the noise, from the request's
   generator; `scale_noise` on its own scheduler). The encoded image stays in the request's state.
+* inpainting (`StableDiffusion3InpaintPipeline`): with an `image` and a `mask_image` (grayscale, binarized,
+  resized to the latents by the pipeline's mask processor), the same start (pure noise at strength 1), and
+  after each step the latents outside the mask are the image's latents noised to the next timestep (the
+  last step: the image's latents as they are). SD3's transformer has 16 input channels, so, as diffusers
+  does with it, the mask only blends: the masked image's latents, which only a 33-channel transformer
+  reads, are not computed. The mask and the noise stay in the request's state with the image's latents.
+  `padding_mask_crop` is not supported. Decoding adds the VAE's `shift_factor` back as text-to-image and
+  image-to-image do (diffusers' inpainting decode leaves it out, though its encode subtracts it).
 
 The text length is shared by every row of a forward (no text mask), so it is in
 the keys, with whether CFG is on and its scale; the image size is too, unless
@@ -52,18 +60,24 @@ IMAGE = interface.InputSpec("image", "BYTES", "image-to-image: the image to star
 STRENGTH = interface.InputSpec("strength", "FP32", "with an image: how much of the schedule runs (the last "
                                "strength x num_inference_steps steps; 1: all, the image only seeds the noise)",
                                default=1.0, low=0, high=1, batch="row", pipe_arg="strength")
+MASK_IMAGE = interface.InputSpec("mask_image", "BYTES", "inpainting, with an image: white repaints, black keeps "
+                                 "(grayscale, binarized, resized to height x width)", content="image", batch="row",
+                                 pipe_arg="mask_image")
 
 
 @dataclass
 class SD3State(FlowMatchState):
-    """An SD3 request between steps; with an input image, its VAE latents too (as tokens, one row per image)."""
+    """An SD3 request between steps; with an input image, its VAE latents too (as tokens, one row per image), and
+    with a mask, the mask [N, h * w, 1] and the start noise the image's latents are noised with at each step."""
 
     image_latents: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+    noise: Optional[torch.Tensor] = None
 
 
 class SD3Adapter(FlowMatchAdapter):
-    """`StableDiffusion3Pipeline` (text-to-image) and `StableDiffusion3Img2ImgPipeline` (with an `image`), with
-    request batching, step execution and previews."""
+    """`StableDiffusion3Pipeline` (text-to-image), `StableDiffusion3Img2ImgPipeline` (with an `image`) and
+    `StableDiffusion3InpaintPipeline` (with a `mask_image` too), with request batching, step execution and previews."""
 
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
@@ -72,7 +86,7 @@ class SD3Adapter(FlowMatchAdapter):
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="adapter",
                 doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
-        IMAGE, STRENGTH, *CACHE_INPUTS,
+        IMAGE, STRENGTH, MASK_IMAGE, *CACHE_INPUTS,
     )
     cfg_kind = "cfg"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
@@ -92,6 +106,8 @@ class SD3Adapter(FlowMatchAdapter):
     # -- image-to-image ------------------------------------------------------------
     def check_inputs(self, params: SamplingParams) -> None:
         super().check_inputs(params)
+        if params.image is None and params.mask_image is not None:
+            raise InvalidInputError("mask_image", "needs an image: the mask says which part of it to repaint")
         if params.image is None:
             if params.strength != 1.0:
                 raise InvalidInputError("strength", "needs an image: without one the request is text-to-image")
@@ -111,12 +127,14 @@ class SD3Adapter(FlowMatchAdapter):
 
     def pipe_kwargs(self, params: SamplingParams) -> dict:
         """Text-to-image: `StableDiffusion3Pipeline`'s arguments; with an image, `StableDiffusion3Img2ImgPipeline`'s
-        (the decoded PIL image)."""
+        (the decoded PIL image), with a mask too, `StableDiffusion3InpaintPipeline`'s."""
         kwargs = super().pipe_kwargs(params)
         if params.image is None:
             kwargs.pop("strength", None)
         else:
             kwargs["image"] = params.image.image
+        if params.mask_image is not None:
+            kwargs["mask_image"] = params.mask_image.image
         return kwargs
 
     @functools.cached_property
@@ -137,6 +155,21 @@ class SD3Adapter(FlowMatchAdapter):
         latents = retrieve_latents(vae.encode(to_device(image, self.device, dtype)), generator=state.generator)
         latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
         return torch.cat([latents] * p.num_images)
+
+    @functools.cached_property
+    def mask_processor(self):
+        """`StableDiffusion3InpaintPipeline`'s mask processor: grayscale, binarized at 0.5, in [0, 1]."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor, vae_latent_channels=self.latent_channels,
+                                 do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+
+    def _mask(self, params: SamplingParams, dtype: torch.dtype) -> torch.Tensor:
+        """The mask at the latents' size [N, 1, h, w], as `prepare_mask_latents` resizes it (nearest)."""
+        vae = self.pipe.vae_scale_factor
+        mask = self.mask_processor.preprocess(params.mask_image.image, height=params.height, width=params.width)
+        mask = torch.nn.functional.interpolate(mask, size=(params.height // vae, params.width // vae))
+        return mask.to(self.device, dtype).repeat(params.num_images, 1, 1, 1)
 
     # -- pipeline-specific phases ------------------------------------------------
     def _encode(self, state: FlowMatchState) -> dict[str, TextParts]:
@@ -164,8 +197,37 @@ class SD3Adapter(FlowMatchAdapter):
         image_latents = self._image_latents(state, dtype)
         state.image_latents = to_tokens(image_latents)
         noise = randn_tensor(image_latents.shape, generator=state.generator, device=self.device, dtype=dtype)
+        if p.mask_image is not None:
+            state.mask, state.noise = to_tokens(self._mask(p, dtype)), to_tokens(noise)
+            if p.strength == 1.0:  # the inpainting pipeline starts from the noise alone
+                return state.noise.clone()  # (the noise itself stays as it is)
         first = state.schedule.timestep(0).expand(p.num_images)
         return to_tokens(state.scheduler.scale_noise(image_latents, first, noise).to(dtype))
+
+    @torch.inference_mode()
+    def step_scheduler(self, state: SD3State, noise_pred: torch.Tensor) -> None:
+        super().step_scheduler(state, noise_pred)
+        self._keep_unmasked(state)
+
+    @torch.inference_mode()
+    def step_batch(self, input_batch, states: list[SD3State], prediction: torch.Tensor) -> bool:
+        if not super().step_batch(input_batch, states, prediction):
+            return False
+        for state in states:
+            self._keep_unmasked(state)
+        return True
+
+    def _keep_unmasked(self, state: SD3State) -> None:
+        """After a step, an inpainting request's latents outside its mask become its image's latents noised to
+        the next timestep (after the last step, as they are), as diffusers blends them. In place: after a
+        batched step the request's latents are rows of the batch's, which stay the batch's."""
+        if state.mask is None:
+            return
+        original = state.image_latents
+        if state.step_index < state.num_steps:  # the scheduler stands at the next timestep's sigma
+            next_timestep = state.schedule.timestep(state.step_index).reshape(1)
+            original = state.scheduler.scale_noise(original, next_timestep, state.noise)
+        state.latents.copy_((1 - state.mask) * original + state.mask * state.latents)
 
     def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         if not self.pipe.scheduler.config.get("use_dynamic_shifting", None):
