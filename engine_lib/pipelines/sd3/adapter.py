@@ -207,27 +207,27 @@ class SD3Adapter(FlowMatchAdapter):
     @torch.inference_mode()
     def step_scheduler(self, state: SD3State, noise_pred: torch.Tensor) -> None:
         super().step_scheduler(state, noise_pred)
-        self._keep_unmasked(state)
+        self._keep_unmasked([state])
 
     @torch.inference_mode()
     def step_batch(self, input_batch, states: list[SD3State], prediction: torch.Tensor) -> bool:
         if not super().step_batch(input_batch, states, prediction):
             return False
-        for state in states:
-            self._keep_unmasked(state)
+        self._keep_unmasked(states)
         return True
 
-    def _keep_unmasked(self, state: SD3State) -> None:
-        """After a step, an inpainting request's latents outside its mask become its image's latents noised to
+    def _keep_unmasked(self, states: list[SD3State]) -> None:
+        """After a step, each inpainting request's latents outside its mask become its image's latents noised to
         the next timestep (after the last step, as they are), as diffusers blends them. In place: after a
-        batched step the request's latents are rows of the batch's, which stay the batch's."""
-        if state.mask is None:
-            return
-        original = state.image_latents
-        if state.step_index < state.num_steps:  # the scheduler stands at the next timestep's sigma
-            next_timestep = state.schedule.timestep(state.step_index).reshape(1)
-            original = state.scheduler.scale_noise(original, next_timestep, state.noise)
-        state.latents.copy_((1 - state.mask) * original + state.mask * state.latents)
+        batched step a request's latents are rows of the batch's, which stay the batch's."""
+        for state in states:
+            if state.mask is None:
+                continue
+            original = state.image_latents
+            if state.step_index < state.num_steps:  # the scheduler stands at the next timestep's sigma
+                next_timestep = state.schedule.timestep(state.step_index).reshape(1)
+                original = state.scheduler.scale_noise(original, next_timestep, state.noise)
+            state.latents.copy_((1 - state.mask) * original + state.mask * state.latents)
 
     def _timestep_kwargs(self, state: FlowMatchState) -> dict:
         if not self.pipe.scheduler.config.get("use_dynamic_shifting", None):
