@@ -35,6 +35,7 @@ from engine_lib import interface
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.request import ConfigError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
@@ -86,7 +87,8 @@ class FlowMatchState(RequestState):
     sigma_steps: Optional[torch.Tensor] = None  # dt of each Euler step: sigmas[i + 1] - sigmas[i]
     guidance: Optional[torch.Tensor] = None  # [1] float32 embedded guidance (guidance-distilled models only)
     begin_index: int = 0  # the schedule's first step in the scheduler's timesteps (image-to-image skips the head)
-    step_cache: dict = field(default_factory=dict)  # CFG branch -> its cached residuals (step_cache.BranchCache)
+    step_cache: dict = field(default_factory=dict)  # CFG branch -> its step cache (step_cache.BranchCache, or
+    # taylorseer.ModuleFactors per attention module)
 
     @property
     def num_rows(self) -> int:
@@ -176,8 +178,9 @@ class FlowMatchAdapter(DiffusersAdapter):
         return request_batch_key(params, self.key_inputs(), self.key_fields(params) + (("lora", self.row_lora(params)),))
 
     def step_key(self, params: SamplingParams) -> StepBatchKey:
-        """Step mode: LoRAs apply per row, so they never split a batch."""
-        skips = self.step_key_skips if self.mixed_size_batching else ()
+        """Step mode: LoRAs apply per row, so they never split a batch. TaylorSeer's requests keep their size:
+        the packed forwards of mixed sizes call the attention's parts themselves (taylorseer.py)."""
+        skips = self.step_key_skips if self.mixed_size_batching and not taylorseer.caches(params) else ()
         inputs = tuple(name for name in self.key_inputs() if name not in skips)
         return step_batch_key(params, inputs, self.key_fields(params))
 

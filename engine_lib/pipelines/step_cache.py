@@ -14,6 +14,9 @@ run the blocks after the first. The cached residuals are the request's: `FlowMat
 `BranchCache` per branch, moved with the state when it pauses and freed with it. Each pipeline's
 `first_block.py` hands its block loop to `run_joint_blocks` (qwen_image/, flux/, sd3/), which takes the rows
 that compute, their text stream and LoRA plan around `run_blocks`.
+
+The `cache` input's other method, TaylorSeer (`cache_input("first_block", "taylorseer")`, on the pipelines
+whose forward runs it), is taylorseer.py; its rows count as computing here and share the forward.
 """
 
 from __future__ import annotations
@@ -31,14 +34,25 @@ from engine_lib.interface import InputSpec
 
 CACHE_MODES = ("none", "first_block")
 DEFAULT_THRESHOLD = 0.05  # FirstBlockCacheConfig's default
-# No declared defaults, so a deployer's `default_cache` / `default_cache_threshold` parameters set them (interface.py).
-CACHE = InputSpec("cache", "BYTES", "step cache: none (absent: the model's default_cache, else none) or first_block "
-                  "(a step whose first transformer block changed little reuses the other blocks' last residual)",
-                  choices=CACHE_MODES, high=16, batch="row")
+MODE_DOCS = {"first_block": "first_block (a step whose first transformer block changed little reuses the other "
+                            "blocks' last residual)",
+             "taylorseer": "taylorseer (diffusers' TaylorSeer: the steps between those that compute predict the "
+                           "attention outputs from the last ones)"}
+
+
+def cache_input(*modes: str) -> InputSpec:
+    """The `cache` input of a pipeline whose forward runs `modes` (besides none)."""
+    # No declared default, so a deployer's `default_cache` parameter sets it (interface.py).
+    return InputSpec("cache", "BYTES", "step cache: none (absent: the model's default_cache, else none), "
+                     + " or ".join(MODE_DOCS[m] for m in modes), choices=("none", *modes), high=16, batch="row")
+
+
+CACHE = cache_input("first_block")
 CACHE_THRESHOLD = InputSpec("cache_threshold", "FP32", "first_block: the relative change of the first block's "
                             f"residual at or below which a step reuses the cache (absent: default_cache_threshold, "
                             f"else {DEFAULT_THRESHOLD}; higher: faster, less faithful)", low=0, high=1, batch="row")
 CACHE_INPUTS = (CACHE, CACHE_THRESHOLD)
+ALL_CACHE_INPUTS = (cache_input("first_block", "taylorseer"), CACHE_THRESHOLD)  # with TaylorSeer too (taylorseer.py)
 
 
 @dataclass
@@ -166,7 +180,7 @@ def take(x: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Optional[t
 
 
 def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor, txt: torch.Tensor, per_row: tuple,
-                     run, packing=None) -> torch.Tensor:
+                     run, packing=None, seer=None) -> torch.Tensor:
     """`run_blocks` for blocks that carry an image and a text stream. `run(which, img, txt, *per_row)` runs the
     blocks `blocks[which]` (a slice) and returns (img, txt); the rows that compute run the blocks after the first
     under their own LoRA plan, with their rows of the first block's text output and of `per_row` (the other
@@ -174,7 +188,8 @@ def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor,
 
     With `packing`, `img` is the padded [R, longest, ...] layout and `run` gets the packed stream and its packing
     last: the rows that compute are packed on their own (`packing.subset`, made in that tick) under their tokens'
-    LoRA plan (every row: the caller's plan holds)."""
+    LoRA plan (every row: the caller's plan holds). `seer`: the forward's TaylorSeer plan (taylorseer.py), told
+    which rows run the blocks after the first."""
     head_txt = []
 
     def blocks(which, img, txt, per_row, rows):
@@ -192,7 +207,8 @@ def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor,
         return img
 
     def rest(img, rows, index):
-        with contextlib.nullcontext() if rows is None else loras.only(rows):
+        with contextlib.nullcontext() if rows is None else loras.only(rows), \
+                contextlib.nullcontext() if seer is None else seer.only(rows):
             return blocks(slice(1, None), img, take(head_txt[0], index), [take(x, index) for x in per_row], rows)[0]
 
     return run_blocks(groups, img, head, rest)

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.flux.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
-from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
@@ -60,7 +61,7 @@ class FluxAdapter(FlowMatchAdapter):
         TRUE_CFG_SCALE,  # FluxPipeline.__call__'s default 1.0: no true CFG
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="row",
                 doc="embedded guidance of guidance-distilled checkpoints (FLUX.1-dev), per row"),
-        *CACHE_INPUTS,
+        *ALL_CACHE_INPUTS,
     )
     state_class = FluxState
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
@@ -111,6 +112,13 @@ class FluxAdapter(FlowMatchAdapter):
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """`_forward`, under the TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
+        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
+        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
+        with taylorseer.attending(seer):
+            return self._forward(latents, timestep, text, rows, states, seer)
+
+    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
         over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
@@ -122,7 +130,8 @@ class FluxAdapter(FlowMatchAdapter):
                                              text["pooled"], text["embeds"], packing, groups)
         if groups is not None:
             return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                  text["pooled"], text["embeds"], states[0].txt_ids, states[0].img_ids, groups)
+                                  text["pooled"], text["embeds"], states[0].txt_ids, states[0].img_ids, groups,
+                                  seer)
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],

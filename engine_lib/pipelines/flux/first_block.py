@@ -27,7 +27,7 @@ def _blocks(transformer) -> list:
 @torch.inference_mode()
 def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
                    pooled: torch.Tensor, text_embeds: torch.Tensor, txt_ids: torch.Tensor, img_ids: torch.Tensor,
-                   groups: list[step_cache.RowGroup]) -> torch.Tensor:
+                   groups: list[step_cache.RowGroup], seer=None) -> torch.Tensor:
     """`FluxTransformer2DModel.forward` (rows of one size, one RoPE table) with per-group skips."""
     img = transformer.x_embedder(latents)
     temb, txt = embed(transformer, img, timestep, guidance, pooled, text_embeds)
@@ -39,7 +39,7 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run, seer=seer)
     return transformer.proj_out(transformer.norm_out(img, temb))
 
 

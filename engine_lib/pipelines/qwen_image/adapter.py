@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
-from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -53,7 +54,7 @@ class QwenImageAdapter(FlowMatchAdapter):
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(TRUE_CFG_SCALE, default=4.0),  # QwenImagePipeline.__call__'s default
         replace(GUIDANCE_SCALE, doc="embedded guidance of guidance-distilled checkpoints (required there)"),
-        *CACHE_INPUTS,
+        *ALL_CACHE_INPUTS,
     )
     state_class = QwenImageState
     pads_text = True
@@ -105,6 +106,13 @@ class QwenImageAdapter(FlowMatchAdapter):
         return rows
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """`_forward`, under the TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
+        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
+        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
+        with taylorseer.attending(seer):
+            return self._forward(latents, timestep, text, rows, states, seer)
+
+    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
         over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
@@ -117,7 +125,7 @@ class QwenImageAdapter(FlowMatchAdapter):
                                              text["embeds"], text["mask"], packing, groups)
         if groups is not None:
             return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                  text["embeds"], text["mask"], rows["img_shapes"], groups)
+                                  text["embeds"], text["mask"], rows["img_shapes"], groups, seer)
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["embeds"],

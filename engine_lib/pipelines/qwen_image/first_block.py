@@ -27,7 +27,7 @@ def _embed(transformer, *args):
 @torch.inference_mode()
 def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Tensor, guidance: Optional[torch.Tensor],
                    text_embeds: torch.Tensor, text_mask: Optional[torch.Tensor], img_shapes: list,
-                   groups: list[step_cache.RowGroup]) -> torch.Tensor:
+                   groups: list[step_cache.RowGroup], seer=None) -> torch.Tensor:
     """`QwenImageTransformer2DModel.forward` (rows of one size, one RoPE table) with per-group skips."""
     img = transformer.img_in(latents)
     txt, text_len, txt_mask, temb = _embed(transformer, img, timestep, guidance, text_embeds, text_mask)
@@ -40,7 +40,7 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
                              temb=temb, image_rotary_emb=rope)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, img, txt, (txt_mask, temb), run)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (txt_mask, temb), run, seer=seer)
     return transformer.proj_out(transformer.norm_out(img, temb))
 
 

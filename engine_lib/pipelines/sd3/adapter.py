@@ -43,11 +43,12 @@ import torch
 
 from engine_lib import interface
 from engine_lib.host_copy import to_device
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
                                              TextParts, max_sequence_length, strength_steps)
 from engine_lib.pipelines.sd3.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
-from engine_lib.pipelines.step_cache import CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey
 
@@ -86,7 +87,7 @@ class SD3Adapter(FlowMatchAdapter):
         max_sequence_length(default=DEFAULT_MAX_SEQUENCE_LENGTH, high=MAX_SEQUENCE_LENGTH),
         replace(GUIDANCE_SCALE, default=DEFAULT_GUIDANCE_SCALE, batch="adapter",
                 doc="classifier-free guidance scale: > 1 runs the negative_prompt (or \"\") as a second half"),
-        IMAGE, STRENGTH, MASK_IMAGE, *CACHE_INPUTS,
+        IMAGE, STRENGTH, MASK_IMAGE, *ALL_CACHE_INPUTS,
     )
     cfg_kind = "cfg"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
@@ -247,6 +248,13 @@ class SD3Adapter(FlowMatchAdapter):
                                        for _ in range(s.num_rows)], self.pipe.patch_size, self.device)}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """`_forward`, under the TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
+        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
+        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
+        with taylorseer.attending(seer):
+            return self._forward(latents, timestep, text, rows, states, seer)
+
+    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
         over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
         packing = rows.get("packing")
@@ -261,7 +269,7 @@ class SD3Adapter(FlowMatchAdapter):
             return to_tokens(cached_forward(
                 self.pipe.transformer, self.loras, self._unpack(latents, states[0].params.height,
                                                                 states[0].params.width),
-                timestep, text["pooled"], text["embeds"], groups))
+                timestep, text["pooled"], text["embeds"], groups, seer))
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],

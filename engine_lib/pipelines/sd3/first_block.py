@@ -20,7 +20,7 @@ from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, _block
 
 @torch.inference_mode()
 def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Tensor, pooled: torch.Tensor,
-                   text_embeds: torch.Tensor, groups: list[step_cache.RowGroup]) -> torch.Tensor:
+                   text_embeds: torch.Tensor, groups: list[step_cache.RowGroup], seer=None) -> torch.Tensor:
     """`SD3Transformer2DModel.forward` (latents [R, C, h, w] of one size) with per-group skips."""
     height, width = latents.shape[-2:]
     img = transformer.pos_embed(latents).contiguous()
@@ -33,7 +33,7 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, joint_attention_kwargs=None)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run, seer=seer)
     img = transformer.proj_out(transformer.norm_out(img, temb))
     p, channels = transformer.config.patch_size, transformer.out_channels  # unpatchify, as the forward does
     img = img.reshape(shape=(img.shape[0], height // p, width // p, p, p, channels))

@@ -1,0 +1,215 @@
+"""TaylorSeer per request inside a shared step batch (diffusers' `apply_taylorseer_cache`, decided per row group).
+
+diffusers' hook (diffusers/hooks/taylorseer_cache.py) wraps every attention module (`^transformer_blocks.*attn`,
+`^single_transformer_blocks.*attn`) and counts, per module and cache context, the calls it sees: a call before
+`disable_cache_before_step` or every `cache_interval`-th after it computes (the module runs and its Taylor
+factors are renewed: the output and its divided differences up to `max_order`, stored in `taylor_factors_dtype`);
+any other call predicts the output from the factors by a Taylor expansion in the steps since the last compute,
+and the module does not run. A pipeline calls the transformer once per step and cache context ("cond",
+"uncond"), so the count is the step index; SD3's pipeline runs CFG as one call of both halves, whose factors
+are elementwise the two halves' own.
+
+Here the same math runs per row group: one request x one CFG branch, deciding from the request's own step
+index, so requests at different steps, with the cache off or with the first-block cache, share a forward. While
+a forward runs, `Plan.attending` puts a wrapper on each attention module that runs it over the rows that compute
+(taken by index), renews their factors and puts the predicted rows in place. The factors are the request's
+(`FlowMatchState.step_cache`: per CFG branch, one `ModuleFactors` per attention module), moved with the state
+when it pauses and freed with it. diffusers' defaults are kept (cache_interval 5, disable_cache_before_step 3,
+max_order 1, bfloat16 factors): with them steps 0-2 and then 4, 9, 14, ... compute.
+
+The packed forwards of mixed-size batches call the attention's parts themselves, so a request with TaylorSeer
+keeps its size in its step key (flow_match.py) and only shares forwards of one size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from diffusers.hooks import TaylorSeerCacheConfig
+from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
+
+from engine_lib.host_copy import to_device
+
+CONFIG = TaylorSeerCacheConfig()  # diffusers' defaults
+PER_ROW = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "attention_mask")
+
+
+def caches(params) -> bool:
+    """Whether the request asked for TaylorSeer (or the deployment's default_cache did)."""
+    return params.get("cache") == "taylorseer"
+
+
+def computes(step: int) -> bool:
+    """diffusers' `TaylorSeerCacheHook._measure_should_compute` at the call `step` (0 first)."""
+    before = CONFIG.disable_cache_before_step
+    return step < before or (step - before - 1) % CONFIG.cache_interval == 0
+
+
+@dataclass
+class ModuleFactors:
+    """One attention module of one request's CFG branch, as diffusers' `TaylorSeerState` holds it."""
+
+    last_step: Optional[int] = None  # the step that last computed
+    factors: list = field(default_factory=list)  # per output: its Taylor factors, order 0 first
+    dtypes: tuple = ()  # the module's output dtypes
+
+    def update(self, outputs: list[torch.Tensor], step: int) -> None:
+        """`TaylorSeerState.update`: the outputs and their divided differences against the last factors."""
+        self.dtypes = tuple(o.dtype for o in outputs)
+        renewed = []
+        for i, features in enumerate(outputs):
+            orders = [features]
+            if self.last_step is not None:
+                delta = step - self.last_step
+                previous = self.factors[i]
+                for j in range(CONFIG.max_order):
+                    if j >= len(previous) or previous[j].shape != orders[j].shape:
+                        break
+                    orders.append((orders[j] - previous[j].to(features.dtype)) / delta)
+            # copies: a row group's factors hold none of the batch's other rows
+            renewed.append([f.to(CONFIG.taylor_factors_dtype, copy=True) for f in orders])
+        self.factors, self.last_step = renewed, step
+
+    def predict(self, step: int) -> list[torch.Tensor]:
+        """`TaylorSeerState.predict`: the outputs at `step`, operation for operation."""
+        offset = step - self.last_step
+        outputs = []
+        for dtype, orders in zip(self.dtypes, self.factors):
+            out = torch.zeros_like(orders[0], dtype=dtype)
+            for order in range(len(self.factors[0])):
+                out = out + orders[order].to(dtype) * ((offset ** order) / math.factorial(order))
+            outputs.append(out)
+        return outputs
+
+
+@dataclass
+class Group:
+    """Rows [rows] of a forward: one request's rows of one CFG branch."""
+
+    rows: slice
+    step: int = 0  # the request's step index
+    factors: Optional[list[ModuleFactors]] = None  # None: this request does not use TaylorSeer (it computes)
+
+    @property
+    def computes(self) -> bool:
+        return self.factors is None or computes(self.step)
+
+
+_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules diffusers' hook wraps by default, in `named_modules` order."""
+    if transformer not in _MODULES:
+        _MODULES[transformer] = [m for name, m in transformer.named_modules()
+                                 if any(re.fullmatch(p, name) for p in _TRANSFORMER_BLOCK_IDENTIFIERS)]
+    return _MODULES[transformer]
+
+
+class Plan:
+    """One forward's row groups and the attention modules they skip on the steps they predict."""
+
+    def __init__(self, modules: list[torch.nn.Module], groups: list[Group]):
+        self.modules, self.groups = modules, groups
+        self.view = [(g, g.rows) for g in groups]  # the groups the modules see now, and their rows in the call
+
+    @contextlib.contextmanager
+    def only(self, rows: Optional[list[int]]):
+        """While the blocks run over the forward's rows `rows` only (host ints; None: all): the first-block
+        cache's rows that compute (whole groups, in order)."""
+        if rows is None:
+            yield
+            return
+        kept, view, start = set(rows), [], 0
+        for g in self.groups:
+            if g.rows.start in kept:
+                n = g.rows.stop - g.rows.start
+                view.append((g, slice(start, start + n)))
+                start += n
+        saved, self.view = self.view, view
+        try:
+            yield
+        finally:
+            self.view = saved
+
+    @contextlib.contextmanager
+    def attending(self):
+        """Each attention module runs through `_attend` while the forward runs."""
+        saved = [m.__dict__.get("forward") for m in self.modules]
+        for k, module in enumerate(self.modules):
+            module.forward = functools.partial(self._attend, k, module.forward)
+        try:
+            yield
+        finally:
+            for module, forward in zip(self.modules, saved):
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward
+
+    def _attend(self, k: int, forward, *args, **kwargs):
+        """Module `k` over the rows that compute; each group renews or predicts its own factors."""
+        assert not args, "the blocks call attention by keyword"
+        computing = [s for g, s in self.view if g.computes]
+        total = sum(s.stop - s.start for _, s in self.view)
+        out = None
+        if len(computing) == len(self.view):
+            out = forward(**kwargs)
+        elif computing:
+            index = to_device([r for s in computing for r in range(s.start, s.stop)],
+                              kwargs["hidden_states"].device)
+            out = forward(**{name: value.index_select(0, index) if name in PER_ROW and isinstance(
+                value, torch.Tensor) and value.shape[0] == total else value for name, value in kwargs.items()})
+        single = isinstance(out, torch.Tensor)
+        outputs = (out,) if single else out
+        pieces, taken = [], 0
+        for group, rows in self.view:
+            n = rows.stop - rows.start
+            if group.computes:
+                piece = [o[taken:taken + n] for o in outputs]
+                taken += n
+                if group.factors is not None:
+                    group.factors[k].update(piece, group.step)
+            else:
+                piece = group.factors[k].predict(group.step)
+                single = len(piece) == 1
+            pieces.append(piece)
+        if len(computing) == len(self.view):
+            return out
+        joined = tuple(torch.cat([p[i] for p in pieces]) for i in range(len(pieces[0])))
+        return joined[0] if single else joined
+
+
+def plan(transformer: torch.nn.Module, states: list, branches: tuple[str, ...],
+         tally: Optional[Counter] = None) -> Optional[Plan]:
+    """The plan of a forward whose rows are `branches` halves (each every state's rows in batch order); None
+    when no state uses TaylorSeer. `tally` counts each TaylorSeer group's decision ("computed", "reused")."""
+    if not any(caches(s.params) for s in states):
+        return None
+    modules = attention_modules(transformer)
+    groups, start = [], 0
+    for branch in branches:
+        for state in states:
+            rows = slice(start, start + state.num_rows)
+            start += state.num_rows
+            if not caches(state.params):
+                groups.append(Group(rows))
+                continue
+            factors = state.step_cache.setdefault(branch, [ModuleFactors() for _ in modules])
+            groups.append(Group(rows, state.step_index, factors))
+            if tally is not None:
+                tally["computed" if computes(state.step_index) else "reused"] += 1
+    return Plan(modules, groups)
+
+
+def attending(seer: Optional[Plan]):
+    """`seer.attending()`, or nothing without a plan."""
+    return contextlib.nullcontext() if seer is None else seer.attending()
