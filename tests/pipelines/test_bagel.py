@@ -134,7 +134,8 @@ def rows_per_forward(adapter, monkeypatch) -> list[int]:
     """The rows (conditional plus unconditional) of each transformer forward, in order."""
     model, seen = adapter.pipe.model, []
     velocity = model.velocity
-    monkeypatch.setattr(model, "velocity", lambda rows, latents, t: seen.append(len(t)) or velocity(rows, latents, t))
+    monkeypatch.setattr(model, "velocity", lambda rows, latents, t, *groups: seen.append(len(t)) or velocity(
+        rows, latents, t, *groups))
     return seen
 
 

@@ -15,6 +15,7 @@ all share forwards.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -23,6 +24,7 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import RENORM_TYPES, BagelPipeline, Context, Guidance
+from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.pipelines.decoder_parts import decode_by_grid
@@ -50,6 +52,7 @@ BAGEL_INPUTS = (
               pipe_arg="cfg_renorm_min"),
     InputSpec("timestep_shift", "FP32", "schedule shift s: t -> s t / (1 + (s - 1) t)", default=3.0, low=0.01,
               high=100, batch="row", pipe_arg="timestep_shift"),
+    *step_cache.CACHE_INPUTS,
 )
 
 
@@ -63,6 +66,7 @@ class BagelState(RequestState):
     device_timesteps: Optional[torch.Tensor] = None  # the same on the device, for the forward
     dts: Optional[torch.Tensor] = None
     guidance: Guidance = field(default_factory=Guidance)
+    step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" -> its first-block cache (BranchCache)
 
     @property
     def num_rows(self) -> int:
@@ -91,6 +95,14 @@ class BagelAdapter(PipelineAdapter):
              options: Optional[dict] = None) -> "BagelAdapter":
         return cls(BagelPipeline.from_pretrained(model_path, dtype=dtype, device=device), torch.device(device), dtype,
                    options)
+
+    def __init__(self, pipe: BagelPipeline, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
+        super().__init__(pipe, device, dtype, options)
+        self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(), "cache_steps_computed": self.cache_steps["computed"],
+                "cache_steps_reused": self.cache_steps["reused"]}
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         specs = self.inputs
@@ -129,11 +141,23 @@ class BagelAdapter(PipelineAdapter):
             rows = input_batch.cache[with_uncond] = self.pipe.query_rows([s.context for s in states], with_uncond)
         latents = input_batch["latents"]
         velocities = self.pipe.predict(rows, latents, [s.device_timesteps[s.step_index] for s in states],
-                                       [s.guidance for s in states], with_uncond, [len(s.latents) for s in states])
+                                       [s.guidance for s in states], with_uncond, [len(s.latents) for s in states],
+                                       self._row_groups(states, with_uncond))
         out = torch.zeros_like(latents)
         for i, v in enumerate(velocities):
             out[i, :len(v)] = v
         return out
+
+    def _row_groups(self, states: list[BagelState], with_uncond: tuple) -> Optional[list[step_cache.RowGroup]]:
+        """One group per row of `query_rows` (every conditional row, then the unconditional ones), each its
+        request's CFG branch with its own latent tokens; None when no request caches."""
+        if not any(step_cache.caches(s.params) for s in states):
+            return None
+        rows = [(s, "cond") for s in states] + [(s, "uncond") for s, u in zip(states, with_uncond) if u]
+        return [step_cache.RowGroup(slice(r, r + 1), step_cache.threshold(s.params) if on else None,
+                                    s.step_cache.setdefault(branch, step_cache.BranchCache()) if on else None,
+                                    len(s.latents), self.cache_steps if on else None)
+                for r, (s, branch) in enumerate(rows) for on in [step_cache.caches(s.params)]]
 
     @torch.inference_mode()
     def step_scheduler(self, state: BagelState, noise_pred: torch.Tensor) -> None:

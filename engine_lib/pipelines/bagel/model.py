@@ -26,6 +26,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from torch import nn
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys
 from engine_lib.pipelines.decoder_parts import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
+from engine_lib.pipelines.step_cache import should_compute
 
 logger = logging.getLogger(__name__)
 
@@ -199,10 +201,13 @@ class BagelModel(nn.Module):
 
     # -- one denoise forward over many rows ----------------------------------------------
     @torch.no_grad()
-    def velocity(self, rows: "QueryRows", latents: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    def velocity(self, rows: "QueryRows", latents: torch.Tensor, timesteps: torch.Tensor,
+                 groups: Optional[list] = None) -> torch.Tensor:
         """The raw velocity (llm2vae) of every row's latent tokens: [R, N_max, patch_latent_dim].
 
-        `latents` [R, N_max, patch_latent_dim] (rows right-padded), `timesteps` [R].
+        `latents` [R, N_max, patch_latent_dim] (rows right-padded), `timesteps` [R]. With `groups`
+        (step_cache.RowGroup, one per row and its request's own latent tokens), the first-block cache decides
+        per group after the first layer (`_cached_layers`).
         """
         c = self.config
         R, Q = rows.valid.shape
@@ -215,10 +220,24 @@ class BagelModel(nn.Module):
         hidden[:, 0] = text[:, 0]
         hidden[rows.arange, rows.end] = text[:, 1]
         hidden = hidden.view(R * Q, -1)
+        if groups is None:
+            hidden = self.run_layers(hidden, rows, range(c.num_layers))
+        else:
+            hidden = self._cached_layers(hidden, rows, groups)
+        gen_at = rows.gen_index
+        out = torch.zeros(R * Q, c.patch_latent_dim, device=hidden.device, dtype=torch.float32)
+        out[gen_at] = self.llm2vae(self.norm_moe_gen(hidden[gen_at])).float()
+        return out.view(R, Q, -1)[:, 1:1 + latents.shape[1]]
+
+    def run_layers(self, hidden: torch.Tensor, rows: "QueryRows", layers: range) -> torch.Tensor:
+        """`hidden` [R * Q, D] of `rows` through the decoder layers `layers`, each row against its own cache."""
+        c = self.config
+        R, Q = rows.valid.shape
         und_at, gen_at = rows.und_index, rows.gen_index
         cos, sin = rope(rows.positions, c.head_dim, c.rope_theta)  # one position per row
-        cos, sin = cos[:, None, None].to(dtype), sin[:, None, None].to(dtype)
-        for i, layer in enumerate(self.layers):
+        cos, sin = cos[:, None, None].to(hidden.dtype), sin[:, None, None].to(hidden.dtype)
+        for i in layers:
+            layer = self.layers[i]
             x = _by_expert(hidden, und_at, gen_at, layer.und.input_layernorm, layer.gen.input_layernorm)
             q = hidden.new_zeros(R * Q, c.num_heads, c.head_dim)
             k = hidden.new_zeros(R * Q, c.num_kv_heads, c.head_dim)
@@ -236,9 +255,39 @@ class BagelModel(nn.Module):
             x = _by_expert(hidden, und_at, gen_at, layer.und.post_attention_layernorm,
                            layer.gen.post_attention_layernorm)
             hidden = hidden + _by_expert(x, und_at, gen_at, layer.und.mlp, layer.gen.mlp)
-        out = torch.zeros(R * Q, c.patch_latent_dim, device=hidden.device, dtype=torch.float32)
-        out[gen_at] = self.llm2vae(self.norm_moe_gen(hidden[gen_at])).float()
-        return out.view(R, Q, -1)[:, 1:1 + latents.shape[1]]
+        return hidden
+
+    def _cached_layers(self, hidden: torch.Tensor, rows: "QueryRows", groups: list) -> torch.Tensor:
+        """The first layer over every row; each group decides from its own latent tokens' residual
+        (step_cache.should_compute); the rows that compute run the other layers on their own (their caches,
+        masks and positions taken by index); a row that reuses leaves with its last tail residual added to
+        its latent tokens (the only ones the head reads)."""
+        R, Q = rows.valid.shape
+        head = self.run_layers(hidden, rows, range(1))
+        head_residual = (head - hidden).view(R, Q, -1)[:, 1:]
+        compute = should_compute(groups, head_residual)
+        for group, computes in zip(groups, compute):
+            if group.tally is not None:
+                group.tally["computed" if computes else "reused"] += 1
+        taken = [r for g, c in zip(groups, compute) if c for r in range(g.rows.start, g.rows.stop)]
+        out = head.view(R, Q, -1).clone()
+        if len(taken) == R:
+            out = self.run_layers(head, rows, range(1, self.config.num_layers)).view(R, Q, -1)
+        elif taken:
+            index = to_device(taken, head.device)
+            sub = rows.take(taken)
+            computed = self.run_layers(out.index_select(0, index).view(len(taken) * Q, -1), sub,
+                                       range(1, self.config.num_layers))
+            out = out.index_copy(0, index, computed.view(len(taken), Q, -1))
+        head = head.view(R, Q, -1)
+        for group, computes in zip(groups, compute):
+            n = group.tokens
+            if computes and group.cache is not None:
+                group.cache.head_residual = group.own(head_residual).clone()
+                group.cache.tail_residual = (out[group.rows] - head[group.rows])[:, 1:1 + n]
+            elif not computes:
+                out[group.rows, 1:1 + n] = group.cache.tail_residual + head[group.rows, 1:1 + n]
+        return out.reshape(R * Q, -1)
 
 
 def _by_expert(x: torch.Tensor, und_at: torch.Tensor, gen_at: torch.Tensor, und, gen) -> torch.Tensor:
@@ -265,6 +314,21 @@ class QueryRows:
     gen_index: torch.Tensor  # flat indices of latent tokens
     key_mask: torch.Tensor  # [R, 1, 1, C_max + Q] bool: keys a row may attend to
     caches: PaddedCaches
+    counts: tuple = ()  # on the host: each row's latent tokens N_r
+
+    def take(self, taken: list[int]) -> "QueryRows":
+        """Rows `taken` (host ints) of these, with their caches: the rows that compute a cached step's later
+        layers."""
+        index = to_device(taken, self.end.device)
+        counts = [self.counts[r] for r in taken]
+        Q = self.valid.shape[1]
+        pick = lambda x: x.index_select(0, index)  # noqa: E731
+        caches = PaddedCaches([pick(k) for k in self.caches.keys], [pick(v) for v in self.caches.values],
+                              pick(self.caches.valid))
+        return QueryRows(pick(self.text_ids), pick(self.positions), pick(self.latent_pos), pick(self.valid),
+                         pick(self.end), to_device(_flat(counts, Q, text=True), index.device),
+                         to_device(_flat(counts, Q, text=False), index.device), pick(self.key_mask), caches,
+                         tuple(counts))
 
     @property
     def arange(self) -> torch.Tensor:
@@ -280,10 +344,7 @@ class QueryRows:
         index = torch.arange(Q, device=device)
         ns = to_device(counts, device)
         valid = index[None] < (ns + 2)[:, None]
-        # Row r's text tokens sit at 0 and n_r + 1, its latents at 1..n_r: flat indices known on the host,
-        # in the order `nonzero` of the masks would give them (which would wait for the device on CUDA).
-        und_index = [r * Q + q for r, n in enumerate(counts) for q in (0, n + 1)]
-        gen_index = [r * Q + q for r, n in enumerate(counts) for q in range(1, n + 1)]
+        und_index, gen_index = _flat(counts, Q, text=True), _flat(counts, Q, text=False)
         latent_pos = torch.zeros(R, n_max, dtype=torch.long, device=device)
         for r, (h, w) in enumerate(grids):  # patch (i, j) -> i * max_latent_size + j, row-major
             latent_pos[r, :h * w] = (torch.arange(h, device=device)[:, None] * max_latent_size
@@ -292,7 +353,14 @@ class QueryRows:
         key_mask = torch.cat([padded.valid, valid], dim=1)
         return cls(text_ids=to_device([list(text_ids)] * R, device), positions=to_device(positions, device),
                    latent_pos=latent_pos, valid=valid, end=ns + 1, und_index=to_device(und_index, device),
-                   gen_index=to_device(gen_index, device), key_mask=key_mask[:, None, None], caches=padded)
+                   gen_index=to_device(gen_index, device), key_mask=key_mask[:, None, None], caches=padded,
+                   counts=tuple(counts))
+
+
+def _flat(counts: list[int], Q: int, text: bool) -> list[int]:
+    """Row r's text tokens sit at 0 and n_r + 1, its latents at 1..n_r: flat indices known on the host, in the
+    order `nonzero` of the masks would give them (which would wait for the device on CUDA)."""
+    return [r * Q + q for r, n in enumerate(counts) for q in ((0, n + 1) if text else range(1, n + 1))]
 
 
 def read_llm_config(model_path: Path) -> dict:

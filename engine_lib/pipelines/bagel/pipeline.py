@@ -127,14 +127,15 @@ class BagelPipeline:
 
     @torch.no_grad()
     def predict(self, rows: QueryRows, latents: torch.Tensor, timesteps: Sequence[torch.Tensor],
-                guidance: Sequence[Guidance], with_uncond: Sequence[bool], counts: Sequence[int]) -> list[torch.Tensor]:
+                guidance: Sequence[Guidance], with_uncond: Sequence[bool], counts: Sequence[int],
+                groups: Optional[list] = None) -> list[torch.Tensor]:
         """Each request's guided velocity [N_r, 64]: one forward over `rows` (`query_rows`), `latents`
-        [B, N_max, 64] right-padded, `counts` the N_r."""
+        [B, N_max, 64] right-padded, `counts` the N_r (`groups`: the first-block cache's, per row)."""
         uncond = [i for i, u in enumerate(with_uncond) if u]
         t = torch.stack([timesteps[i] for i in list(range(len(counts))) + uncond]).to(self.device)
         # the uncond rows by slices: a list index is a host-to-device copy that waits, on CUDA
         both = torch.cat([latents] + [latents[i:i + 1] for i in uncond]) if uncond else latents
-        raw = self.model.velocity(rows, both, t)
+        raw = self.model.velocity(rows, both, t, groups)
         out, next_uncond = [], len(counts)
         for i, n in enumerate(counts):
             v = raw[i, :n]
