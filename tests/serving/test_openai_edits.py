@@ -10,9 +10,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine_lib.images import MAX_IMAGE_BYTES
+from engine_lib.images import MAX_IMAGE_BYTES, decode_image
+from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api import app as app_module
-from engine_lib.serving.openai_api.gateway import InputType, Response
+from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
+from tests.hostile_images import hostile, odd_but_valid
 
 from .fake_gateway import OneModelGateway
 from .test_security_front_door import HOSTILE_VALUES
@@ -23,22 +25,23 @@ EDIT_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT
                "preview_interval": InputType("TYPE_INT32"), "seed": InputType("TYPE_INT64"),
                "num_inference_steps": InputType("TYPE_INT32"), "strength": InputType("TYPE_FP32"),
                "negative_prompt": InputType("TYPE_STRING"), "cfg_interval": InputType("TYPE_FP32", 2),
-               "image": InputType("TYPE_STRING")}
+               "image": InputType("TYPE_STRING"), "mask_image": InputType("TYPE_STRING")}
 
 
 class EditGateway(OneModelGateway):
-    """Two ready models: `m` takes an image, `plain` does not; `sent` records each request's inputs."""
+    """Three ready models: `m` takes an image and a mask, `img2img` an image alone, `plain` neither; `sent`
+    records each request's inputs."""
 
     sent: list = []
 
     async def ready_models(self) -> list[str]:
-        return ["m", "plain"]
+        return ["m", "img2img", "plain"]
 
     async def _config(self, model: str):
-        if model not in ("m", "plain"):
+        if model not in ("m", "img2img", "plain"):
             raise RuntimeError(f"no model {model}")
-        inputs = EDIT_INPUTS if model == "m" else {k: v for k, v in EDIT_INPUTS.items() if k != "image"}
-        return inputs, {"image"}, 2
+        left_out = {"m": (), "img2img": ("mask_image",), "plain": ("image", "mask_image")}[model]
+        return {k: v for k, v in EDIT_INPUTS.items() if k not in left_out}, {"image"}, 2
 
     async def stream(self, model, tensors, request_id, parameters=None):
         EditGateway.sent.append({t.name(): t._get_content() for t in tensors})
@@ -84,7 +87,7 @@ def test_an_edit_streams_its_events_as_image_edit(client):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(model="plain"), "model"),
     (dict(image=[("a.png", PNG), ("b.png", PNG)]), "image"),
-    (dict(mask=("mask.png", PNG)), "mask"),
+    (dict(model="img2img", mask=("mask.png", PNG)), "mask"),
     (dict(extra_body={"num_inference_steps": 2.5}), "num_inference_steps"),
     (dict(extra_body={"seed": "one"}), "seed"),
     (dict(extra_body={"strength": "NaN"}), "strength"),
@@ -141,3 +144,73 @@ def test_no_hostile_form_value_in_any_field_is_a_500(http):
             reply = http.post("/v1/images/edits", files={"image": ("in.png", PNG)}, data=data)
             assert reply.status_code < 500, (field, value[:20], reply.text[:200])
             assert reply.status_code == 200 or "error" in reply.json()
+
+
+def test_an_edit_sends_its_mask_as_mask_image(client, http):
+    mask = PNG + b" mask"
+    client.images.edit(model="m", image=("in.png", PNG), mask=("mask.png", mask), prompt="x")
+    sent = EditGateway.sent[-1]
+    assert sent["image"].endswith(PNG) and sent["mask_image"].endswith(mask)
+    for files, data in (({"image": ("in.png", PNG)}, {"mask": "text"}),
+                        ([("image", ("in.png", PNG)), ("mask", ("a.png", PNG)), ("mask", ("b.png", PNG))], {})):
+        reply = http.post("/v1/images/edits", files=files, data={"model": "m", "prompt": "x", **data})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "mask", reply.text
+    with pytest.raises(openai.BadRequestError) as info:  # generations: a mask comes as an edit's file only
+        client.images.generate(model="m", prompt="x", extra_body={"mask_image": "aGk="})
+    assert info.value.param == "mask_image"
+    assert len(EditGateway.sent) == 1
+
+
+def test_an_image_and_a_mask_share_the_files_cap(http):
+    """Each file within MAX_IMAGE_BYTES, both within MAX_EDIT_FILES_BYTES (their request fits the gRPC gate's
+    16 MiB message): past it a 413 naming the file that crossed it."""
+    form = {"model": "m", "prompt": "x"}
+    image = PNG.ljust(MAX_IMAGE_BYTES, b"\0")
+    fits = PNG.ljust(app_module.MAX_EDIT_FILES_BYTES - MAX_IMAGE_BYTES, b"\0")
+    assert http.post("/v1/images/edits", files={"image": ("in.png", image), "mask": ("m.png", fits)},
+                     data=form).status_code == 200
+    reply = http.post("/v1/images/edits", files={"image": ("in.png", image), "mask": ("m.png", fits + b"\0")},
+                      data=form)
+    assert reply.status_code == 413 and reply.json()["error"]["param"] == "mask", reply.text
+    assert app_module.MAX_EDIT_FILES_BYTES + (1 << 20) < 16 << 20  # the gate's default message limit
+    assert len(EditGateway.sent) == 1
+
+
+class DecodingGateway(EditGateway):
+    """`m` decodes its image inputs as the model does at admission and answers INVALID_ARG as Triton would."""
+
+    async def stream(self, model, tensors, request_id, parameters=None):
+        for tensor in tensors:
+            if tensor.name() in ("image", "mask_image"):
+                try:
+                    decode_image(tensor._get_content()[4:], tensor.name())  # after Triton's 4-byte length
+                except InvalidInputError as exc:
+                    raise TritonRequestError(f"INVALID_ARG: [request id: {request_id}] {exc}") from None
+        async for response in super().stream(model, tensors, request_id, parameters):
+            yield response
+
+
+def test_hostile_files_are_refused_naming_image_or_mask(http, monkeypatch):
+    """The hostile list as the image and as the mask: a 400 naming the field the model's error names (a file
+    over MAX_IMAGE_BYTES: the front door's 413 naming it; a body over the edit cap: a 413 before any part is
+    read); the odd but valid files go through, and so does a good edit after them."""
+    monkeypatch.setattr(app_module, "TritonGateway", DecodingGateway)
+    good = odd_but_valid()["rgba"]
+    with TestClient(app_module.create_app("fake:1"), raise_server_exceptions=False) as door:
+        for name, (data, fragment) in {**hostile(), "zeros-9MB": (b"\0" * (9 << 20), "")}.items():
+            for field in ("image", "mask"):
+                files = {"image": ("in.png", good), "mask": ("m.png", good), field: ("f.png", data)}
+                reply = door.post("/v1/images/edits", files=files, data={"model": "m", "prompt": "x"})
+                error = reply.json()["error"]
+                if len(data) > app_module.MAX_EDIT_BODY_BYTES:
+                    assert (reply.status_code, error["code"]) == (413, "body_too_large"), (name, field, reply.text)
+                elif len(data) > MAX_IMAGE_BYTES:
+                    assert (reply.status_code, error["param"]) == (413, field), (name, field, reply.text)
+                else:
+                    assert (reply.status_code, error["param"]) == (400, field), (name, field, reply.text)
+                    assert fragment in error["message"], (name, field, error)
+        for name, data in odd_but_valid().items():
+            reply = door.post("/v1/images/edits", files={"image": ("in.png", good), "mask": ("m.png", data)},
+                              data={"model": "m", "prompt": "x"})
+            assert reply.status_code == 200, (name, reply.text)
+    assert len(EditGateway.sent) == len(odd_but_valid())

@@ -530,6 +530,40 @@ def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_
     assert not after.errors and after.final.as_numpy("video").shape == (1, 9, 32, 32, 3)
 
 
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's own deprecation of videos
+def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request(server, tmp_path):
+    """The official SDK's `videos.create`, polled with `retrieve`, ends with an mp4 of the asked frames (1 s at
+    8 fps: 9) and its sound track; deleting a running job cancels its Triton request (the model counts it)."""
+    import openai
+
+    from engine_lib.serving.mp4 import probe_mp4
+
+    from .test_openai import front_door, sdk
+
+    door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
+    try:
+        client = sdk(door)
+        video = client.videos.create(model="ltx2", prompt="a waterfall", size="64x32", seconds="1",
+                                     extra_body={"frame_rate": 8, "num_inference_steps": 2, "seed": 1})
+        assert video.status in ("queued", "in_progress") and video.seconds == "1"
+        done = client.videos.poll(video.id, poll_interval_ms=100)  # retrieve until it is completed or failed
+        assert done.status == "completed" and done.progress == 100, done.error
+        mp4 = client.videos.download_content(video.id).content
+        assert probe_mp4(mp4) == {"frames": 9, "height": 32, "width": 64, "audio_streams": 1}
+        cancelled = metric(scrape(server.metrics_url), "diffusion_requests_total", model="ltx2", outcome="cancelled")
+        slow = client.videos.create(model="ltx2", prompt=SLOW_PROMPT, size="32x32", seconds="1",
+                                    extra_body={"frame_rate": 8, "num_inference_steps": 2})
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_running", 1.0, model="ltx2") == 1.0
+        assert client.videos.retrieve(slow.id).status in ("queued", "in_progress")
+        assert client.videos.delete(slow.id).deleted
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_total", cancelled + 1, model="ltx2",
+                               outcome="cancelled") == cancelled + 1
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(slow.id)
+    finally:
+        door.stop()
+
+
 def test_the_openai_images_front_door_offers_only_the_image_models(server):
     import asyncio
 

@@ -3,8 +3,9 @@
 `generate_stream` (generate.py).
 
 An edit is a multipart/form-data body: its image file goes to the model's `image` input as it
-came, its other fields as a generations body would (requests.py). Its body may hold one image
-of MAX_IMAGE_BYTES and a request's fields; every other body stays within MAX_BODY_BYTES.
+came, its mask file (if any) to `mask_image`, its other fields as a generations body would
+(requests.py). Its body may hold files of MAX_IMAGE_BYTES each, MAX_EDIT_FILES_BYTES together,
+and a request's fields; every other body stays within MAX_BODY_BYTES.
 
 Streaming (`stream: true`) answers server-sent events as OpenAI streams images: up to
 `partial_images` events `image_generation.partial_image` (the engine's previews, spread
@@ -15,8 +16,9 @@ response (watch.py; a stream without partial images waits for its only one), at 
 it streams. PNG encoding runs on worker threads (about 0.3 s per 1024x1024 image), never on
 the event loop that answers every other client.
 
-Bearer keys and priority rights: keys.py. `/openapi.json` needs a key like the API (it lists
-every input of the API); there are no `/docs` pages.
+Video jobs (`/v1/videos`, for the models with a `video_mp4` output): videos.py. Bearer keys and priority
+rights: keys.py. `/openapi.json` needs a key like the API (it lists every input of the API); there are no
+`/docs` pages.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, b
                                                     lone_surrogate_field, openai_param, parse_edit_request,
                                                     parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
+from engine_lib.serving.openai_api import videos
 from engine_lib.serving.openai_api.watch import next_response, until_final
 from engine_lib.serving.tensors import encode_png_base64
 
@@ -52,8 +55,11 @@ BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 kB/s; a client that dribbles its body slowe
 # A body over MAX_BODY_BYTES is still read (and dropped) up to this size before the 413, so that a client still
 # sending it reads the answer instead of a reset connection; one declared larger is refused unread.
 MAX_DISCARD_BYTES = 8 << 20
-# An edit's form: one image file and a request's worth of fields; 120 s is 75 kB/s for all of it.
-MAX_EDIT_BODY_BYTES = MAX_IMAGE_BYTES + MAX_BODY_BYTES
+# An edit's form: its files (an image and a mask, each within MAX_IMAGE_BYTES) within MAX_EDIT_FILES_BYTES together,
+# so that its Triton request still fits the gRPC gate's 16 MiB message, and a request's worth of fields; 120 s is
+# 131 kB/s for all of it.
+MAX_EDIT_FILES_BYTES = 14 << 20
+MAX_EDIT_BODY_BYTES = MAX_EDIT_FILES_BYTES + MAX_BODY_BYTES
 EDIT_BODY_TIMEOUT_S = 120.0
 MAX_FORM_FILES, MAX_FORM_FIELDS = 16, 64  # OpenAI takes up to 16 images; a form of more is no request
 # The usage OpenAI reports for GPT image models; these models count no tokens.
@@ -80,7 +86,9 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.gateway = TritonGateway(triton_url)  # the asyncio client belongs to the server's loop
+        app.state.videos = videos.VideoJobs()
         yield
+        await app.state.videos.close()  # cancels the running jobs' Triton requests
         await app.state.gateway.close()
 
     app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -166,6 +174,7 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
 
     app.include_router(v1)
     app.include_router(make_router(read_json, authorize, keys))
+    app.include_router(videos.make_router(read_json, read_form, authorize, keys))
     return app
 
 
@@ -217,7 +226,8 @@ async def read_json(request: Request) -> Any:
 
 async def read_form(request: Request) -> tuple[list[tuple[str, str]], list[tuple[str, bytes]]]:
     """A multipart/form-data body (read_body within MAX_EDIT_BODY_BYTES and EDIT_BODY_TIMEOUT_S) as its text fields
-    and its files, each (name, value) in order; 400 when it is no such form, 413 for a file over MAX_IMAGE_BYTES."""
+    and its files, each (name, value) in order; 400 when it is no such form, 413 for a file over MAX_IMAGE_BYTES or
+    the file that takes the files past MAX_EDIT_FILES_BYTES."""
     data = await read_body(request, MAX_EDIT_BODY_BYTES, EDIT_BODY_TIMEOUT_S)  # first: the client reads the answer
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
@@ -240,10 +250,15 @@ async def read_form(request: Request) -> tuple[list[tuple[str, str]], list[tuple
                 files.append((name, await value.read()))
     finally:
         await form.close()
+    total = 0
     for name, file in files:
+        total += len(file)
         if len(file) > MAX_IMAGE_BYTES:
             raise OpenAIError(413, f"the file {name!r} is {len(file)} bytes; at most {MAX_IMAGE_BYTES} allowed",
                               param=name.removesuffix("[]"), code="file_too_large")
+        if total > MAX_EDIT_FILES_BYTES:
+            raise OpenAIError(413, f"the files up to {name!r} are {total} bytes; at most {MAX_EDIT_FILES_BYTES} "
+                              f"allowed together", param=name.removesuffix("[]"), code="file_too_large")
     return fields, files
 
 

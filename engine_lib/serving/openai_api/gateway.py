@@ -117,11 +117,12 @@ class TritonGateway:
         except Exception:  # noqa: BLE001 - unreachable is not ready
             return False
 
-    async def ready_models(self) -> list[str]:
-        """The ready models that make images (an `image` output): video models are not the Images API's."""
+    async def ready_models(self, output: str = "image") -> list[str]:
+        """The ready models with the declared `output`: `image` for the Images API (video models are not its),
+        `video_mp4` for the video jobs."""
         index = await self.client.get_model_repository_index(headers=self._index_headers, as_json=True)
         ready = sorted(m["name"] for m in index.get("models", []) if m.get("state") == "READY")
-        return [name for name in ready if "image" in (await self._config(name))[1]]
+        return [name for name in ready if output in (await self._config(name))[1]]
 
     async def input_types(self, model: str) -> dict[str, InputType]:
         """The model's declared inputs (name -> type and count), from its config; cached per model."""

@@ -14,6 +14,7 @@ answer takes does not tell how much of a guessed key was right, nor which key it
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -24,9 +25,11 @@ from engine_lib.serving.openai_api.requests import OpenAIError
 @dataclass(frozen=True)
 class Caller:
     """An accepted caller: `highest` is the most urgent priority level it may ask for (None: the model's
-    default; no key of OPENAI_PRIORITY_KEYS)."""
+    default; no key of OPENAI_PRIORITY_KEYS); `owner` names its key (a digest, never the key) for what it
+    owns, video jobs (empty: the open door's one caller)."""
 
     highest: Optional[int] = None
+    owner: str = ""
 
 
 def parse_priority_keys(text: str) -> dict[str, int]:
@@ -55,7 +58,8 @@ class FrontDoorKeys:
     def __init__(self, api_key: str = "", priority_keys: Optional[Mapping[str, int]] = None, model_key: str = ""):
         rights = {api_key: None} if api_key else {}
         rights.update(priority_keys or {})  # a key in both has its priority rights
-        self._keys = [(key.encode("utf-8"), Caller(level)) for key, level in rights.items()]
+        self._keys = [(key.encode("utf-8"), Caller(level, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]))
+                      for key, level in rights.items()]
         self.model_key = model_key  # DIFFUSION_PRIORITY_KEY: the `priority_key` the model asks for
 
     @classmethod

@@ -8,7 +8,8 @@ that input. Anything else is refused naming it. Values are checked by the model 
 (its one validation); its INVALID_ARG errors come back naming the OpenAI field.
 
 An edit (`/v1/images/edits`) is a form of the same fields, typed as the JSON body would be
-(`form_body`), plus its `image` file(s), which go to the model's `image` input as they came.
+(`form_body`), plus its `image` file(s), which go to the model's `image` input as they came, and
+its `mask` file, which goes to the model's `mask_image` input (inpainting).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Mapping, Optional
 
 # Model inputs the front door sets itself from OpenAI fields: not accepted as extra fields.
 MANAGED_INPUTS = {"prompt": "prompt", "num_images": "n", "height": "size", "width": "size",
-                  "output_format": "output_format", "preview_interval": "partial_images"}
+                  "output_format": "output_format", "preview_interval": "partial_images", "mask_image": "mask"}
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "stream", "partial_images",
                  "user", "quality", "background")
 TEXT_FIELDS = ("model", "prompt", "size", "response_format", "output_format", "user", "quality", "background")
@@ -125,15 +126,16 @@ def parse_edit_request(fields: list[tuple[str, str]], files: list[tuple[str, byt
                        default_model: Optional[str]) -> ImageRequest:
     """Map an `/v1/images/edits` form (its text fields and its files, in order) onto the model's inputs: the
     fields as a generations body (typed by `form_body`), the `image` file (or `image[]` files) as the model's
-    `image` input, its bytes as they came."""
-    if any(name == "mask" for name, _ in fields + files):
-        raise bad_request("mask is not supported: no model served here takes one", "mask")
+    `image` input, its bytes as they came; the `mask` file, if any, as its `mask_image` input."""
     for name, _ in fields:
-        if name in ("image", "image[]"):
-            raise bad_request("image must be a file (a multipart file part), not a text field", "image")
+        if name in ("image", "image[]", "mask"):
+            raise bad_request(f"{name.removesuffix('[]')} must be a file (a multipart file part), not a text field",
+                              name.removesuffix("[]"))
     for name, _ in files:
-        if name not in ("image", "image[]"):
-            raise bad_request(f"{name!r} is a file; only image takes one", name)
+        if name not in ("image", "image[]", "mask"):
+            raise bad_request(f"{name!r} is a file; only image and mask take one", name)
+    masks = [data for name, data in files if name == "mask"]
+    files = [(name, data) for name, data in files if name != "mask"]
     body = form_body(fields, input_types)
     surrogate = lone_surrogate_field(body)  # JSON's "\ud800" in a typed field
     if surrogate is not None:
@@ -146,8 +148,14 @@ def parse_edit_request(fields: list[tuple[str, str]], files: list[tuple[str, byt
     if len(images) != wanted:
         raise bad_request(f"{model} takes {wanted} image file(s), got {len(images)}", "image",
                           "missing_required_parameter" if not images else "invalid_value")
+    if masks and "mask_image" not in input_types:
+        raise bad_request(f"{model} does not take a mask (no inpainting)", "mask")
+    if len(masks) > 1:
+        raise bad_request(f"one mask file, got {len(masks)}", "mask")
     request = parse_image_request(body, input_types, default_model)
     request.inputs["image"] = images[0] if wanted == 1 else images
+    if masks:
+        request.inputs["mask_image"] = masks[0]
     return request
 
 
