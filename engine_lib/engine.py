@@ -159,8 +159,8 @@ class DiffusionEngine:
         """Run one small request through the real path, so the first user request is not the slow one."""
         steps = int(self.inputs.specs["num_inference_steps"].low or 1)  # the fewest steps the pipeline runs
         start = time.monotonic()
-        final = self.add_request("__warmup__", {"prompt": "warm-up", "num_inference_steps": steps}).result(
-            timeout=timeout)
+        inputs = {"prompt": "warm-up", "num_inference_steps": steps, **self.adapter.example_inputs()}
+        final = self.add_request("__warmup__", inputs).result(timeout=timeout)
         if final.error is not None:
             raise RuntimeError(f"warm-up failed: {final.error}") from final.error
         logger.info("engine warm-up done in %.2fs", time.monotonic() - start)

@@ -227,6 +227,12 @@ class PipelineAdapter(ABC):
 
     # -- the declaration, refined by the loaded checkpoint ----------------------------
     @classmethod
+    def example_inputs(cls) -> dict:
+        """Small inputs a request needs besides its prompt (an image, where one is required): the warm-up
+        request sends them, and so do the tests that run every pipeline."""
+        return {}
+
+    @classmethod
     def input_spec(cls, name: str) -> InputSpec:
         """One declared input (as declared, before the checkpoint refines it)."""
         for spec in cls.inputs:

@@ -51,7 +51,7 @@ def test_the_declaration_is_consistent(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_request_left_at_its_defaults_is_the_pipelines_own_output(name):
     adapter = load_tiny_adapter(name, registry.get_adapter_class(name))
-    inputs = {"prompt": "a photo of a cat", "seed": 3}
+    inputs = {"prompt": "a photo of a cat", "seed": 3, **adapter.example_inputs()}
     params = parse(adapter, inputs)
     expected = pipe_reference(adapter)(params)
     np.testing.assert_array_equal(solo_steps(adapter, params, float_output=True), expected)

@@ -49,7 +49,8 @@ def poison(prompt: str, before_step: int):
 def test_non_finite_latents_fail_their_request_alone(name):
     adapter = load_tiny_adapter(name, registry.get_adapter_class(name))
     output = adapter.outputs[0].name
-    good = parse(adapter, {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 3})
+    good = parse(adapter, {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 3,
+                           **adapter.example_inputs()})
     bad = good.replace(prompt="poisoned")
     alone = ModelRunner(adapter).run_to_completion([DiffusionRequest("alone", good)])
     runner = ModelRunner(adapter, before_forward=poison("poisoned", before_step=2))
@@ -79,7 +80,8 @@ def test_every_float_input_at_its_largest_value_gives_a_finite_output(name):
     schema = adapter.input_schema(TEST_CONFIG)
     largest = {spec.name: (spec.high,) * spec.count if spec.count > 1 else spec.high
                for spec in schema.specs.values() if spec.datatype == "FP32" and not spec.unused}
-    inputs = {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 2, **largest}
+    inputs = {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 2, **adapter.example_inputs(),
+              **largest}
     if "negative_prompt" in schema.specs and not schema.specs["negative_prompt"].unused:
         inputs["negative_prompt"] = "blurry"  # with it, true CFG runs at its largest scale too
     result = ModelRunner(adapter, float_outputs=True).run_to_completion([DiffusionRequest("r", parse(adapter, inputs))])

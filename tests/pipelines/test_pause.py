@@ -32,7 +32,8 @@ def tensors_of(obj) -> list[torch.Tensor]:
 def test_every_tensor_of_a_prepared_state_moves(name):
     adapter = load_tiny_adapter(name, registry.get_adapter_class(name))
     runner = ModelRunner(adapter)
-    request = DiffusionRequest("r", parse(adapter, {"prompt": "a cat", "num_inference_steps": 2, "seed": 1}))
+    request = DiffusionRequest("r", parse(adapter, {"prompt": "a cat", "num_inference_steps": 2, "seed": 1,
+                                                    **adapter.example_inputs()}))
     runner.execute_step([request], [])
     state = runner.states["r"]
     before = tensors_of(state)
