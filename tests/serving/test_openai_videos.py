@@ -164,6 +164,8 @@ def test_jobs_per_key_finished_bytes_and_expiry_are_capped(http):
     with pytest.raises(openai.RateLimitError) as info:
         client.videos.create(model="v", prompt="a", seconds="1", extra_body={"frame_rate": 8})
     assert info.value.code == "too_many_jobs"
+    assert [v.id for v in client.videos.list(limit=2)] == [v.id for v in held[::-1]]  # two pages, newest first
+    assert [v.id for v in client.videos.list(order="asc")] == [v.id for v in held]
     for video in held:
         client.videos.delete(video.id)
     done = [finished(client, client.videos.create(model="v", prompt=p, seconds="1", extra_body={"frame_rate": 8}).id)
@@ -204,4 +206,7 @@ def test_a_model_that_makes_no_video_is_a_404_and_so_is_an_unknown_job(http):
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("video_0")
     assert http.post("/v1/videos", json={"prompt": "x"}).json()["error"]["param"] == "model"  # two: no default
+    for query, param in (("limit=x", "limit"), ("limit=101", "limit"), ("order=up", "order"), ("after=video_0", "after")):
+        reply = http.get(f"/v1/videos?{query}")
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
     assert VideoGateway.sent == []

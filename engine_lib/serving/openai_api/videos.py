@@ -339,10 +339,11 @@ def make_router(read_json, read_form, authorize, keys: FrontDoorKeys) -> APIRout
         return job.body()
 
     @router.get("")
-    async def listing(request: Request, after: Optional[str] = None, limit: int = 20, order: str = "desc",
+    async def listing(request: Request, after: Optional[str] = None, limit: str = "20", order: str = "desc",
                       caller: Caller = Depends(authorize)) -> dict:
-        if not 1 <= limit <= MAX_LIST_LIMIT:
-            raise bad_request(f"limit must be in [1, {MAX_LIST_LIMIT}]", "limit")
+        if not limit.isdecimal() or not 1 <= int(limit) <= MAX_LIST_LIMIT:  # a str: FastAPI's own check is a 422
+            raise bad_request(f"limit must be an integer in [1, {MAX_LIST_LIMIT}]", "limit")
+        limit = int(limit)
         if order not in ("asc", "desc"):
             raise bad_request("order must be asc or desc", "order")
         jobs = request.app.state.videos.owned(caller.owner)
