@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-images", type=_positive)
     gen.add_argument("--image", type=Path, help="image-to-image: start from this PNG, JPEG or WebP file (sd3)")
     gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
+    gen.add_argument("--mask", type=Path, help="with --image: inpaint where this mask is white, keep where it is "
+                     "black (sd3)")
     gen.add_argument("--cache", choices=("none", "first_block"),
                      help="step cache: first_block reuses the later blocks' work on steps that change little "
                           "(qwen_image, flux, sd3; default: the model's)")
@@ -166,6 +168,7 @@ def run_generate(args: argparse.Namespace) -> int:
         output_format=output_format,
         image=None if args.image is None else args.image.read_bytes(),
         strength=args.strength,
+        mask=None if args.mask is None else args.mask.read_bytes(),
         cache=args.cache,
         cache_threshold=args.cache_threshold,
     )

@@ -34,6 +34,7 @@ INPUT_DTYPES = {
     "output_format": "BYTES",
     "image": "BYTES",
     "strength": "FP32",
+    "mask_image": "BYTES",
     "cache": "BYTES",
     "cache_threshold": "FP32",
 }
@@ -56,11 +57,13 @@ def build_inputs(
     output_format: Optional[str] = None,
     image: Optional[bytes] = None,
     strength: Optional[float] = None,
+    mask: Optional[bytes] = None,
     cache: Optional[str] = None,
     cache_threshold: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The request's inputs by Triton name, leaving out everything not set. `image` (an encoded file, for
-    image-to-image) is sent as base64 text, which the server takes over gRPC and HTTP alike."""
+    image-to-image) and `mask` (one more, for inpainting: `mask_image`) are sent as base64 text, which the server
+    takes over gRPC and HTTP alike."""
     values = {
         "prompt": prompt,
         "negative_prompt": negative_prompt,
@@ -77,6 +80,7 @@ def build_inputs(
         "output_format": output_format,
         "image": None if image is None else base64.b64encode(image).decode("ascii"),
         "strength": strength,
+        "mask_image": None if mask is None else base64.b64encode(mask).decode("ascii"),
         "cache": cache,
         "cache_threshold": cache_threshold,
     }

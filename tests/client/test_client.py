@@ -77,6 +77,8 @@ def test_only_inputs_the_user_set_are_sent():
     assert base64.b64decode(image["image"]) == _png() and image["strength"] == 0.6
     args = parse_args(["generate", "--prompt", "x", "--image", "in.png", "--strength", "0.6", "--model", "sd3"])
     assert (args.image, args.strength) == (Path("in.png"), 0.6)
+    assert base64.b64decode(build_inputs("p", image=_png(), mask=b"m")["mask_image"]) == b"m"
+    assert parse_args(["generate", "--prompt", "x", "--image", "i.png", "--mask", "m.png"]).mask == Path("m.png")
     args = parse_args(["generate", "--prompt", "x", "--cache", "first_block", "--cache-threshold", "0.1"])
     assert (args.cache, args.cache_threshold) == ("first_block", 0.1)
     cached = build_inputs("p", cache=args.cache, cache_threshold=args.cache_threshold)
