@@ -142,17 +142,29 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))
 
 
+def png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 24), (200, 30, 60)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize("pipeline, size, extra", [("ltx2", 32, {"num_frames": 17}), ("bagel", 32, {}),
                                                    ("hunyuan_image3", 64, {})], ids=["ltx2", "bagel", "hunyuan_image3"])
 def test_other_pipelines_read_nothing_from_the_device(pipeline, size, extra):
     """LTX-2's three forwards per tick (CFG, spatio-temporal guidance, modality isolation) take each
-    request's text rows by slices; BAGEL's query rows and HunyuanImage-3's image rows, rebuilt when the
-    batch changes, have their indices and positions made on the host; HunyuanImage-3's MoE routes by a
-    grouped matmul, not by `nonzero` per expert. The last request runs without CFG."""
+    request's text rows by slices, and while its first request (an image) runs, each token's timestep is
+    made on the device from that request's conditioning mask; BAGEL's query rows and HunyuanImage-3's image
+    rows, rebuilt when the batch changes, have their indices and positions made on the host; HunyuanImage-3's
+    MoE routes by a grouped matmul, not by `nonzero` per expert. The last request runs without CFG."""
     from engine_lib.pipelines.registry import get_adapter_class
 
     adapter = load_tiny_adapter(pipeline, get_adapter_class(pipeline))
     no_cfg = {"guidance_scale": 1.0} if pipeline == "hunyuan_image3" else {}
-    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": size, "width": size, **extra, **(no_cfg if i == 2 else {})}
-              for i in range(3)]
+    image = {"image": png()} if pipeline == "ltx2" else {}
+    inputs = [{"prompt": f"prompt {i}", "seed": i, "height": size, "width": size, **extra, **(no_cfg if i == 2 else {}),
+               **(image if i == 0 else {})} for i in range(3)]
     assert_quiet_after_admission(reads_per_tick(adapter, inputs))

@@ -1,4 +1,4 @@
-"""LTX-2 text to video with audio behind the engine's contracts: `LTX2Pipeline.__call__` cut into its phases.
+"""LTX-2 text or image to video with audio behind the engine's contracts: `LTX2Pipeline.__call__` in phases.
 
 Each request keeps its own packed video latents, audio latents, and a copy of the
 scheduler for each (the pipeline's own split). One tick runs, over every
@@ -19,13 +19,25 @@ these forwards; size, frame count, frame rate and text length (the shapes and
 positions of the tokens) are in the keys. `post_decode` runs the video VAE, the
 audio VAE and the vocoder per request.
 
-Not served: image conditioning, prompt enhancement, the duration head (a request
-always says its `num_frames`), `num_videos_per_prompt` > 1.
+Image to video (`LTX2ImageToVideoPipeline`, with an `image`): the image, re-compressed
+as the pipeline does (H.264 at the checkpoint's CRF) and resized to height x width, is
+VAE-encoded into the first latent frame; a conditioning mask (1 on that frame's tokens)
+gives those tokens timestep 0 in every forward (`t * (1 - mask)`, one timestep per token)
+and the scheduler steps only the other tokens, so the first frame stays the image's
+latents. Both live in the request's state (`condition`). The transformer embeds each
+token's own timestep, so a text-to-video row is the same row with every token at `t`:
+a forward that holds an image request passes per-token timesteps for all its rows, and
+requests with and without an image share it.
+
+Not served: conditioning on other frames or videos (`LTX2ConditionPipeline`), a chosen
+`image_crf`, prompt enhancement, the duration head (a request always says its
+`num_frames`), `num_videos_per_prompt` > 1.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -33,6 +45,7 @@ import numpy as np
 import torch
 
 from engine_lib import interface
+from engine_lib.host_copy import to_device
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.request import InvalidInputError, SamplingParams
@@ -44,6 +57,8 @@ def _scale(name: str, default: float, doc: str, low: float = 0.0) -> InputSpec:
     return InputSpec(name, "FP32", doc, default=default, low=low, high=interface.GUIDANCE_HIGH, batch="row", pipe_arg=name)
 
 
+IMAGE = InputSpec("image", "BYTES", "image-to-video: the first frame (PNG, JPEG or WebP; resized to height x "
+                  "width)", content="image", batch="row", pipe_arg="image")
 LTX2_INPUTS = (
     interface.PROMPT,
     interface.NEGATIVE_PROMPT,
@@ -68,6 +83,7 @@ LTX2_INPUTS = (
               "counts, no frames)", default=0, low=0, high=interface.INT_RANGES["INT32"][1], batch="row"),
     interface.output_format("mp4"),
     interface.PRIORITY,
+    IMAGE,
 )
 AUDIO = OutputSpec("audio", "FP32", (-1, -1, -1), "sound [N, C, S] in [-1, 1] (muxed into video_mp4)",
                    pipe_output="audio")
@@ -111,6 +127,9 @@ class LTX2State(RequestState):
     text: dict = field(default_factory=dict)  # "video", "audio" [rows, T, D], "mask" [rows, T]; rows: (uncond,) cond
     coords: dict = field(default_factory=dict)  # "video", "audio" positions of one row
     shape: dict = field(default_factory=dict)  # latent frames, height, width, audio frames, mel bins, fps
+    # with an image: "latents" [1, h*w, C], the first latent frame's tokens (kept as they are), and "mask" [1, S]
+    # (1 on those tokens), as LTX2ImageToVideoPipeline.prepare_latents makes them
+    condition: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -121,7 +140,8 @@ class LTX2State(RequestState):
 
 
 class LTX2Adapter(DiffusersAdapter):
-    """`LTX2Pipeline` (text to video with audio) with request batching and step execution.
+    """`LTX2Pipeline` (text to video with audio) and `LTX2ImageToVideoPipeline` (with an `image`), with request
+    batching and step execution.
 
     Every guidance pass is one forward over all the requests that need it (see the module docstring).
     """
@@ -180,7 +200,32 @@ class LTX2Adapter(DiffusersAdapter):
         return tokens * (2 if Guidance.of(params).cfg else 1)
 
     def pipe_kwargs(self, params: SamplingParams) -> dict:
-        return {**super().pipe_kwargs(params), "spatio_temporal_guidance_blocks": self.stg_blocks}
+        """`LTX2Pipeline`'s arguments; with an image, `LTX2ImageToVideoPipeline`'s (the decoded PIL image)."""
+        kwargs = {**super().pipe_kwargs(params), "spatio_temporal_guidance_blocks": self.stg_blocks}
+        if params.image is not None:
+            kwargs["image"] = params.image.image
+        return kwargs
+
+    @functools.cached_property
+    def image_to_video(self):
+        """`LTX2ImageToVideoPipeline` on the same components: its image processing and `prepare_latents`."""
+        from diffusers import LTX2ImageToVideoPipeline
+
+        return LTX2ImageToVideoPipeline(**self.pipe.components)
+
+    def _condition_latents(self, state: LTX2State, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed video latents (the image's in the first frame, noise after it) and the conditioning mask, as
+        `LTX2ImageToVideoPipeline.__call__` makes them (the default CRF re-compression first)."""
+        import PIL.Image
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+
+        p, pipe = state.params, self.image_to_video
+        image, crf = p.image.image, resolve_default_image_crf(pipe.text_encoder)
+        if crf:
+            image = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+        image = to_device(pipe.video_processor.preprocess(image, height=p.height, width=p.width), self.device, dtype)
+        return pipe.prepare_latents(image, 1, pipe.transformer.config.in_channels, p.height, p.width, p.num_frames,
+                                    0.0, torch.float32, self.device, state.generator)
 
     # -- the step contract ------------------------------------------------------------
     @torch.inference_mode()
@@ -197,8 +242,14 @@ class LTX2Adapter(DiffusersAdapter):
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         frames = (p.num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
         height, width = p.height // pipe.vae_spatial_compression_ratio, p.width // pipe.vae_spatial_compression_ratio
-        state.latents["video"] = pipe.prepare_latents(1, pipe.transformer.config.in_channels, p.height, p.width,
-                                                      p.num_frames, 0.0, torch.float32, self.device, state.generator)
+        if p.image is None:
+            state.latents["video"] = pipe.prepare_latents(1, pipe.transformer.config.in_channels, p.height, p.width,
+                                                          p.num_frames, 0.0, torch.float32, self.device,
+                                                          state.generator)
+        else:
+            state.latents["video"], mask = self._condition_latents(state, state.text["rows"]["video"].dtype)
+            # the first latent frame: one token per latent pixel (patch size 1, which the pipeline's mask needs)
+            state.condition = {"latents": state.latents["video"][:, :height * width].clone(), "mask": mask}
         audio_frames = self.audio_frames(p)
         mel_bins = pipe.audio_vae.config.mel_bins
         state.latents["audio"] = pipe.prepare_audio_latents(
@@ -270,13 +321,16 @@ class LTX2Adapter(DiffusersAdapter):
             return torch.cat(parts)
 
         timestep = torch.cat([s.timesteps[s.step_index].expand(n) for (s, _), n in zip(members, counts)])
+        video_timestep = timestep
+        if any(s.condition for s, _ in members):  # one timestep per token, for every row (see the module docstring)
+            video_timestep = torch.cat([self._token_timesteps(s).expand(n, -1) for (s, _), n in zip(members, counts)])
         shape = members[0][0].shape
         with self.pipe.transformer.cache_context(context):
             video, audio = self.pipe.transformer(
                 hidden_states=repeat(lambda s: s.latents["video"]).to(dtype),
                 audio_hidden_states=repeat(lambda s: s.latents["audio"]).to(dtype),
                 encoder_hidden_states=text["video"], audio_encoder_hidden_states=text["audio"],
-                timestep=timestep, sigma=timestep, encoder_attention_mask=text["mask"],
+                timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=text["mask"],
                 audio_encoder_attention_mask=text["mask"], num_frames=shape["frames"], height=shape["height"],
                 width=shape["width"], fps=shape["fps"], audio_num_frames=shape["audio_frames"],
                 video_coords=repeat(lambda s: s.coords["video"]), audio_coords=repeat(lambda s: s.coords["audio"]),
@@ -287,6 +341,14 @@ class LTX2Adapter(DiffusersAdapter):
             out[state.request_id] = (video[start:start + n].float(), audio[start:start + n].float())
             start += n
         return out
+
+    @staticmethod
+    def _token_timesteps(state: LTX2State) -> torch.Tensor:
+        """[1, S]: the step's timestep for each video token; 0 on an image's first frame (`t * (1 - mask)`)."""
+        t = state.timesteps[state.step_index]
+        if not state.condition:
+            return t.expand(1, state.latents["video"].shape[1])
+        return t.unsqueeze(-1) * (1 - state.condition["mask"])
 
     def _guide(self, state: LTX2State, main, stg, modality) -> dict[str, torch.Tensor]:
         """The pipeline's guidance for one request: deltas in x0 space, rescale, back to velocity."""
@@ -311,10 +373,15 @@ class LTX2Adapter(DiffusersAdapter):
         return guided
 
     def step_scheduler(self, state: LTX2State, noise_pred: dict) -> None:
+        """Both schedulers' steps; with an image, the video's steps only the tokens after the first frame, which
+        stays the image's latents (the pipeline's `latents[:, :, 1:]`)."""
         t = state.timesteps[state.step_index]
-        for kind in ("video", "audio"):
-            state.latents[kind] = state.schedulers[kind].step(noise_pred[kind], t, state.latents[kind],
-                                                              return_dict=False)[0]
+        kept = state.condition["latents"].shape[1] if state.condition else 0
+        stepped = state.schedulers["video"].step(noise_pred["video"][:, kept:], t, state.latents["video"][:, kept:],
+                                                 return_dict=False)[0]
+        state.latents["video"] = torch.cat([state.condition["latents"], stepped], dim=1) if kept else stepped
+        state.latents["audio"] = state.schedulers["audio"].step(noise_pred["audio"], t, state.latents["audio"],
+                                                                return_dict=False)[0]
         state.step_index += 1
 
     def post_decode(self, states: list[LTX2State]) -> list[Outputs]:
