@@ -40,6 +40,7 @@ BAD_INPUTS = [
     ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
     ("true cfg huge", dict(VALID, true_cfg_scale=1e38), "true_cfg_scale"),
     ("unknown cache", dict(VALID, cache="fast"), "cache"),
+    ("cache misspelled", dict(VALID, cache="taylor_seer"), "cache"),  # choices are compared lower-cased
     ("cache threshold negative", dict(VALID, cache="first_block", cache_threshold=-1.0), "cache_threshold"),
     ("cache threshold NaN", dict(VALID, cache_threshold=float("nan")), "cache_threshold"),
 ]
@@ -79,14 +80,16 @@ def test_bad_inputs_are_rejected_while_a_valid_request_completes(server):
     assert done.final.as_numpy("image").shape == (1, 32, 32, 3)
 
 
-def test_the_cache_inputs_reach_the_engine(server):
-    """A served request with cache=first_block is the image the engine makes for it in-process, which the cache
-    changed (it reused steps)."""
+@pytest.mark.parametrize("cache", [dict(cache="first_block", cache_threshold=0.5), dict(cache="taylorseer")],
+                         ids=["first_block", "taylorseer"])
+def test_the_cache_inputs_reach_the_engine(server, cache):
+    """A served request with a step cache is the image the engine makes for it in-process, which the cache
+    changed (it reused or predicted steps)."""
     from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
     from tests.pipelines.parity_checks import load_tiny_adapter, solo_steps
 
     inputs = dict(prompt="a cat", height=64, width=64, num_inference_steps=6, seed=3)
-    cached = dict(inputs, cache="first_block", cache_threshold=0.5)
+    cached = dict(inputs, **cache)
     stream = RequestStream(server.grpc_url).send("cached", **cached)
     try:
         result = stream.collect(timeout=120)
