@@ -5,7 +5,8 @@ prefilled once per request. So both need: a request's own KV cache of its prompt
 many such caches of different lengths padded into one forward (with the mask
 that hides the padding), the small pieces of math their reference code shares
 (Qwen/Hunyuan RMSNorm, rotate-half RoPE, DiT's sinusoidal timestep embedding),
-and the shifted flow-matching schedule both step with Euler.
+the shifted flow-matching schedule both step with Euler, and the first-block cache around their
+layer stacks (`first_layer_cache`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import group_indices
+from engine_lib.pipelines.step_cache import should_compute
 
 
 @dataclass
@@ -59,6 +61,40 @@ class PaddedCaches:
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([F.pad(t, (0, 0, 0, length - t.shape[1])) for t in tensors])
+
+
+def first_layer_cache(run: Callable, hidden: torch.Tensor, rows, groups: list, num_layers: int) -> torch.Tensor:
+    """diffusers' FirstBlockCache per row group (engine_lib/pipelines/step_cache.py) around a layer stack whose rows
+    hold one token, then their image tokens at 1..n (`group.tokens`), then padding. `run(hidden [R, Q, D], rows,
+    layers)` runs `layers` over the rows `rows` describe; `rows.take(taken)` describes the rows `taken` alone
+    (their caches, masks and positions).
+
+    The first layer runs over every row; each group decides from its own image tokens' residual
+    (`should_compute`); the rows that compute run the other layers on their own, and a row that reuses
+    leaves with its last tail residual added to its image tokens (the only ones the way out reads)."""
+    R = hidden.shape[0]
+    head = run(hidden, rows, range(1))
+    head_residual = (head - hidden)[:, 1:]
+    compute = should_compute(groups, head_residual)
+    for group, computes in zip(groups, compute):
+        if group.tally is not None:
+            group.tally["computed" if computes else "reused"] += 1
+    taken = [r for g, c in zip(groups, compute) if c for r in range(g.rows.start, g.rows.stop)]
+    if len(taken) == R:
+        out = run(head, rows, range(1, num_layers))
+    else:
+        out = head.clone()
+        if taken:
+            index = to_device(taken, head.device)
+            out.index_copy_(0, index, run(head.index_select(0, index), rows.take(taken), range(1, num_layers)))
+    for group, computes in zip(groups, compute):
+        n = group.tokens
+        if computes and group.cache is not None:
+            group.cache.head_residual = group.own(head_residual).clone()
+            group.cache.tail_residual = (out[group.rows] - head[group.rows])[:, 1:1 + n]
+        elif not computes:
+            out[group.rows, 1:1 + n] = group.cache.tail_residual + head[group.rows, 1:1 + n]
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ from torch import nn
 
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys
-from engine_lib.pipelines.decoder_parts import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
-from engine_lib.pipelines.step_cache import should_compute
+from engine_lib.pipelines.decoder_parts import (KVCache, PaddedCaches, RMSNorm, apply_rope, attend, first_layer_cache,
+                                                 timestep_embedding)
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class BagelModel(nn.Module):
 
         `latents` [R, N_max, patch_latent_dim] (rows right-padded), `timesteps` [R]. With `groups`
         (step_cache.RowGroup, one per row and its request's own latent tokens), the first-block cache decides
-        per group after the first layer (`_cached_layers`).
+        per group after the first layer (`decoder_parts.first_layer_cache`).
         """
         c = self.config
         R, Q = rows.valid.shape
@@ -223,7 +223,8 @@ class BagelModel(nn.Module):
         if groups is None:
             hidden = self.run_layers(hidden, rows, range(c.num_layers))
         else:
-            hidden = self._cached_layers(hidden, rows, groups)
+            hidden = first_layer_cache(lambda x, rows, layers: self.run_layers(x.flatten(0, 1), rows, layers).view(
+                x.shape), hidden.view(R, Q, -1), rows, groups, c.num_layers).flatten(0, 1)
         gen_at = rows.gen_index
         out = torch.zeros(R * Q, c.patch_latent_dim, device=hidden.device, dtype=torch.float32)
         out[gen_at] = self.llm2vae(self.norm_moe_gen(hidden[gen_at])).float()
@@ -256,39 +257,6 @@ class BagelModel(nn.Module):
                            layer.gen.post_attention_layernorm)
             hidden = hidden + _by_expert(x, und_at, gen_at, layer.und.mlp, layer.gen.mlp)
         return hidden
-
-    def _cached_layers(self, hidden: torch.Tensor, rows: "QueryRows", groups: list) -> torch.Tensor:
-        """The first layer over every row; each group decides from its own latent tokens' residual
-        (step_cache.should_compute); the rows that compute run the other layers on their own (their caches,
-        masks and positions taken by index); a row that reuses leaves with its last tail residual added to
-        its latent tokens (the only ones the head reads)."""
-        R, Q = rows.valid.shape
-        head = self.run_layers(hidden, rows, range(1))
-        head_residual = (head - hidden).view(R, Q, -1)[:, 1:]
-        compute = should_compute(groups, head_residual)
-        for group, computes in zip(groups, compute):
-            if group.tally is not None:
-                group.tally["computed" if computes else "reused"] += 1
-        taken = [r for g, c in zip(groups, compute) if c for r in range(g.rows.start, g.rows.stop)]
-        out = head.view(R, Q, -1).clone()
-        if len(taken) == R:
-            out = self.run_layers(head, rows, range(1, self.config.num_layers)).view(R, Q, -1)
-        elif taken:
-            index = to_device(taken, head.device)
-            sub = rows.take(taken)
-            computed = self.run_layers(out.index_select(0, index).view(len(taken) * Q, -1), sub,
-                                       range(1, self.config.num_layers))
-            out = out.index_copy(0, index, computed.view(len(taken), Q, -1))
-        head = head.view(R, Q, -1)
-        for group, computes in zip(groups, compute):
-            n = group.tokens
-            if computes and group.cache is not None:
-                group.cache.head_residual = group.own(head_residual).clone()
-                group.cache.tail_residual = (out[group.rows] - head[group.rows])[:, 1:1 + n]
-            elif not computes:
-                out[group.rows, 1:1 + n] = group.cache.tail_residual + head[group.rows, 1:1 + n]
-        return out.reshape(R * Q, -1)
-
 
 def _by_expert(x: torch.Tensor, und_at: torch.Tensor, gen_at: torch.Tensor, und, gen) -> torch.Tensor:
     """`und` on the text tokens, `gen` on the latent tokens, zeros on padding."""

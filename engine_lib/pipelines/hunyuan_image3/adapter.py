@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
+from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.pipelines.decoder_parts import decode_by_grid
@@ -40,6 +42,7 @@ HUNYUAN_INPUTS = (
     InputSpec("flow_shift", "FP32", "schedule shift s: sigma -> s sigma / (1 + (s - 1) sigma) (default: "
               "generation_config.json's)", default=GENERATION_DEFAULTS["flow_shift"], low=0.01, high=100, batch="row",
               pipe_arg="flow_shift"),
+    *step_cache.CACHE_INPUTS,
 )
 
 
@@ -52,6 +55,7 @@ class HunyuanState(RequestState):
     sigmas: Optional[torch.Tensor] = None  # on the host: the Euler update reads them as scalars
     device_sigmas: Optional[torch.Tensor] = None  # the model's timesteps
     scale: float = 1.0
+    step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" -> its first-block cache (BranchCache)
 
     @property
     def num_rows(self) -> int:
@@ -77,6 +81,15 @@ class HunyuanImage3Adapter(PipelineAdapter):
              options: Optional[dict] = None) -> "HunyuanImage3Adapter":
         return cls(HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device), torch.device(device),
                    dtype, options)
+
+    def __init__(self, pipe: HunyuanImage3Pipeline, device: torch.device, dtype: torch.dtype,
+                 options: Optional[dict] = None):
+        super().__init__(pipe, device, dtype, options)
+        self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(), "cache_steps_computed": self.cache_steps["computed"],
+                "cache_steps_reused": self.cache_steps["reused"]}
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         """Sizes in whole tokens up to the largest bucket; step count, guidance and shift default to the
@@ -120,11 +133,23 @@ class HunyuanImage3Adapter(PipelineAdapter):
         if rows is None:
             rows = input_batch.cache["rows"] = self.pipe.image_rows(contexts)
         preds = self.pipe.predict(contexts, [s.latents for s in states],
-                                  [s.device_sigmas[s.step_index] for s in states], [s.scale for s in states], rows)
+                                  [s.device_sigmas[s.step_index] for s in states], [s.scale for s in states], rows,
+                                  self._row_groups(states))
         out = torch.zeros_like(input_batch["latents"])
         for i, pred in enumerate(preds):
             out[i, :pred[0].numel()] = pred.flatten(1).T
         return out
+
+    def _row_groups(self, states: list[HunyuanState]) -> Optional[list[step_cache.RowGroup]]:
+        """One group per row of `rows_of` (every conditional row, then the unconditional ones), each its request's
+        CFG branch with its own image tokens; None when no request caches."""
+        if not any(step_cache.caches(s.params) for s in states):
+            return None
+        rows = [(s, "cond") for s in states] + [(s, "uncond") for s in states if s.context.uncond is not None]
+        return [step_cache.RowGroup(slice(r, r + 1), step_cache.threshold(s.params) if on else None,
+                                    s.step_cache.setdefault(branch, step_cache.BranchCache()) if on else None,
+                                    s.latents[0].numel(), self.cache_steps if on else None)
+                for r, (s, branch) in enumerate(rows) for on in [step_cache.caches(s.params)]]
 
     @torch.inference_mode()
     def step_scheduler(self, state: HunyuanState, noise_pred: torch.Tensor) -> None:

@@ -32,7 +32,8 @@ from torch import nn
 
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys, group_indices
-from engine_lib.pipelines.decoder_parts import KVCache, PaddedCaches, RMSNorm, apply_rope, attend, timestep_embedding
+from engine_lib.pipelines.decoder_parts import (KVCache, PaddedCaches, RMSNorm, apply_rope, attend, first_layer_cache,
+                                                 timestep_embedding)
 
 logger = logging.getLogger(__name__)
 
@@ -333,9 +334,12 @@ class HunyuanImage3Model(nn.Module):
         return ImageRows.build(self, caches, grids)
 
     @torch.no_grad()
-    def predict(self, rows: "ImageRows", latents: list[torch.Tensor], timesteps: torch.Tensor) -> list[torch.Tensor]:
+    def predict(self, rows: "ImageRows", latents: list[torch.Tensor], timesteps: torch.Tensor,
+                groups: Optional[list] = None) -> list[torch.Tensor]:
         """One forward over `rows` (r: `<timestep>`, then the h_r x w_r image tokens of `latents[r]` [C, h, w]) at
-        timestep `timesteps[r]` (sigma * 1000), each against its own cache: the prediction [C, h, w] per row."""
+        timestep `timesteps[r]` (sigma * 1000), each against its own cache: the prediction [C, h, w] per row.
+        With `groups` (step_cache.RowGroup, one per row and its own image tokens), the first-block cache decides
+        per group after the first layer (`decoder_parts.first_layer_cache`)."""
         c = self.config
         R, Q = len(latents), rows.num_queries
         hidden = torch.zeros(R, Q, c.hidden_size, device=timesteps.device, dtype=self.model.wte.weight.dtype)
@@ -343,12 +347,10 @@ class HunyuanImage3Model(nn.Module):
         for (h, w), members, index in rows.groups:
             x = torch.stack([latents[r] for r in members]).to(hidden.dtype)
             hidden[index, 1:1 + h * w] = self.patch_embed(x, self.time_embed(timesteps[index]))
-        padded = rows.caches
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), rows.cos, rows.sin)
-            out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), rows.mask)
-            hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).reshape(R, Q, -1))
-            hidden = layer.feed_forward(hidden, rows.tokens)
+        if groups is None:
+            hidden = self.run_layers(hidden, rows, range(c.num_layers))
+        else:
+            hidden = first_layer_cache(self.run_layers, hidden, rows, groups, c.num_layers)
         out: list[torch.Tensor] = [None] * R  # type: ignore[list-item]
         for grid, members, index in rows.groups:
             tokens = hidden[index, 1:1 + grid[0] * grid[1]]
@@ -356,6 +358,18 @@ class HunyuanImage3Model(nn.Module):
             for k, r in enumerate(members):
                 out[r] = pred[k]
         return out
+
+    def run_layers(self, hidden: torch.Tensor, rows: "ImageRows", layers: range) -> torch.Tensor:
+        """`hidden` [R, Q, D] of `rows` through the decoder layers `layers`, each row against its own cache."""
+        R, Q = hidden.shape[:2]
+        padded = rows.caches
+        for i in layers:
+            layer = self.model.layers[i]
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), rows.cos, rows.sin)
+            out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), rows.mask)
+            hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).reshape(R, Q, -1))
+            hidden = layer.feed_forward(hidden, rows.tokens)
+        return hidden
 
     # -- the official layout ------------------------------------------------------------------
     def load_official(self, state: dict[str, torch.Tensor], vae) -> None:
@@ -384,6 +398,19 @@ class ImageRows:
     cos: torch.Tensor  # [R, Q, head_dim]: 2D RoPE of every query position
     sin: torch.Tensor
     groups: list  # (grid, [row], row indices on the device) per image size
+    counts: tuple = ()  # on the host: each row's image tokens
+
+    def take(self, taken: list[int]) -> "ImageRows":
+        """Rows `taken` (host ints) of these, with their caches, for the layers alone (no `groups`): the rows that
+        compute a cached step's later layers."""
+        index = to_device(taken, self.mask.device)
+        pick = lambda x: x.index_select(0, index)  # noqa: E731
+        counts = [self.counts[r] for r in taken]
+        Q = self.num_queries
+        caches = PaddedCaches([pick(k) for k in self.caches.keys], [pick(v) for v in self.caches.values],
+                              pick(self.caches.valid))
+        tokens = to_device([r * Q + q for r, n in enumerate(counts) for q in range(n + 1)], index.device)
+        return ImageRows(caches, Q, tokens, pick(self.mask), pick(self.cos), pick(self.sin), [], tuple(counts))
 
     @classmethod
     def build(cls, model: "HunyuanImage3Model", caches: list[KVCache], grids: list[tuple[int, int]]) -> "ImageRows":
@@ -403,7 +430,7 @@ class ImageRows:
         cos, sin = model.rope(to_device(positions, device))
         tokens = to_device([r * Q + q for r, n in enumerate(counts) for q in range(n + 1)], device)
         groups = [(grid, members, to_device(members, device)) for grid, members in group_indices(grids).items()]
-        return cls(padded, Q, tokens, mask, cos, sin, groups)
+        return cls(padded, Q, tokens, mask, cos, sin, groups, tuple(counts))
 
 
 def read_config(model_path: Path) -> dict:

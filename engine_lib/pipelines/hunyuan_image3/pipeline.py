@@ -160,13 +160,15 @@ class HunyuanImage3Pipeline:
 
     @torch.no_grad()
     def predict(self, contexts: Sequence[Context], latents: Sequence[torch.Tensor], sigmas: Sequence[torch.Tensor],
-                scales: Sequence[float], rows: Optional[ImageRows] = None) -> list[torch.Tensor]:
+                scales: Sequence[float], rows: Optional[ImageRows] = None,
+                groups: Optional[list] = None) -> list[torch.Tensor]:
         """One forward over every request's conditional row and, with CFG, its unconditional row; the guided
-        prediction [C, h, w] per request. `rows`: `image_rows(contexts)`, made here if not given."""
+        prediction [C, h, w] per request. `rows`: `image_rows(contexts)`, made here if not given (`groups`: the
+        first-block cache's, per row)."""
         cfg = [i for i, c in enumerate(contexts) if c.uncond is not None]
         rows = rows or self.image_rows(contexts)
         t = torch.stack([sigmas[i] for i in list(range(len(contexts))) + cfg]).to(self.device) * 1000
-        raw = self.model.predict(rows, list(latents) + [latents[i] for i in cfg], t.float())
+        raw = self.model.predict(rows, list(latents) + [latents[i] for i in cfg], t.float(), groups)
         out = raw[:len(contexts)]
         for k, i in enumerate(cfg):
             uncond = raw[len(contexts) + k]
