@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
     gen.add_argument("--mask", type=Path, help="with --image: inpaint where this mask is white, keep where it is "
                      "black (sd3)")
-    gen.add_argument("--cache", choices=("none", "first_block"),
-                     help="step cache: first_block reuses the later blocks' work on steps that change little "
-                          "(qwen_image, flux, sd3; default: the model's)")
+    gen.add_argument("--cache", choices=("none", "first_block", "taylorseer"),
+                     help="step cache: first_block reuses the later blocks' work on steps that change little, "
+                          "taylorseer predicts the attention between steps that compute (qwen_image, flux, sd3; "
+                          "default: the model's)")
     gen.add_argument("--cache-threshold", type=float, help="with --cache first_block: at most this relative change "
                      "of the first block reuses (default: the model's, else 0.05; higher: faster, less faithful)")
     gen.add_argument("--frames", type=_positive, dest="num_frames", help="num_frames (video models)")

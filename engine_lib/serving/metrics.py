@@ -90,8 +90,9 @@ class ModelMetrics:
                                  "steps for a more urgent one", family.COUNTER).Metric(labels=labels)
         phases = make("diffusion_engine_phase_seconds_total", "Seconds the engine thread (and the sender, phases "
                       "encode and send) spent per phase", family.COUNTER)
-        cache_steps = make("diffusion_cache_steps_total", "First-block cache decisions, one per request and CFG "
-                           "branch at each step of a request that caches: computed (every block ran) or reused",
+        cache_steps = make("diffusion_cache_steps_total", "Step cache decisions, one per request and CFG branch at "
+                           "each step of a request that caches: computed (every block ran) or reused (first_block: "
+                           "the step left after the first block; taylorseer: attention predicted)",
                            family.COUNTER)
         # Counters that follow monotone totals of the engine's stats: (stats field, key) -> metric.
         self._totals = {("num_preempted", None): self._preemptions,

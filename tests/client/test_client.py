@@ -83,6 +83,7 @@ def test_only_inputs_the_user_set_are_sent():
     assert (args.cache, args.cache_threshold) == ("first_block", 0.1)
     cached = build_inputs("p", cache=args.cache, cache_threshold=args.cache_threshold)
     assert (cached["cache"], cached["cache_threshold"]) == ("first_block", 0.1)
+    assert parse_args(["generate", "--prompt", "x", "--cache", "taylorseer"]).cache == "taylorseer"
 
 
 def test_several_images_get_numbered_paths():
