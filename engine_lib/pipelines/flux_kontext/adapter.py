@@ -4,7 +4,7 @@ Kontext is Flux (text, schedule, guidance, decode: flux/adapter.py) conditioned 
 
 * the `image` is resized as the pipeline resizes it: to the nearest of Kontext's preferred resolutions by
   aspect ratio (`auto_resize`, diffusers' `_auto_resize`, default on), or kept at its own size, then rounded
-  down to a multiple of 16 pixels (the VAE's factor times the 2x2 packing);
+  down to the size multiple (the VAE's factor times the 2x2 packing: 16 pixels for FLUX.1, 8 for the tiny model);
 * `prepare_latents` VAE-encodes it (the distribution's mode: no draw from the generator) and packs it into
   condition tokens, whose ids are the latents' with their first index 1; the request keeps them in its own
   state, one row per image of the request;
@@ -35,7 +35,7 @@ IMAGE = InputSpec("image", "BYTES", "the image to edit (PNG, JPEG or WebP; requi
                   content="image", batch="row", pipe_arg="image")
 AUTO_RESIZE = InputSpec("auto_resize", "INT32", "1: the image is resized to the nearest of Kontext's preferred "
                         "resolutions (about 1 megapixel) by aspect ratio, as diffusers does; 0: kept at its own size; "
-                        "either rounded down to a multiple of 16", default=1, low=0, high=1, batch="adapter",
+                        "either rounded down to the size multiple (16 pixels for FLUX.1)", default=1, low=0, high=1, batch="adapter",
                         pipe_arg="_auto_resize")
 _CACHE_NAMES = {spec.name for spec in CACHE_INPUTS}
 
@@ -58,11 +58,11 @@ class FluxKontextAdapter(FluxAdapter):
 
     @classmethod
     def example_inputs(cls) -> dict:
-        """A 32x32 grey PNG kept at its size: resized to a megapixel it would cost a tiny model a minute."""
+        """A 32x32 gradient PNG kept at its size: resized to a megapixel it would cost a tiny model a minute."""
         from PIL import Image
 
         buffer = io.BytesIO()
-        Image.new("RGB", (32, 32), (128, 128, 128)).save(buffer, format="PNG")
+        Image.linear_gradient("L").resize((32, 32)).convert("RGB").save(buffer, format="PNG")
         return {"image": buffer.getvalue(), "auto_resize": 0}
 
     def condition_size(self, params: SamplingParams) -> Optional[tuple[int, int]]:
