@@ -47,6 +47,7 @@ class RequestRecord:
     num_final_outputs: int = 0  # responses whose is_final output is true
     late_responses: int = 0  # responses that arrived after the FINAL flag
     image_shape: Optional[tuple] = None
+    image: Optional[np.ndarray] = field(default=None, repr=False)  # the final output, for comparing runs
     error: Optional[str] = None
     deadline: Optional[float] = None  # sent as Triton's request timeout (the time left at the send; gRPC streams)
 
@@ -77,6 +78,7 @@ class RequestRecord:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        out.pop("image")
         out["spec"] = self.spec.to_dict()
         out["ok"] = self.ok
         out["check_error"] = self.check_error()
@@ -87,7 +89,7 @@ class RequestRecord:
 # Inputs
 
 
-TRITON_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64}
+TRITON_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
 
 
 def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, str, object]]:
@@ -102,6 +104,8 @@ def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, st
                     ("lora_name", "BYTES", spec.lora_name, ""), ("priority", "INT32", spec.priority, 0),
                     ("num_frames", "INT32", spec.num_frames, 0))
         values += [(name, dtype, value) for name, dtype, value, default in optional if value != default]
+        if spec.cache:
+            values += [("cache", "BYTES", spec.cache), ("cache_threshold", "FP32", spec.cache_threshold)]
     return values
 
 
@@ -200,7 +204,8 @@ class StreamClient:
         output = "image" if "image" in names else "video" if "video" in names else None
         if output is not None:  # an image, a video, or a video's chunk
             if is_final:
-                record.image_shape = tuple(int(d) for d in result.as_numpy(output).shape)
+                record.image = result.as_numpy(output)
+                record.image_shape = tuple(int(d) for d in record.image.shape)
             elif record.first_preview is None:
                 record.first_preview = t
         if is_final:

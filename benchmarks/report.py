@@ -7,6 +7,7 @@ is the median over the scenario's rounds; "a (b-c)" is the median with the lowes
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -164,8 +165,54 @@ def packing_tables(result: dict) -> list[str]:
                   ["pipeline", "rows", "packed ms", "per size ms", "padded ms", "per size / packed", "padded / packed"])]
 
 
+def psnr(image: "np.ndarray", reference: "np.ndarray") -> float:
+    """PSNR in dB of a uint8 image against a reference (inf when equal)."""
+    import numpy as np
+
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
+
+
+def cache_saving(point: dict, blocks: int) -> Optional[float]:
+    """The share of transformer block evaluations the cache saved, counted from its decisions: a reused step
+    runs 1 of `blocks` blocks (None: no decision counted)."""
+    computed, reused = point["server"].get("cache_steps_computed", 0), point["server"].get("cache_steps_reused", 0)
+    return reused * (blocks - 1) / (blocks * (computed + reused)) if computed + reused else None
+
+
+def cache_tables(result: dict) -> list[str]:
+    """Each arm's throughput, engine time and decisions, and the speed-up against the ideal the counts allow:
+    1 / (1 - share of block evaluations saved); the goal is a measured speed-up of at least 70 % of it."""
+    rounds, blocks, threshold = result["rounds"], result["blocks"], result["scenario"]["cache_threshold"]
+    rows = []
+    for arm, label in (("off", "cache off"), ("first_block", f"first_block, threshold {threshold:g}")):
+        points = [r[arm] for r in rounds]
+        psnrs = [v for r in rounds for v in r["psnr_db"]] if arm == "first_block" else []
+        rows.append([label, spread(of(points, "requests_per_s")), num(median(of(points, "latency_p50_s")), 2),
+                     num(median(of(points, "server", "device_busy_s")), 2),
+                     f"{sum(of(points, 'server', 'cache_steps_reused'), 0.0):.0f} / "
+                     f"{sum(of(points, 'server', 'cache_steps_computed'), 0.0):.0f}",
+                     num(median([cache_saving(p, blocks) for p in points]), 2),
+                     f"{num(statistics.mean(psnrs), 1)} / {num(min(psnrs), 1)}" if psnrs else "-",
+                     str(sum(of(points, "errors")))])
+    ratio = [r["first_block"]["requests_per_s"] / r["off"]["requests_per_s"] for r in rounds
+             if r["first_block"]["requests_per_s"] and r["off"]["requests_per_s"]]
+    engine = [r["off"]["server"]["device_busy_s"] / r["first_block"]["server"]["device_busy_s"] for r in rounds
+              if r["first_block"]["server"].get("device_busy_s") and r["off"]["server"].get("device_busy_s")]
+    saved = median([cache_saving(r["first_block"], blocks) for r in rounds])
+    ideal = 1 / (1 - saved) if saved is not None else None
+    goal = median(ratio) and ideal and median(ratio) / ideal
+    return [table(rows, ["arm", "req/s", "p50 s", "engine busy s", "steps reused / computed",
+                         f"block evaluations saved ({blocks} blocks)", "PSNR dB vs off, mean / min", "errors"]),
+            table([[spread(ratio, 2, suffix="x"), spread(engine, 2, suffix="x"), num(ideal, 2, "x"),
+                    num(goal and 100 * goal, 0, " %"), "-" if goal is None else "yes" if goal >= 0.7 else "no"]],
+                  ["throughput on / off", "engine time off / on", "ideal 1 / (1 - saved)",
+                   "measured / ideal", "goal (>= 70 %) met"])]
+
+
 TABLES = {"closed": closed_tables, "poisson": poisson_tables, "priority": priority_tables,
-          "perf_analyzer": perf_analyzer_tables, "profile": profile_tables, "packing": packing_tables}
+          "perf_analyzer": perf_analyzer_tables, "profile": profile_tables, "packing": packing_tables,
+          "cache": cache_tables}
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:

@@ -237,6 +237,38 @@ def run_perf_analyzer(sc: Scenario, log_dir: Path) -> dict:
     return result
 
 
+def run_cache(sc: Scenario, log_dir: Path) -> dict:
+    """Each round: the same requests (prompts, seeds) with the cache off and at `cache_threshold`, in alternating
+    order; the cache's decisions from the metrics, and each image's PSNR against its uncached run."""
+    arms = {"off": {}, "first_block": {"cache": "first_block", "cache_threshold": sc.cache_threshold}}
+    c, rounds = sc.concurrency[0], []
+    with serving(sc, log_dir) as running:
+        rs = running[sc.systems[0].name]
+        for r in range(sc.repeats):
+            workload = specs(sc, max(sc.per_client * c, sc.min_requests), 100 + r)
+            points, images = {}, {}
+            for arm in list(arms)[::-1 if r % 2 else 1]:
+                done = []
+
+                def closed(sent=[replace(spec, **arms[arm]) for spec in workload], tag=f"{arm}{r}"):
+                    done.append(loadgen.run_closed_loop(rs.target, sent, c, tag))
+                    return done[0]
+
+                points[arm] = measure(rs, closed)
+                points[arm].pop("latencies_s")
+                images[arm] = {rec.spec.seed: rec.image for rec in done[0].records if rec.ok}
+                log(f"round {r} {arm}: {points[arm]['requests_per_s'] or 0:.3f} req/s, {points[arm]['errors']} errors")
+            psnr = [report.psnr(images["off"][seed], image) for seed, image in images["first_block"].items()
+                    if seed in images["off"]]
+            rounds.append({"order": list(points), **points, "psnr_db": psnr})
+    return {"blocks": transformer_blocks(model_path(sc, sc.systems[0].pipeline)), "rounds": rounds}
+
+
+def transformer_blocks(path: Path) -> int:
+    """The transformer's block count (its config.json's num_layers), which a reused step runs one of."""
+    return int(json.loads((path / "transformer" / "config.json").read_text())["num_layers"])
+
+
 def in_process_device() -> tuple[str, str]:
     """The in-process scenarios run on CUDA in bfloat16 where there is a GPU, else on the CPU in float32."""
     import torch
@@ -257,7 +289,7 @@ def run_packing(sc: Scenario, log_dir: Path) -> dict:
 
 
 RUNNERS = {"closed": run_closed, "poisson": run_poisson, "priority": run_priority,
-           "perf_analyzer": run_perf_analyzer, "profile": run_profile, "packing": run_packing}
+           "perf_analyzer": run_perf_analyzer, "profile": run_profile, "packing": run_packing, "cache": run_cache}
 
 
 def run_scenario(sc: Scenario, out_dir: Path, img_dir: Path, command: str, log_dir: Path) -> dict:
@@ -288,14 +320,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--preset", default=None, help="model preset instead of `bench` (e.g. gpu)")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
+    parser.add_argument("--cache-threshold", type=float, default=None,
+                        help="the cache scenarios' first_block threshold (another preset reuses at another one)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.scenario.split(",") if n.strip()]
     out_dir = Path(args.out) if args.out else RESULTS_DIR / ("quick" if args.quick else "")
     img_dir = out_dir if (args.quick or args.out) else IMG_DIR
     command = "python -m benchmarks.run " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     log_dir = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/bench-logs"))
+    chosen = [sc if args.cache_threshold is None or sc.kind != "cache" else replace(
+        sc, cache_threshold=args.cache_threshold) for sc in scenarios.select(names, args.quick)]
     results = [run_scenario(scenarios.on_device(sc, args.device, args.dtype, args.preset), out_dir, img_dir,
-                            command, log_dir) for sc in scenarios.select(names, args.quick)]
+                            command, log_dir) for sc in chosen]
     print("\n".join(report.render(r) for r in results))
     return 1 if any("error" in r for r in results) else 0
 

@@ -9,6 +9,8 @@ it is sent (`kind`):
   SLO of `slo_factor` x the latency it has alone on the first system;
 * priority: one client sending urgent requests one at a time, alone and under a full background load;
 * perf_analyzer: Triton's perf_analyzer against the first system, next to the load generator;
+* cache: closed loop on the first system, the same requests with the step cache off and at `cache_threshold`,
+  the two arms interleaved round by round;
 * profile, packing: in-process measurements of the pipeline itself, no server (that is their point).
 
 `QUICK` is `make bench-quick`: a few scenarios with fewer requests and repeats.
@@ -44,6 +46,7 @@ class Scenario:
     offline: bool = False  # closed: also time the pipeline in-process at batch 1 and the largest concurrency
     variants: tuple = ()  # closed: (label, {field: value}) workloads, each run on every system
     background: int = 8  # priority: closed-loop background clients
+    cache_threshold: float = 0.0  # cache: the first_block arm's threshold
 
 
 def modes(n: int = 8, wait_ms: int = 20) -> dict[str, System]:
@@ -109,6 +112,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         System("separate", "priority 1, scheduling_policy=separate_priorities", parameters=engine(
             **PRIORITY, max_preemptions=1, scheduling_policy="separate_priorities"))),
         preset="tiny", sizes=(64,), requests=60, repeats=1),
+    # 0.8 reuses about half the steps of the `bench` preset at 128x128 and 8 steps (9 to 15 of 24 between 0.7 and 0.8).
+    Scenario("step-cache", "First-block cache per request in a step batch: off vs first_block, interleaved", "cache",
+             (M["step"],), concurrency=(8,), per_client=3, cache_threshold=0.8),
     Scenario("pipelines", "Flux and SD3: serial vs step batching", "closed",
              serial_vs_step("flux", 8, max_sequence_length=32) + serial_vs_step("sd3", 8, max_sequence_length=32),
              preset="tiny", sizes=(64,), steps=(4,), concurrency=(1, 8), per_client=2, min_requests=8, repeats=1),
@@ -130,6 +136,7 @@ QUICK: dict[str, Mapping] = {
     "slo": dict(systems=tuple(M[n] for n in ("serial", "step", "step_srpt", "step_deadline")), steps=(2, 4, 8),
                 preview_interval=2, requests=12, repeats=1),
     "priority": dict(requests=10, background=4),
+    "step-cache": dict(per_client=2, repeats=2),
 }
 
 

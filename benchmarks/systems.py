@@ -114,6 +114,7 @@ def serve(system: System, model_path: Path, log_dir: Optional[Path] = None,
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_OUTCOME = re.compile(r'outcome="([^"]*)"')
 
 
 def scrape_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
@@ -127,6 +128,7 @@ def scrape_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """Each metric summed over its label sets, and each `outcome` label's sum as `name{outcome}`."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -136,7 +138,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             value = float(match.group(3))
         except ValueError:
             continue
-        out[match.group(1)] = out.get(match.group(1), 0.0) + value
+        keys = [match.group(1)] + [f"{match.group(1)}{{{o}}}" for o in _OUTCOME.findall(match.group(2) or "")]
+        for key in keys:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -153,7 +157,8 @@ def batch_stats(before: Mapping[str, float], after: Mapping[str, float]) -> dict
     if ticks > 0:
         return {"mean_batch_size": delta("diffusion_batch_size_sum") / ticks, "ticks": ticks,
                 "device_busy_s": delta("diffusion_tick_seconds_sum"),
-                "batch_retries": delta("diffusion_batch_retries_total")}  # batches that ran one by one instead
+                "batch_retries": delta("diffusion_batch_retries_total"),  # batches that ran one by one instead
+                **{f"cache_steps_{o}": delta(f"diffusion_cache_steps_total{{{o}}}") for o in ("computed", "reused")}}
     executions = delta("nv_inference_exec_count")
     if executions > 0:
         # Triton's compute duration counts a batch once per request in it: not a busy time.

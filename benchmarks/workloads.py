@@ -34,6 +34,8 @@ class RequestSpec:
     lora_name: str = ""  # "": no LoRA (the input is not sent)
     priority: int = 0  # 0: not sent (the model's default level)
     num_frames: int = 0  # video models: frames asked for (0: not sent, an image model)
+    cache: str = ""  # the step cache (e.g. first_block; "": not sent, the model's default)
+    cache_threshold: float = 0.0  # sent with `cache`
 
     @property
     def shape_key(self) -> str:

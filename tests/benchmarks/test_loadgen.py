@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import loadgen, perf_analyzer, report, run, scenarios, systems, workloads
@@ -136,9 +137,12 @@ def test_batch_stats_reads_engine_histograms_and_tritons_batcher_counters():
     text = ('diffusion_batch_size_sum{model="qwen_image"} 24\ndiffusion_batch_size_count{model="qwen_image"} 4\n'
             'diffusion_batch_size_bucket{model="qwen_image",le="8"} 4\n'
             'diffusion_tick_seconds_sum{model="qwen_image"} 2.5\n'
-            'diffusion_batch_retries_total{model="qwen_image"} 1\n')
+            'diffusion_batch_retries_total{model="qwen_image"} 1\n'
+            'diffusion_cache_steps_total{model="qwen_image",outcome="reused"} 5\n'
+            'diffusion_cache_steps_total{model="qwen_image",outcome="computed"} 7\n')
     stats = systems.batch_stats({}, systems.parse_metrics(text))
-    assert stats == {"mean_batch_size": 6.0, "ticks": 4.0, "device_busy_s": 2.5, "batch_retries": 1.0}
+    assert stats == {"mean_batch_size": 6.0, "ticks": 4.0, "device_busy_s": 2.5, "batch_retries": 1.0,
+                     "cache_steps_computed": 7.0, "cache_steps_reused": 5.0}
     triton = systems.parse_metrics('nv_inference_count{model="m",version="1"} 12\n'
                                    'nv_inference_exec_count{model="m",version="1"} 3\n')
     assert systems.batch_stats({}, triton)["mean_batch_size"] == 4.0
@@ -261,6 +265,79 @@ def test_priority_perf_analyzer_and_failed_scenarios_render():
     assert ["perf_analyzer 'Avg latency'", "2.088"] in table and ["0.857", "3.0", "last response", "0.05"] in table
     failed = report.render(_result(scenarios.SCENARIOS["lora"], error="RuntimeError: no server"))
     assert "Failed: `RuntimeError: no server`" in failed and "|" not in failed
+
+def test_cache_tables_count_the_blocks_saved_against_the_ideal_speed_up():
+    def arm(rps, busy, computed=0, reused=0):
+        return _point(rps, server={"device_busy_s": busy, "cache_steps_computed": computed,
+                                   "cache_steps_reused": reused})
+
+    rounds = [{"order": ["off", "first_block"], "off": arm(1.0, 10.0), "first_block": arm(1.5, 5.0, 12, 12),
+               "psnr_db": [30.0, 40.0]},
+              {"order": ["first_block", "off"], "off": arm(1.0, 10.0), "first_block": arm(1.3, 6.0, 12, 12),
+               "psnr_db": [float("inf"), 20.0]}]
+    table = cells(report.render(_result(scenarios.SCENARIOS["step-cache"], blocks=6, rounds=rounds)))
+    assert table[2] == ["cache off", "1.000", "1.00", "10.00", "0 / 0", "-", "-", "0"]
+    assert table[3][1:] == ["1.400 (1.300-1.500)", "0.72", "5.50", "24 / 24", "0.42", "inf / 20.0", "0"]
+    assert table[-1] == ["1.40x (1.30-1.50)", "1.83x (1.67-2.00)", "1.71x", "82 %", "yes"]  # 0.5 x 5/6 saved
+    image = np.zeros((1, 4, 4, 3), np.uint8)
+    assert report.psnr(image, image) == float("inf") and round(report.psnr(image + 1, image), 2) == 48.13
+
+
+class _CachingServer:
+    """A stand-in for a served model (target and metrics): a cached request reuses one of its steps and its image
+    is one level off its uncached one."""
+
+    def __init__(self):
+        self.metrics = dict.fromkeys(["diffusion_batch_size_count", "diffusion_batch_size_sum",
+                                      "diffusion_cache_steps_total{computed}", "diffusion_cache_steps_total{reused}"],
+                                     0.0)
+        self.sent = []
+
+    def open(self):
+        return self
+
+    def close(self):
+        pass
+
+    def run(self, record):
+        spec, self.sent = record.spec, self.sent + [record.spec]
+        self.metrics["diffusion_batch_size_count"] += spec.steps
+        self.metrics["diffusion_batch_size_sum"] += spec.steps
+        if spec.cache:
+            self.metrics["diffusion_cache_steps_total{computed}"] += spec.steps - 1
+            self.metrics["diffusion_cache_steps_total{reused}"] += 1
+        record.image = np.full((1, spec.height, spec.width, 3), spec.seed % 200 + bool(spec.cache), np.uint8)
+        record.image_shape, record.num_final_flags, record.num_final_outputs = record.image.shape, 1, 1
+        record.sent = record.scheduled
+        record.done = record.scheduled + 0.01
+        return record
+
+
+def test_the_cache_runner_sends_both_arms_the_same_requests_interleaved_and_compares_their_images(
+        tmp_path, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    fake = _CachingServer()
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text('{"num_layers": 6}')
+    running = SimpleNamespace(system=scenarios.M["step"], server=SimpleNamespace(metrics_url=""), target=fake)
+    monkeypatch.setattr(run, "serving", lambda sc, log_dir: contextlib.nullcontext({"step": running}))
+    monkeypatch.setattr(run, "model_path", lambda sc, pipeline: tmp_path)
+    monkeypatch.setattr(systems, "scrape_metrics", lambda url: dict(fake.metrics))
+    sc = scenarios.replace(scenarios.SCENARIOS["step-cache"], sizes=(8,), steps=(4,), concurrency=(2,), per_client=2)
+    result = run.run_cache(sc, tmp_path)
+    assert result["blocks"] == 6 and [r["order"] for r in result["rounds"]] == [
+        ["off", "first_block"], ["first_block", "off"], ["off", "first_block"]]
+    one = result["rounds"][0]
+    assert [s.seed for s in fake.sent[:4]] == [s.seed for s in fake.sent[4:8]]  # the same requests in both arms
+    assert {(s.cache, s.cache_threshold) for s in fake.sent[4:8]} == {("first_block", 0.8)}
+    assert one["first_block"]["server"]["cache_steps_reused"] == 4 and one["off"]["server"]["cache_steps_reused"] == 0
+    assert [round(v, 2) for v in one["psnr_db"]] == [48.13] * 4  # one level off everywhere
+    assert "first_block, threshold 0.8" in report.render(_result(sc, **result))
+    assert [loadgen.spec_values(s)[-2:] for s in fake.sent[4:5]] == [
+        [("cache", "BYTES", "first_block"), ("cache_threshold", "FP32", 0.8)]]
+
 
 # -- against real servers (tiny model, 2 requests each) -----------------------------------------
 
