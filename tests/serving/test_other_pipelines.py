@@ -497,6 +497,43 @@ def test_ltx2_refuses_bad_and_oversize_requests_naming_the_input(server, inputs,
     assert says in result.error.message(), result.error.message()
 
 
+def test_ltx2_image_to_video_from_the_client_is_diffusers_own_and_a_bad_image_is_refused(server, model_dirs, tmp_path):
+    """`python -m client generate --model ltx2 --image in.png` streams progress and saves
+    LTX2ImageToVideoPipeline's video (raw frames, bitwise); random bytes as `image` get INVALID_ARG naming it."""
+    import subprocess
+    import sys
+
+    from diffusers import LTX2ImageToVideoPipeline
+
+    from engine_lib.config import EngineConfig
+
+    result = run_request(server.grpc_url, model="ltx2", request_id="bad-image", prompt="x", height=32, width=32,
+                         image=np.random.default_rng(3).bytes(512))
+    assert not result.responses and len(result.errors) == 1
+    assert result.error.message().startswith("INVALID_ARG: [request id: bad-image] input 'image': ")
+    picture, out = tmp_path / "in.png", tmp_path / "clip.npy"
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(picture)
+    proc = subprocess.run([sys.executable, "-m", "client", "generate", "--model", "ltx2", "--prompt", "a kite",
+                           "--image", str(picture), "--frames", "9", "--steps", "2", "--size", "32", "--seed", "2",
+                           "--out", str(out), "--url", server.grpc_url],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1/2" in proc.stderr  # a progress response before the final one
+    adapter = registry.load_adapter(EngineConfig(pipeline="ltx2", model_path=str(model_dirs["ltx2"]), device="cpu",
+                                                 dtype="float32"))
+    pipe = LTX2ImageToVideoPipeline(**adapter.pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    inputs = dict(prompt="a kite", image=picture.read_bytes(), num_frames=9, num_inference_steps=2, height=32,
+                  width=32, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = pipe(**adapter.pipe_kwargs(adapter.input_schema(EngineConfig()).parse(inputs)), output_type="np")
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(np.load(out), adapter.outputs[0].convert(expected.frames))
+
+
 def _cancel_and_check_freed(server, stream, model: str, within_s: float) -> None:
     """Cancel `stream`'s request: the model logs it cancelled within `within_s`, then holds nothing for it."""
     import re
