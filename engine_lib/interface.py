@@ -55,7 +55,7 @@ GUIDANCE_HIGH = 100.0
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One optional or required request input, as a `[1]` Triton tensor.
+    """One optional or required request input, as a `[1]` Triton tensor (`[count]`, or `[-1]` up to `max_count`).
 
     Text inputs (BYTES) count `low` as "must not be blank" (1) and `high` as the
     most characters; image inputs (BYTES, `content="image"`) are one encoded file, decoded
@@ -80,6 +80,7 @@ class InputSpec:
     low_note: str = ""  # why `low` is what it is; appended to the error of a value below it
     unused: str = ""  # set by a checkpoint that does not use a declared input: why (sending it is an error)
     count: int = 1  # elements of the [count] tensor; above 1 the value is a tuple (e.g. an interval)
+    max_count: int = 0  # above 0: a [-1] tensor of 1 to max_count elements (several images), the value a tuple
     content: str = "text"  # BYTES only: "text" (UTF-8) or "image" (one PNG, JPEG or WebP file)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,12 @@ class InputSpec:
 
     def check(self, value: Any) -> Any:
         """The value as its Python type, or InvalidInputError naming this input and what is allowed."""
+        if self.max_count:
+            if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (Sequence, np.ndarray)):
+                value = (value,)  # one value of a variable-count input
+            if not 1 <= len(value) <= self.max_count:
+                raise self._fail(f"{len(value)} values; 1 to {self.max_count} allowed")
+            return tuple(replace(self, max_count=0).check(item) for item in value)
         if self.count > 1:
             if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)) or \
                     len(value) != self.count:

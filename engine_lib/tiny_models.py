@@ -171,8 +171,9 @@ def ensure_loras(pipeline: str, model_dir: Path, out_dir: Optional[os.PathLike] 
     missing = [name for name in TOY_LORAS if not (target / f"{name}.safetensors").is_file()]
     if not missing:
         return target
-    pipeline_cls = getattr(diffusers, registry.get_adapter_class(pipeline).pipeline_class)
-    pipe = pipeline_cls.from_pretrained(str(model_dir))
+    adapter_cls = registry.get_adapter_class(pipeline)
+    pipeline_cls = getattr(diffusers, adapter_cls.pipeline_class)
+    pipe = pipeline_cls.from_pretrained(str(model_dir), **adapter_cls.from_pretrained_kwargs(str(model_dir)))
     target.mkdir(parents=True, exist_ok=True)
     every_layer = sorted(name for name, module in pipe.transformer.named_modules()
                          if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)))

@@ -363,11 +363,17 @@ class DiffusersAdapter(PipelineAdapter):
         return mean, 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(self.device, vae.dtype)
 
     @classmethod
+    def from_pretrained_kwargs(cls, model_path: str) -> dict:
+        """Components `from_pretrained` cannot load here, built by the adapter (none by default)."""
+        return {}
+
+    @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
              options: Optional[dict] = None) -> "DiffusersAdapter":
         import diffusers
 
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(model_path), dtype=dtype)  # not torch_dtype
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(model_path), dtype=dtype,  # not torch_dtype
+                                                                     **cls.from_pretrained_kwargs(str(model_path)))
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, torch.device(device), dtype, options)

@@ -87,7 +87,8 @@ def io_block(adapter_cls) -> str:
     """The generated part of a config.pbtxt: every declared input and output, one per line with its doc."""
     source = f"engine_lib/pipelines/{adapter_cls.name}/adapter.py"
     optional = {True: "", False: ", optional: true"}
-    inputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: [ {s.count} ]{optional[s.required]}', s.doc)
+    inputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: [ {-1 if s.max_count else s.count} ]'
+               f'{optional[s.required]}', s.doc)
               for s in adapter_cls.inputs]
     outputs = [(f'name: "{s.name}", data_type: {s.triton_type}, dims: {_dims(s.dims)}', s.doc)
                for s in (*adapter_cls.outputs, *encoded_outputs(adapter_cls.outputs), *PROGRESS_OUTPUTS)]
@@ -163,7 +164,8 @@ def _high(spec: InputSpec) -> str:
 
 def _allowed(spec: InputSpec) -> str:
     if spec.content == "image":
-        return (f"one PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB and "
+        files = f"1 to {spec.max_count} files, each a" if spec.max_count else "one"
+        return (f"{files} PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB and "
                 f"{images.MAX_IMAGE_PIXELS} pixels")
     if spec.datatype == "BYTES":
         if spec.choices:
@@ -187,7 +189,8 @@ def inputs_table(adapter_cls) -> str:
         batch = BATCH_TEXT[spec.batch]
         if spec.name in getattr(adapter_cls, "step_key_skips", ()):
             batch = "equal values only (with `mixed_size_batching`: yes in step mode)"
-        datatype = spec.datatype + (f" [{spec.count}]" if spec.count > 1 else "")
+        datatype = spec.datatype + (f" [1..{spec.max_count}]" if spec.max_count else
+                                    f" [{spec.count}]" if spec.count > 1 else "")
         rows.append(f"| `{spec.name}` | {datatype} | {_default(spec)} | {_allowed(spec)} | {batch} |")
     return "\n".join(rows)
 

@@ -39,10 +39,14 @@ def _value(spec: InputSpec, array: Any) -> Any:
     array = np.asarray(array)
     if array.dtype.type not in NUMPY_DTYPES[spec.datatype]:
         raise InvalidInputError(spec.name, f"datatype must be {spec.datatype}, got {array.dtype}")
-    if array.shape != (spec.count,):
+    if spec.max_count:
+        if array.ndim != 1 or not 1 <= len(array) <= spec.max_count:
+            raise InvalidInputError(spec.name, f"shape must be [n] with n from 1 to {spec.max_count}, "
+                                               f"got {list(array.shape)}")
+    elif array.shape != (spec.count,):
         raise InvalidInputError(spec.name, f"shape must be [{spec.count}], got {list(array.shape)}")
     values = [v.item() if isinstance(v, np.generic) and not isinstance(v, np.bytes_) else v for v in array]
-    return values[0] if spec.count == 1 else tuple(values)
+    return tuple(values) if spec.max_count or spec.count > 1 else values[0]
 
 
 # -- outputs ------------------------------------------------------------------------

@@ -9,11 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from engine_lib import tiny_models
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
-CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33}}  # 33 frames: as one Helios chunk
+CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33},  # 33 frames: as one Helios chunk
+               "qwen_image_edit": {"image": Image.new("RGB", (32, 32), (128, 128, 128))},
+               "qwen_image_edit_plus": {"image": [Image.new("RGB", (32, 32), (128, 128, 128))]}}
 
 
 def pipeline_class(name: str) -> str:
@@ -83,7 +86,8 @@ def test_saved_dir_loads_and_generates(name, saved_dirs):
     from diffusers import DiffusionPipeline
 
     if pipeline_class(name):
-        pipe = DiffusionPipeline.from_pretrained(str(saved_dirs[name]))
+        extra = get_adapter_class(name).from_pretrained_kwargs(str(saved_dirs[name]))  # (the edit processor)
+        pipe = DiffusionPipeline.from_pretrained(str(saved_dirs[name]), **extra)
         assert type(pipe).__name__ == pipeline_class(name)
         denoiser = pipe.transformer
     else:  # our own model code loads through its adapter

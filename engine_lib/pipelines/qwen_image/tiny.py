@@ -56,12 +56,14 @@ PRESETS = {name: {"transformer": tr, "vae": _QWEN_VAE, "text": _QWEN_TEXT, "gain
 
 def build(preset: Mapping[str, Any], seed: int):
     """A random-weight `QwenImagePipeline` of one preset's config (float32, CPU)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline(**components(preset, seed))
+
+
+def components(preset: Mapping[str, Any], seed: int) -> Dict[str, Any]:
+    """The random-weight modules, tokenizer and scheduler of one preset (the edit pipelines add a processor)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     z_dim = preset["vae"]["z_dim"]
@@ -117,9 +119,7 @@ def build(preset: Mapping[str, Any], seed: int):
     text_encoder = seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config))
     _apply_gains(transformer, vae, preset["gains"])
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
-    return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
-    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
 
 def _apply_gains(transformer, vae, gains: Mapping[str, float]) -> None:
