@@ -260,6 +260,28 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
         door.stop()
 
 
+def test_sd3_refuses_each_hostile_image_and_mask_by_name_then_inpaints(server):
+    """Each hostile file (tests/hostile_images.py: empty, 20 MB of zeros, decompression bombs, truncated, a GIF of
+    500 frames, 16-bit) as `image` and as `mask_image` gets INVALID_ARG naming that input over gRPC, at admission
+    (20 MB reach the model here: tritonserver's own gRPC takes it, the launcher's gate would refuse the message
+    first); then an inpainting request with a CMYK JPEG image and a palette mask with transparency is served."""
+    from tests.hostile_images import hostile, odd_but_valid
+
+    good = dict(prompt="a red door", height=64, width=64, num_inference_steps=4, seed=3, guidance_scale=1.0,
+                strength=0.75, image=odd_but_valid()["cmyk-jpeg"], mask_image=odd_but_valid()["palette-transparent"])
+    for name, (data, fragment) in hostile().items():
+        for input_name in ("image", "mask_image"):
+            rid = f"{name}-{input_name}"
+            result = run_request(server.grpc_url, model="sd3", request_id=rid, **{**good, input_name: data})
+            assert not result.responses and len(result.errors) == 1, rid
+            message = result.error.message()
+            assert message.startswith(f"INVALID_ARG: [request id: {rid}] input '{input_name}': ") and \
+                fragment in message, message
+    result = run_request(server.grpc_url, model="sd3", request_id="inpaint", **good)
+    assert not result.errors and result.num_final == 1, result.errors
+    assert int(result.final.as_numpy("num_steps")[0]) == 3 and result.final.as_numpy("image").shape == (1, 64, 64, 3)
+
+
 def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server):
     # sd3's config does not declare true_cfg_scale: Triton refuses it over gRPC, naming it ...
     result = run_request(server.grpc_url, model="sd3", request_id="bad-cfg", prompt="x", true_cfg_scale=4.0)
