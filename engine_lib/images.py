@@ -1,6 +1,6 @@
 """Input images: one encoded file from a request, decoded under explicit limits, as diffusers' `load_image` does.
 
-Every image input (image-to-image today) goes through `decode_image`, at admission, so a
+Every image input (an image to start from or edit, an inpainting mask) goes through `decode_image`, at admission, so a
 file that cannot become an RGB image is refused with an InvalidInputError naming the input
 before the request is queued, never a crash deep in a tick. What is accepted, and how:
 
