@@ -9,6 +9,9 @@
 * `step_scheduler`: the request's Euler update `x - v * dt` (k updates for k steps);
 * `post_decode`: unpack and decode, one VAE call per image size.
 
+`cache=first_block` (`step_cache.py`): each request and CFG branch decides from the first layer's residual of
+its own latent tokens, and its residuals stay in its state (`step_cache`).
+
 Every input is per row, so prompts, sizes, step counts, CFG settings and join times
 all share forwards.
 """

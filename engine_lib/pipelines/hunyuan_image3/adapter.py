@@ -8,6 +8,9 @@
   different lengths, images of different sizes and requests at different steps share it;
 * `step_scheduler`: the request's Euler update `x + (sigma_next - sigma) * pred`;
 * `post_decode`: the VAE, one call per image size.
+
+`cache=first_block` (`step_cache.py`): each request and CFG branch decides from the first layer's residual of
+its own image tokens, and its residuals stay in its state (`step_cache`).
 """
 
 from __future__ import annotations
