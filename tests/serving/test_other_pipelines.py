@@ -136,7 +136,8 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
 
     adapter = registry.load_adapter(EngineConfig(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
                                                  dtype="float32"))
-    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=3, seed=11)  # every model's size
+    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=3, seed=11,  # every model's size
+                  **adapter.example_inputs())
     params = adapter.input_schema(EngineConfig()).parse(inputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -225,9 +226,23 @@ def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(serv
     np.testing.assert_array_equal(result.final.as_numpy("image"), adapter.outputs[0].convert(expected.images))
 
 
+def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(server):
+    """Kontext edits an image (its served edit is test_served_outputs_are_the_pipelines_own's, on the adapter's
+    example image): none, random bytes or an image under the size multiple (8 on the tiny model) get INVALID_ARG
+    naming `image`."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 40)).save(buffer, "PNG")
+    for rid, extra in (("none", {}), ("random", {"image": np.random.default_rng(5).bytes(512)}),
+                       ("small", {"image": buffer.getvalue(), "auto_resize": 0})):
+        result = run_request(server.grpc_url, model="flux_kontext", request_id=rid, prompt="x", **extra)
+        assert not result.responses and len(result.errors) == 1
+        assert result.error.message().startswith(f"INVALID_ARG: [request id: {rid}] input 'image': "), \
+            result.error.message()
+
+
 def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
-    """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise); a
-    model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
+    """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise; SD3's
+    image-to-image and FLUX.1 Kontext's edit); a model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
     edit cap a 413, and the front door serves on."""
     import openai
 
@@ -247,6 +262,12 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
         expected = run_request(server.grpc_url, model="sd3", request_id="edit", prompt="in winter", width=64,
                                height=48, image=picture, **extra)
         assert not expected.errors and int(expected.final.as_numpy("num_steps")[0]) == 3  # the last 60% of 4
+        np.testing.assert_array_equal(decode(result.data[0].b64_json), expected.final.as_numpy("image")[0])
+        kontext = {"auto_resize": 0, "seed": 1, "num_inference_steps": 2}
+        result = client.images.edit(model="flux_kontext", image=("in.png", picture, "image/png"), prompt="in winter",
+                                    size="64x48", extra_body=kontext)
+        expected = run_request(server.grpc_url, model="flux_kontext", request_id="kontext-edit", prompt="in winter",
+                               width=64, height=48, image=picture, **kontext)
         np.testing.assert_array_equal(decode(result.data[0].b64_json), expected.final.as_numpy("image")[0])
         for model, image, param in (("flux", picture, "model"), ("sd3", np.random.default_rng(4).bytes(512), "image")):
             with pytest.raises(openai.BadRequestError) as info:
@@ -300,8 +321,10 @@ def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server)
     "output_format").choices])
 def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     previews = registry.get_adapter_class(model).supports_previews
+    example = {name: base64.b64encode(value).decode() if isinstance(value, bytes) else value  # JSON: files as base64
+               for name, value in registry.get_adapter_class(model).example_inputs().items()}
     body = {"prompt": "a blue circle", "height": 48, "width": 64, "num_inference_steps": 3,
-            "output_format": "png", "seed": 3, **({"preview_interval": 1} if previews else {})}
+            "output_format": "png", "seed": 3, **({"preview_interval": 1} if previews else {}), **example}
     status, reply = post_json(f"http://{server.http_url}/v2/models/{model}/generate_stream", body)
     assert status == 200, reply
     events = sse_events(reply)
