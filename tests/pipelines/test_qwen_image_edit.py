@@ -26,14 +26,15 @@ from engine_lib.sched import Scheduler
 from parity_checks import PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, solo_steps
 
 
-def png(width: int, height: int, seed: int) -> bytes:
+def png(width: int, height: int, color: tuple) -> bytes:
+    """One colour: what the tiny VAE, at 16x down, tells apart (random pixels all average to one grey)."""
     buffer = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-IMAGES = [png(48, 32, 0), png(96, 64, 1), png(24, 16, 2), png(32, 48, 3)]  # 3:2 (one condition shape), then 2:3
+# 3:2 (one condition shape; each moves the image by more than 200 levels from the others), then 2:3
+IMAGES = [png(48, 32, (0, 0, 0)), png(96, 64, (255, 255, 255)), png(24, 16, (255, 0, 0)), png(32, 48, (0, 0, 255))]
 
 
 def params(image: int = 0, prompt: str = PROMPTS[0], seed: int = 3, steps: int = 3, **kw) -> dict:
@@ -93,6 +94,9 @@ def test_step_batch_of_different_images_and_prompts_matches_solo(adapter, solo):
     for a in arrivals:
         levels = np.abs(result.images[a.request_id].astype(np.int16) - solo(a.params).astype(np.int16))
         assert levels.max() <= 1, (a.request_id, levels.max())
+    # the same prompt and seed with another image is another image (the rows' conditions are their own)
+    other = solo(parse(adapter, params(1, PROMPTS[0], seed=1)))
+    assert np.abs(other.astype(int) - result.images["a"].astype(int)).max() > 100
 
 
 def test_the_condition_lives_in_the_state_is_kept_across_a_pause_and_freed_on_abort(adapter, solo):

@@ -22,7 +22,13 @@ _EDIT_VAE = dict(base_dim=1, z_dim=4, dim_mult=[1, 2, 2, 2, 2], num_res_blocks=1
 # The vision processor's pixel bounds: a 28x28-pixel patch grid cell is one merged vision token.
 _VISION_PIXELS = dict(min_pixels=28 * 28, max_pixels=56 * 56)
 
-PRESETS = {"tiny": {**qwen_tiny.PRESETS["tiny"], "vae": _EDIT_VAE, "vision": _VISION_PIXELS}}
+# Qwen-Image's gains leave this model blind to its prompt and its images (a prompt or image swap moved no pixel:
+# four output tokens attend over a thousand condition tokens, and the one-channel encoder's latents barely move).
+# Sharper attention (the q/k RMS-norm weights, so logits x16) and the encoder's output layer make a prompt
+# swap, or a black image for a white one, move the image by about 1.0 (a new seed too).
+_EDIT_GAINS = {"attention_norms": 4.0, "vae_encoder_out": 10.0}
+
+PRESETS = {"tiny": {**qwen_tiny.PRESETS["tiny"], "vae": _EDIT_VAE, "vision": _VISION_PIXELS, "edit_gains": _EDIT_GAINS}}
 
 
 def processor(tokenizer, vision: Mapping[str, int]):
@@ -41,4 +47,17 @@ def build(preset: Mapping[str, Any], seed: int, pipeline_class: str = "QwenImage
     import diffusers
 
     parts = qwen_tiny.components(preset, seed)
+    _apply_gains(parts["transformer"], parts["vae"], preset["edit_gains"])
     return getattr(diffusers, pipeline_class)(**parts, processor=processor(parts["tokenizer"], preset["vision"]))
+
+
+def _apply_gains(transformer, vae, gains: Mapping[str, float]) -> None:
+    """Scale the attention's q/k norm weights and the VAE encoder's output conv (see _EDIT_GAINS for why)."""
+    import torch
+
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            for norm in (block.attn.norm_q, block.attn.norm_k, block.attn.norm_added_q, block.attn.norm_added_k):
+                norm.weight.mul_(gains["attention_norms"])
+        vae.encoder.conv_out.weight.mul_(gains["vae_encoder_out"])
+        vae.encoder.conv_out.bias.mul_(gains["vae_encoder_out"])
