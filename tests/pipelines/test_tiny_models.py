@@ -15,6 +15,9 @@ from engine_lib import tiny_models
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
 CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33},  # 33 frames: as one Helios chunk
+               # Kontext: its image at its size, and max_area that keeps 64x64 (its default is a megapixel)
+               "flux_kontext": {"image": Image.new("RGB", (32, 32), (128, 128, 128)), "_auto_resize": False,
+                                "max_area": 64 * 64, "max_sequence_length": 32},
                "qwen_image_edit": {"image": Image.new("RGB", (32, 32), (128, 128, 128))},
                "qwen_image_edit_plus": {"image": [Image.new("RGB", (32, 32), (128, 128, 128))]}}
 
