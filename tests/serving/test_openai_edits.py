@@ -4,6 +4,7 @@ what would reach Triton (the served edit, bitwise against gRPC, is in test_other
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import openai
@@ -29,19 +30,23 @@ EDIT_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT
 
 
 class EditGateway(OneModelGateway):
-    """Three ready models: `m` takes an image and a mask, `img2img` an image alone, `plain` neither; `sent`
-    records each request's inputs."""
+    """Four ready models: `m` takes an image and a mask, `img2img` an image alone, `plain` neither, `multi` one or
+    more images (dims [-1]); `sent` records each request's inputs."""
 
     sent: list = []
 
     async def ready_models(self) -> list[str]:
-        return ["m", "img2img", "plain"]
+        return ["m", "img2img", "plain", "multi"]
 
     async def _config(self, model: str):
-        if model not in ("m", "img2img", "plain"):
+        if model not in ("m", "img2img", "plain", "multi"):
             raise RuntimeError(f"no model {model}")
-        left_out = {"m": (), "img2img": ("mask_image",), "plain": ("image", "mask_image")}[model]
-        return {k: v for k, v in EDIT_INPUTS.items() if k not in left_out}, {"image"}, 2
+        left_out = {"m": (), "img2img": ("mask_image",), "plain": ("image", "mask_image"),
+                    "multi": ("mask_image",)}[model]
+        inputs = {k: v for k, v in EDIT_INPUTS.items() if k not in left_out}
+        if model == "multi":
+            inputs["image"] = InputType("TYPE_STRING", -1)
+        return inputs, {"image"}, 2
 
     async def stream(self, model, tensors, request_id, parameters=None):
         EditGateway.sent.append({t.name(): t._get_content() for t in tensors})
@@ -77,6 +82,16 @@ def test_an_edit_sends_the_file_and_the_typed_extra_fields(client):
     assert np.frombuffer(sent["num_inference_steps"], np.int32).tolist() == [4]
     assert np.frombuffer(sent["cfg_interval"], np.float32).tolist() == [np.float32(0.1), np.float32(0.9)]
     assert sent["negative_prompt"].endswith(b"4")  # a text input stays text
+
+
+def test_an_edit_of_several_images_sends_every_file_as_one_input(client):
+    """A model whose `image` takes one or more files (dims [-1]: Qwen-Image-Edit-Plus) gets them all, in order, as
+    the elements of one input; how many it allows is its own check."""
+    files = [PNG + b"a", PNG + b"bb"]
+    client.images.edit(model="multi", image=[("a.png", files[0]), ("b.png", files[1])], prompt="x")
+    assert EditGateway.sent[-1]["image"] == b"".join(struct.pack("<I", len(f)) + f for f in files)
+    client.images.edit(model="multi", image=("a.png", files[0]), prompt="x")
+    assert EditGateway.sent[-1]["image"] == struct.pack("<I", len(files[0])) + files[0]
 
 
 def test_an_edit_streams_its_events_as_image_edit(client):

@@ -46,7 +46,7 @@ def triton_datatype(triton_type: str) -> str:
 
 
 class InputType(NamedTuple):
-    """One declared input of a model's config: its Triton type and its element count (dims [count])."""
+    """One declared input of a model's config: its Triton type and its element count (dims [count]; -1: any)."""
 
     triton_type: str  # TYPE_INT32, TYPE_STRING, ...
     count: int = 1
@@ -56,9 +56,13 @@ def to_tensor(name: str, value: Any, input_type: InputType) -> np.ndarray:
     """A JSON value as the [count] array of the input's datatype; a value of the wrong kind (a float or a
     string for an integer, an integer past the datatype's range, a list for a [1] input, a list of another
     length for a [count] one) raises InvalidInputError naming it."""
-    if input_type.count > 1:
-        if not isinstance(value, list) or len(value) != input_type.count:
-            raise InvalidInputError(name, f"must be a list of {input_type.count} values, got {_short(value)}")
+    if input_type.count == -1:  # a variable count (several images): one value or a list; the model bounds it
+        value = value if isinstance(value, list) else [value]
+        if not value:
+            raise InvalidInputError(name, "must hold one or more values, got an empty list")
+    elif input_type.count > 1 and (not isinstance(value, list) or len(value) != input_type.count):
+        raise InvalidInputError(name, f"must be a list of {input_type.count} values, got {_short(value)}")
+    if input_type.count != 1:
         return np.concatenate([to_tensor(name, item, InputType(input_type.triton_type)) for item in value])
     triton_type = input_type.triton_type
     datatype = triton_datatype(triton_type)

@@ -144,9 +144,10 @@ def parse_edit_request(fields: list[tuple[str, str]], files: list[tuple[str, byt
     if "image" not in input_types:
         raise bad_request(f"{model} does not take an input image", "model")
     images = [data for _, data in files]
-    wanted = input_types["image"].count
-    if len(images) != wanted:
-        raise bad_request(f"{model} takes {wanted} image file(s), got {len(images)}", "image",
+    wanted = input_types["image"].count  # -1: one or more (the model bounds how many)
+    if len(images) != wanted and not (wanted == -1 and images):
+        raise bad_request(f"{model} takes {'one or more' if wanted == -1 else wanted} image file(s), got {len(images)}",
+                          "image",
                           "missing_required_parameter" if not images else "invalid_value")
     if masks and "mask_image" not in input_types:
         raise bad_request(f"{model} does not take a mask (no inpainting)", "mask")
