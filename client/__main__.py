@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cfg", type=float, dest="true_cfg_scale", help="true_cfg_scale")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--num-images", type=_positive)
-    gen.add_argument("--image", type=Path, help="start from this PNG, JPEG or WebP file: image-to-image (sd3), or "
-                     "the video's first frame (ltx2)")
+    gen.add_argument("--image", type=Path, help="start from this PNG, JPEG or WebP file: image-to-image (sd3), the "
+                     "image to edit (flux_kontext), or the video's first frame (ltx2)")
     gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
     gen.add_argument("--mask", type=Path, help="with --image: inpaint where this mask is white, keep where it is "
                      "black (sd3)")
