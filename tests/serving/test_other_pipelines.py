@@ -34,6 +34,7 @@ from .streaming import (RequestStream, close_all, metric, post_json, run_concurr
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
 HELD = MIXED_SIZES + ("bagel", "hunyuan_image3")  # with a tick budget (`server.budgets`, `run_together`)
+SIZE_32 = ("qwen_image_edit", "qwen_image_edit_plus")  # sizes are multiples of 32 (their tiny VAE downsamples 16x)
 SLOW_PROMPT = "a slow river"  # an ltx2 request with it sleeps 1 s at each block boundary of its ticks (SlowPrompt)
 
 
@@ -240,6 +241,27 @@ def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(serv
             result.error.message()
 
 
+def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_many(server):
+    """Edit-Plus takes two images (of two aspect ratios) as one [2] input; none, random bytes beside a good
+    image, or one image more than the bound get INVALID_ARG naming `image` (the last with the bound)."""
+    from engine_lib.pipelines.qwen_image_edit.adapter import MAX_IMAGES
+
+    pictures = []
+    for seed, size in ((1, (48, 32)), (2, (32, 48))):
+        buffer = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buffer, "PNG")
+        pictures.append(buffer.getvalue())
+    inputs = dict(prompt="put them side by side", num_inference_steps=2, seed=1)
+    result = run_request(server.grpc_url, model="qwen_image_edit_plus", request_id="two", image=pictures, **inputs)
+    assert not result.errors and result.final.as_numpy("image").shape == (1, 64, 64, 3), result.errors
+    for rid, extra, says in (("none", {}, "is required"),
+                             ("random", {"image": [pictures[0], np.random.default_rng(5).bytes(512)]}, "is not"),
+                             ("too-many", {"image": pictures[:1] * (MAX_IMAGES + 1)}, f"1 to {MAX_IMAGES}")):
+        result = run_request(server.grpc_url, model="qwen_image_edit_plus", request_id=rid, **inputs, **extra)
+        message = result.error.message()
+        assert message.startswith(f"INVALID_ARG: [request id: {rid}] input 'image': ") and says in message, message
+
+
 def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
     """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise; SD3's
     image-to-image and FLUX.1 Kontext's edit); a model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
@@ -323,7 +345,8 @@ def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     previews = registry.get_adapter_class(model).supports_previews
     example = {name: base64.b64encode(value).decode() if isinstance(value, bytes) else value  # JSON: files as base64
                for name, value in registry.get_adapter_class(model).example_inputs().items()}
-    body = {"prompt": "a blue circle", "height": 48, "width": 64, "num_inference_steps": 3,
+    height = 64 if model in SIZE_32 else 48
+    body = {"prompt": "a blue circle", "height": height, "width": 64, "num_inference_steps": 3,
             "output_format": "png", "seed": 3, **({"preview_interval": 1} if previews else {}), **example}
     status, reply = post_json(f"http://{server.http_url}/v2/models/{model}/generate_stream", body)
     assert status == 200, reply
@@ -331,7 +354,7 @@ def test_http_generate_stream_ends_with_a_decodable_png(server, model):
     assert [e["step"] for e in events] == ([1, 2, 3] if previews else [3])
     assert [e["is_final"] for e in events] == ([False, False, True] if previews else [True])
     image = Image.open(io.BytesIO(base64.b64decode(events[-1]["image_png"])))
-    assert image.format == "PNG" and image.size == (64, 48)
+    assert image.format == "PNG" and image.size == (64, height)
 
 
 # Golden case (a) of each own-model pipeline (tests/golden/<model>: the reference implementation's run).
