@@ -10,7 +10,6 @@ With torchvision, `from_pretrained` loads the real one and none of this runs.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 from unittest import mock
 
@@ -38,11 +37,11 @@ def image_only(image_processor: Any, tokenizer: Any):
 
 
 def load(model_path: str) -> Optional[Any]:
-    """The processor of a saved edit pipeline for `from_pretrained(..., processor=)`, or None to let it load its
-    own (transformers can build the real one, or the path is no local folder)."""
+    """The processor of an edit pipeline (a folder or a hub id) for `from_pretrained(..., processor=)`, or None
+    to let it load its own (transformers can build the real one)."""
     from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor
 
-    folder = Path(model_path) / "processor"
-    if has_video_processor() or not folder.is_dir():
+    if has_video_processor():
         return None
-    return image_only(Qwen2VLImageProcessor.from_pretrained(str(folder)), Qwen2Tokenizer.from_pretrained(str(folder)))
+    return image_only(Qwen2VLImageProcessor.from_pretrained(model_path, subfolder="processor"),
+                      Qwen2Tokenizer.from_pretrained(model_path, subfolder="processor"))
