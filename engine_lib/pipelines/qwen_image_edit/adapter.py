@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE,
+                                                                        calculate_dimensions)
 from PIL import Image
 
 from engine_lib import interface
@@ -31,8 +33,8 @@ from engine_lib.interface import replace_spec
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter, QwenImageState
 from engine_lib.request import InvalidInputError, SamplingParams
 
-VAE_IMAGE_SIZE = 1024 * 1024  # the pixels each input image is resized to for the VAE (both pipelines)
-CONDITION_IMAGE_SIZE = 384 * 384  # Edit-Plus: the pixels each input image is resized to for the text encoder
+# diffusers' VAE_IMAGE_SIZE (1024 x 1024: Edit's __call__ writes it out) and CONDITION_IMAGE_SIZE (384 x 384,
+# Edit-Plus's text encoder), and `calculate_dimensions` (that area at an image's aspect ratio, multiples of 32).
 MAX_IMAGES = 4  # Edit-Plus: input images per request (each adds its tokens to every forward)
 _STEP_CACHE = ("cache", "cache_threshold")
 
@@ -46,13 +48,6 @@ class QwenImageEditState(QwenImageState):
     """A request between steps; its input images' packed VAE latents [N, condition tokens, C] too."""
 
     image_latents: Optional[torch.Tensor] = None
-
-
-def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
-    """(width, height) of about `area` pixels at `ratio`, multiples of 32 (diffusers' own function)."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions as dims
-
-    return dims(area, ratio)
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
