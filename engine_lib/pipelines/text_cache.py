@@ -1,7 +1,8 @@
 """Prompt embeddings kept between requests: repeated prompts are common, and encoding is a fixed cost.
 
 Keyed by everything the embeddings depend on (the adapter builds the key: pipeline,
-prompt, negative prompt when CFG runs, text length, images per prompt, LoRA), bounded
+prompt, negative prompt when CFG runs, text length, images per prompt, LoRA, and for
+the edit models, which encode the prompt with the input images, those images' digests), bounded
 in bytes, least recently used evicted. A hit hands out the very tensors a fresh
 encode of the same request made (each request encodes alone), so images do not
 change (solo bitwise parity holds); the dicts are copied, so a state that moves its
