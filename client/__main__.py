@@ -16,7 +16,7 @@ import sys
 import time
 import wave
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cfg", type=float, dest="true_cfg_scale", help="true_cfg_scale")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--num-images", type=_positive)
-    gen.add_argument("--image", type=Path, help="start from this PNG, JPEG or WebP file: image-to-image (sd3), the "
-                     "image to edit (flux_kontext), or the video's first frame (ltx2)")
+    gen.add_argument("--image", type=Path, action="append",
+                     help="start from this PNG, JPEG or WebP file: image-to-image (sd3), the image to edit "
+                          "(flux_kontext, qwen_image_edit), or the video's first frame (ltx2); given more than once, "
+                          "the images qwen_image_edit_plus edits together")
     gen.add_argument("--strength", type=float, help="with --image: how much of the schedule runs, in (0, 1]")
     gen.add_argument("--mask", type=Path, help="with --image: inpaint where this mask is white, keep where it is "
                      "black (sd3)")
@@ -93,6 +95,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--out .npy/.wav needs gRPC: HTTP generate_stream sends tensors as flat lists, without "
                      "their shape (use .mp4 over HTTP)")
     return args
+
+
+def _images(paths: Optional[list]) -> Union[None, bytes, list]:
+    """`--image` files: one file's bytes, or a list of them when given several times."""
+    if not paths:
+        return None
+    return paths[0].read_bytes() if len(paths) == 1 else [path.read_bytes() for path in paths]
 
 
 def output_paths(out: Path, count: int) -> List[Path]:
@@ -168,7 +177,7 @@ def run_generate(args: argparse.Namespace) -> int:
         frame_rate=args.frame_rate,
         preview_interval=args.preview_every or 0,
         output_format=output_format,
-        image=None if args.image is None else args.image.read_bytes(),
+        image=_images(args.image),
         strength=args.strength,
         mask=None if args.mask is None else args.mask.read_bytes(),
         cache=args.cache,

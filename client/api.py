@@ -55,15 +55,18 @@ def build_inputs(
     frame_rate: Optional[float] = None,
     preview_interval: int = 0,
     output_format: Optional[str] = None,
-    image: Optional[bytes] = None,
+    image: Optional[Union[bytes, List[bytes]]] = None,
     strength: Optional[float] = None,
     mask: Optional[bytes] = None,
     cache: Optional[str] = None,
     cache_threshold: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The request's inputs by Triton name, leaving out everything not set. `image` (an encoded file, for
-    image-to-image) and `mask` (one more, for inpainting: `mask_image`) are sent as base64 text, which the server
-    takes over gRPC and HTTP alike."""
+    image-to-image, or a list of them: qwen_image_edit_plus's one [n] input) and `mask` (one more, for inpainting:
+    `mask_image`) are sent as base64 text, which the server takes over gRPC and HTTP alike."""
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode("ascii")
+
     values = {
         "prompt": prompt,
         "negative_prompt": negative_prompt,
@@ -78,7 +81,7 @@ def build_inputs(
         "frame_rate": frame_rate,
         "preview_interval": preview_interval or None,  # 0 is the server's default
         "output_format": output_format,
-        "image": None if image is None else base64.b64encode(image).decode("ascii"),
+        "image": None if image is None else [b64(f) for f in image] if isinstance(image, list) else b64(image),
         "strength": strength,
         "mask_image": None if mask is None else base64.b64encode(mask).decode("ascii"),
         "cache": cache,

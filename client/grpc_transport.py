@@ -38,9 +38,10 @@ def _infer_inputs(inputs: Dict[str, Any], dtypes: Dict[str, str]) -> list:
     result = []
     for name, value in inputs.items():
         dtype = dtypes[name]
+        values = value if isinstance(value, list) else [value]  # a list: one [n] input (several images)
         if dtype == "BYTES":
-            value = value.encode("utf-8")
-        arr = np.array([value], dtype=_NP_DTYPES[dtype])
+            values = [item.encode("utf-8") for item in values]
+        arr = np.array(values, dtype=_NP_DTYPES[dtype])
         tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
         tensor.set_data_from_numpy(arr)
         result.append(tensor)

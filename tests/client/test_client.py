@@ -26,6 +26,7 @@ from client import Final, Progress, ServerError, build_inputs, generate, stream
 from client.__main__ import output_paths, parse_args
 from client.decode import decode_response
 from client.events import ResponseFormatError
+from client.grpc_transport import _infer_inputs
 from client.sse import iter_sse_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +77,11 @@ def test_only_inputs_the_user_set_are_sent():
     image = build_inputs("p", image=_png(), strength=0.6)  # base64 text: one form for gRPC and HTTP JSON
     assert base64.b64decode(image["image"]) == _png() and image["strength"] == 0.6
     args = parse_args(["generate", "--prompt", "x", "--image", "in.png", "--strength", "0.6", "--model", "sd3"])
-    assert (args.image, args.strength) == (Path("in.png"), 0.6)
+    assert (args.image, args.strength) == ([Path("in.png")], 0.6)
+    several = build_inputs("p", image=[_png(), b"second"])["image"]  # qwen_image_edit_plus: one [2] input
+    assert [base64.b64decode(text) for text in several] == [_png(), b"second"]
+    tensor, = _infer_inputs({"image": several}, {"image": "BYTES"})
+    assert tensor.shape() == [2]
     assert base64.b64decode(build_inputs("p", image=_png(), mask=b"m")["mask_image"]) == b"m"
     assert parse_args(["generate", "--prompt", "x", "--image", "i.png", "--mask", "m.png"]).mask == Path("m.png")
     args = parse_args(["generate", "--prompt", "x", "--cache", "first_block", "--cache-threshold", "0.1"])
