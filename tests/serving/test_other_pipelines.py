@@ -242,8 +242,9 @@ def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(serv
 
 
 def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_many(server):
-    """Edit-Plus takes two images (of two aspect ratios) as one [2] input; none, random bytes beside a good
-    image, or one image more than the bound get INVALID_ARG naming `image` (the last with the bound)."""
+    """Edit-Plus takes two images (of two aspect ratios) as one [2] input, over gRPC and HTTP JSON; none, random
+    bytes beside a good image, or one image more than the bound get INVALID_ARG naming `image` (the last with
+    the bound)."""
     from engine_lib.pipelines.qwen_image_edit.adapter import MAX_IMAGES
 
     pictures = []
@@ -254,6 +255,9 @@ def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_m
     inputs = dict(prompt="put them side by side", num_inference_steps=2, seed=1)
     result = run_request(server.grpc_url, model="qwen_image_edit_plus", request_id="two", image=pictures, **inputs)
     assert not result.errors and result.final.as_numpy("image").shape == (1, 64, 64, 3), result.errors
+    body = {**inputs, "output_format": "png", "image": [base64.b64encode(p).decode() for p in pictures]}
+    status, reply = post_json(f"http://{server.http_url}/v2/models/qwen_image_edit_plus/generate_stream", body)
+    assert status == 200 and sse_events(reply)[-1]["is_final"], reply  # a JSON list is the [2] input too
     for rid, extra, says in (("none", {}, "is required"),
                              ("random", {"image": [pictures[0], np.random.default_rng(5).bytes(512)]}, "is not"),
                              ("too-many", {"image": pictures[:1] * (MAX_IMAGES + 1)}, f"1 to {MAX_IMAGES}")):
