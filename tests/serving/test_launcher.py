@@ -177,11 +177,12 @@ def test_an_admin_key_protects_the_admin_apis_of_an_explicit_mode_server():
     assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))
 
 
-SEVEN = ["bagel", "flux", "helios", "hunyuan_image3", "ltx2", "qwen_image", "sd3"]
+SHIPPED = ["bagel", "flux", "flux_kontext", "helios", "hunyuan_image3", "ltx2", "qwen_image", "qwen_image_edit",
+           "qwen_image_edit_plus", "sd3"]
 
 
 def test_the_repository_s_models_are_its_folders_with_a_config():
-    assert repository_models(DEFAULT_MODEL_REPOSITORY) == SEVEN
+    assert repository_models(DEFAULT_MODEL_REPOSITORY) == SHIPPED
 
 
 @pytest.mark.parametrize("value, models", [
@@ -198,7 +199,7 @@ def test_an_unknown_model_is_refused_naming_the_known_ones():
     with pytest.raises(TritonServerError) as info:
         select_models("flux,qwen-image", DEFAULT_MODEL_REPOSITORY)
     assert f"unknown model qwen-image in {DEFAULT_MODEL_REPOSITORY};" in str(info.value)
-    assert f"known: {', '.join(SEVEN)}, or all" in str(info.value)
+    assert f"known: {', '.join(SHIPPED)}, or all" in str(info.value)
 
 
 @pytest.mark.parametrize("argv, env, loaded", [
@@ -245,7 +246,7 @@ def test_serve_refuses_an_unknown_model_before_starting_anything(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2
-    assert "unknown model fluxx" in cli.stderr and f"known: {', '.join(SEVEN)}, or all" in cli.stderr, cli.stderr
+    assert "unknown model fluxx" in cli.stderr and f"known: {', '.join(SHIPPED)}, or all" in cli.stderr, cli.stderr
     assert "starting tritonserver" not in cli.stdout
 
 
