@@ -7,7 +7,9 @@ generation path needs and nothing else:
   the attention projections, q/k norms, MLP and layer norms, used for image-latent
   tokens (mixture of transformers); text tokens (the prompt, `<|vision_start|>`,
   `<|vision_end|>`) use the understanding weights;
-* `prefill`: a prompt into its own KV cache (causal, RoPE positions 0..L-1);
+* `extend`: text tokens appended to each row's KV cache (understanding weights, causal,
+  RoPE positions continuing the cache's): a prompt's prefill, or one decoded token per
+  row for many requests at once, whose last hidden state `lm_head` turns into logits;
 * `velocity`: the latent tokens of many rows in one forward, each row attending to
   its own cache (caches of different lengths padded and masked) plus its own
   query block (non-causal), all query tokens of a row at one RoPE position;
@@ -39,9 +41,9 @@ from engine_lib.pipelines.decoder_parts import (KVCache, PaddedCaches, RMSNorm, 
 
 logger = logging.getLogger(__name__)
 
-# Understanding-only weights of the official checkpoint: the ViT, its connector and position table,
-# and the text head (BAGEL's generation path never decodes text).
-UNDERSTANDING_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.", "language_model.lm_head.")
+# Image-understanding weights of the official checkpoint: the ViT, its connector and position table (image inputs
+# are not served, so they stay unloaded).
+UNDERSTANDING_PREFIXES = ("vit_model.", "connector.", "vit_pos_embed.")
 
 
 
@@ -150,6 +152,7 @@ class BagelModel(nn.Module):
         self.vae2llm = nn.Linear(c.patch_latent_dim, c.hidden_size)
         self.llm2vae = nn.Linear(c.hidden_size, c.patch_latent_dim)
         self.latent_pos_embed = nn.Parameter(torch.zeros(c.max_latent_size ** 2, c.hidden_size), requires_grad=False)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     # -- the official layout ------------------------------------------------------------
     def official_parameters(self) -> dict[str, torch.Tensor]:
@@ -157,7 +160,7 @@ class BagelModel(nn.Module):
         lm = "language_model.model."
         named = {f"{lm}embed_tokens.weight": self.embed_tokens.weight, f"{lm}norm.weight": self.norm.weight,
                  f"{lm}norm_moe_gen.weight": self.norm_moe_gen.weight,
-                 "latent_pos_embed.pos_embed": self.latent_pos_embed}
+                 "latent_pos_embed.pos_embed": self.latent_pos_embed, "language_model.lm_head.weight": self.lm_head.weight}
         for i, layer in enumerate(self.layers):
             for name, module in layer._official_names().items():
                 for leaf, tensor in module.named_parameters():
@@ -177,27 +180,47 @@ class BagelModel(nn.Module):
             for key, tensor in expected.items():
                 tensor.copy_(state[key])
 
-    # -- the prompt into its own cache --------------------------------------------------
+    # -- text into each row's own cache ------------------------------------------------
+    def empty_cache(self) -> KVCache:
+        c, p = self.config, self.embed_tokens.weight
+        empty = lambda: p.new_zeros(c.num_kv_heads, 0, c.head_dim)  # noqa: E731
+        return KVCache([empty() for _ in self.layers], [empty() for _ in self.layers])
+
     @torch.no_grad()
     def prefill(self, token_ids: torch.Tensor) -> KVCache:
-        """Run the (wrapped) prompt through the understanding weights, causally, from position 0."""
+        """The (wrapped) prompt into a fresh cache, from position 0."""
+        return self.extend([self.empty_cache()], token_ids[None])[0][0]
+
+    @torch.no_grad()
+    def extend(self, caches: list[KVCache], token_ids: torch.Tensor) -> tuple[list[KVCache], torch.Tensor]:
+        """`token_ids` [R, L] appended to row r's context `caches[r]` through the understanding weights, causally,
+        at RoPE positions continuing that cache (caches of different lengths padded and masked): each row's
+        longer cache, and its last token's hidden state after the final `norm` [R, D] (what `lm_head` reads)."""
         c = self.config
-        hidden = self.embed_tokens(token_ids)  # [L, D]
-        cos, sin = rope(torch.arange(len(token_ids), device=hidden.device), c.head_dim, c.rope_theta)
-        cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)
-        keys, values = [], []
-        for layer in self.layers:
+        R, L = token_ids.shape
+        hidden = self.embed_tokens(token_ids).view(R * L, -1)
+        padded = PaddedCaches.of(caches)
+        lengths = to_device([cache.length for cache in caches], hidden.device)
+        cos, sin = rope(lengths[:, None] + torch.arange(L, device=hidden.device), c.head_dim, c.rope_theta)
+        cos, sin = cos[:, None].to(hidden.dtype), sin[:, None].to(hidden.dtype)  # [R, 1, L, d]
+        causal = torch.ones(L, L, dtype=torch.bool, device=hidden.device).tril()
+        mask = torch.cat([padded.valid[:, None].expand(R, L, -1), causal.expand(R, L, L)], dim=2)[:, None]
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
             und = layer.und
             q, k, v = und.qkv(und.input_layernorm(hidden), c.num_heads, c.num_kv_heads, c.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k, v, q = k.transpose(0, 1), v.transpose(0, 1), q.transpose(0, 1)  # heads first
-            keys.append(k)
-            values.append(v)
-            causal = torch.ones(len(token_ids), len(token_ids), dtype=torch.bool, device=hidden.device).tril()
-            out = attend(q[None], k[None], v[None], causal)[0]
-            hidden = hidden + und.o_proj(out.transpose(0, 1).reshape(len(token_ids), -1))
+            q = apply_rope(q.view(R, L, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(R, L, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(R, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            new_keys.append(k)
+            new_values.append(v)
+            out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), mask)
+            hidden = hidden + und.o_proj(out.transpose(1, 2).reshape(R * L, -1))
             hidden = hidden + und.mlp(und.post_attention_layernorm(hidden))
-        return KVCache(keys, values)
+        grown = [KVCache([torch.cat([cache.keys[i], new_keys[i][r]], dim=1) for i in range(len(self.layers))],
+                         [torch.cat([cache.values[i], new_values[i][r]], dim=1) for i in range(len(self.layers))])
+                 for r, cache in enumerate(caches)]
+        return grown, self.norm(hidden.view(R, L, -1)[:, -1])
 
     # -- one denoise forward over many rows ----------------------------------------------
     @torch.no_grad()

@@ -15,13 +15,19 @@ per forward):
   active at its timestep, its unconditional row; then each request's own CFG and
   renorm (the reference's packed "global" renorm would mix requests; ours does not);
 * `decode`: unpack 2x2 patches, the FLUX VAE, and the reference's uint8 rule
-  (`(x * 0.5 + 0.5).clamp(0, 1) * 255` truncated).
+  (`(x * 0.5 + 0.5).clamp(0, 1) * 255` truncated);
+* text (`interleave_inference(..., understanding_output=True)` and `think=True`):
+  `start_text` / `decode_tokens` decode from `<|im_start|>` after a context, one
+  token per forward for many requests at once, greedy or sampled, until `<|im_end|>`
+  or `max_new_tokens`; `text` is the reference's cut of the decoded ids; a thought
+  goes into the image's context re-encoded (`append`). Think mode's system prompt
+  is in both the generation and the text-CFG context.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
@@ -34,6 +40,12 @@ from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # bos, eos, start/end of image
 RENORM_TYPES = ("global", "channel", "text_channel")
+
+# The reference inferencer's system prompts of think mode, verbatim (its trailing spaces included).
+VLM_THINK_SYSTEM_PROMPT = '''You should first think about the reasoning process in the mind and then provide the user with the answer. 
+The reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning process here </think> answer here'''
+GEN_THINK_SYSTEM_PROMPT = '''You should first think about the planning process in the mind and then generate the image. 
+The planning process is enclosed within <think> </think> tags, i.e. <think> planning process here </think> image here'''
 
 
 @dataclass
@@ -53,11 +65,29 @@ class Guidance:
 
 @dataclass
 class Context:
-    """A request's prompt contexts: the generation context and the (empty) text-CFG one."""
+    """A request's prompt contexts: the generation context and the text-CFG one (empty, or think mode's system
+    prompt: the reference copies it before the prompt)."""
 
     cond: KVCache
     uncond: KVCache
     grid: tuple[int, int]  # latent patches (h, w)
+
+
+@dataclass
+class TextDecode:
+    """One request's text being decoded: its context grows by each token fed back (a copy: the context it
+    started from is left as it was, as the reference decodes on a deep copy)."""
+
+    cache: KVCache
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    generator: Optional[torch.Generator] = None  # sampling's, on the host
+    ids: list[int] = field(default_factory=list)  # `<|im_start|>` first, `<|im_end|>` never
+    done: bool = False
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.ids) - 1
 
 
 class BagelPipeline:
@@ -102,9 +132,64 @@ class BagelPipeline:
         return [self.bos, *self.tokenizer.encode(prompt, add_special_tokens=False), self.eos]
 
     @torch.no_grad()
-    def encode(self, prompt: str, height: int, width: int) -> Context:
-        cond = self.model.prefill(torch.tensor(self.token_ids(prompt), device=self.device))
-        return Context(cond, cond.empty(), (height // self.downsample, width // self.downsample))
+    def encode(self, prompt: str, height: int, width: int, system_prompt: str = "") -> Context:
+        """The prompt's contexts; a system prompt (think mode) goes before it in both."""
+        uncond = self.model.empty_cache()
+        if system_prompt:
+            uncond = self.model.prefill(torch.tensor(self.token_ids(system_prompt), device=self.device))
+        cond = self.append(uncond, prompt)
+        return Context(cond, uncond, (height // self.downsample, width // self.downsample))
+
+    def append(self, cache: KVCache, text: str) -> KVCache:
+        """`text`, wrapped in `<|im_start|>` ... `<|im_end|>`, appended to a context (a thought, after it is
+        decoded, goes into the image's context this way: re-encoded from its text, as the reference does)."""
+        [grown], _ = self.model.extend([cache], torch.tensor([self.token_ids(text)], device=self.device))
+        return grown
+
+    # -- text decoding ----------------------------------------------------------------------
+    def start_text(self, cache: KVCache, max_new_tokens: int, temperature: float = 0.0,
+                   seed: Optional[int] = None) -> TextDecode:
+        """A decode from `<|im_start|>` after `cache`, sampled (temperature > 0) from a generator seeded with `seed`."""
+        generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
+        return TextDecode(cache, int(max_new_tokens), float(temperature), generator, [self.bos])
+
+    @torch.no_grad()
+    def decode_tokens(self, decodes: Sequence[TextDecode]) -> None:
+        """One token for each unfinished decode, all in one forward: the last id fed into its own cache, the next
+        chosen from `lm_head`'s logits. A decode ends on `<|im_end|>` (not kept) or at its `max_new_tokens`."""
+        live = [d for d in decodes if not d.done]
+        if not live:
+            return
+        last = torch.tensor([[d.ids[-1]] for d in live], device=self.device)
+        caches, hidden = self.model.extend([d.cache for d in live], last)
+        logits = self.model.lm_head(hidden).float().cpu()
+        for d, cache, row in zip(live, caches, logits):
+            d.cache = cache
+            token = self.next_token(row, d)
+            if token == self.eos or d.new_tokens >= d.max_new_tokens:
+                d.done = True
+            else:
+                d.ids.append(token)
+
+    @staticmethod
+    def next_token(logits: torch.Tensor, d: TextDecode) -> int:
+        if d.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / d.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=d.generator))
+
+    def text(self, ids: Sequence[int]) -> str:
+        """The reference's text of decoded ids: after the first `<|im_start|>`, up to a later one."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False).split("<|im_end|>")[0].split(
+            "<|im_start|>")[1]
+
+    def generate_text(self, cache: KVCache, max_new_tokens: int, temperature: float = 0.0,
+                      seed: Optional[int] = None) -> TextDecode:
+        """One request's whole decode, token by token."""
+        decode = self.start_text(cache, max_new_tokens, temperature, seed)
+        while not decode.done:
+            self.decode_tokens([decode])
+        return decode
 
     def initial_noise(self, seed: int, context: Context) -> torch.Tensor:
         h, w = context.grid
@@ -120,7 +205,7 @@ class BagelPipeline:
     def query_rows(self, contexts: Sequence[Context], with_uncond: Sequence[bool]) -> QueryRows:
         """Every request's conditional row, then the unconditional rows of those running CFG."""
         caches = [c.cond for c in contexts] + [c.uncond for c, u in zip(contexts, with_uncond) if u]
-        positions = [c.cond.length for c in contexts] + [0 for _, u in zip(contexts, with_uncond) if u]
+        positions = [c.cond.length for c in contexts] + [c.uncond.length for c, u in zip(contexts, with_uncond) if u]
         grids = [c.grid for c in contexts] + [c.grid for c, u in zip(contexts, with_uncond) if u]
         return QueryRows.build(caches, positions, grids, self.model.config.max_latent_size,
                                (self.start_of_image, self.end_of_image), self.device)
@@ -160,11 +245,20 @@ class BagelPipeline:
     def __call__(self, prompt: str, height: int = 1024, width: int = 1024, num_inference_steps: int = 50,
                  generator: Optional[torch.Generator] = None, guidance_scale: float = 4.0, cfg_img_scale: float = 1.0,
                  cfg_interval: Sequence[float] = (0.4, 1.0), cfg_renorm_type: str = "global",
-                 cfg_renorm_min: float = 0.0, timestep_shift: float = 3.0, output_type: str = "np"):
+                 cfg_renorm_min: float = 0.0, timestep_shift: float = 3.0, output_type: str = "np",
+                 think: bool = False, max_new_tokens: int = 999, temperature: float = 0.0):
+        """An image (`images`); with `think`, first the plan (`text`) decoded after `GEN_THINK_SYSTEM_PROMPT`,
+        then put into the image's context."""
         assert output_type == "np", "BagelPipeline returns numpy images"
+        if think and cfg_img_scale > 1.0:
+            raise ValueError("think takes cfg_img_scale <= 1 (its image-CFG context, without the thought, is not kept)")
         seed = generator.initial_seed() if generator is not None else torch.seed()
         guidance = Guidance(guidance_scale, cfg_img_scale, tuple(cfg_interval), cfg_renorm_type, cfg_renorm_min)
-        context = self.encode(prompt, height, width)
+        context = self.encode(prompt, height, width, GEN_THINK_SYSTEM_PROMPT if think else "")
+        thought = None
+        if think:
+            thought = self.text(self.generate_text(context.cond, max_new_tokens, temperature, seed).ids)
+            context.cond = self.append(context.cond, thought)
         x = self.initial_noise(seed, context)
         timesteps, dts = self.schedule(num_inference_steps, timestep_shift)
         for t, dt in zip(timesteps, dts):
@@ -172,7 +266,13 @@ class BagelPipeline:
             rows = self.query_rows([context], with_uncond)
             [v] = self.predict(rows, x[None], [t], [guidance], with_uncond, [len(x)])
             x = x - v * dt
-        return SimpleNamespace(images=self.decode([x], context.grid).cpu().numpy())
+        return SimpleNamespace(images=self.decode([x], context.grid).cpu().numpy(), text=thought)
+
+    def answer(self, prompt: str, think: bool = False, max_new_tokens: int = 999, temperature: float = 0.0,
+               seed: Optional[int] = None) -> str:
+        """A text answer to `prompt` (with `think`: after `VLM_THINK_SYSTEM_PROMPT`, the reasoning included)."""
+        context = self.encode(prompt, 0, 0, VLM_THINK_SYSTEM_PROMPT if think else "")
+        return self.text(self.generate_text(context.cond, max_new_tokens, temperature, seed).ids)
 
 
 def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, g: Guidance) -> torch.Tensor:

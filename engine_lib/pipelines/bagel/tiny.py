@@ -5,7 +5,7 @@ from the reference implementation's tiny config), so the `tiny` preset is the
 golden checkpoint bit for bit (tests/pipelines/test_bagel.py checks the files): per
 file, keys in sorted order, one generator (ema: seed, ae: seed + 1), norm scales
 `1 + 0.1 * randn`, everything else `0.02 * randn`. The key lists come from our own
-model (`BagelModel.official_parameters`, plus the text head) and the FLUX
+model (`BagelModel.official_parameters`, the text head included) and the FLUX
 autoencoder layout (`flux_ae_shapes`). The tokenizer files are data copied from the
 golden set (a byte-level BPE of 295 merges plus BAGEL's special tokens).
 """
@@ -87,7 +87,6 @@ def build(preset: Mapping[str, Any], seed: int) -> BagelCheckpoint:
                                          patch_latent_dim=preset["latent_patch_size"] ** 2 * vae["z_channels"])
     with torch.device("meta"):  # shapes only
         shapes = {key: tuple(t.shape) for key, t in BagelModel(config).official_parameters().items()}
-    shapes["language_model.lm_head.weight"] = (llm["vocab_size"], llm["hidden_size"])  # in every official checkpoint
     ae_shapes = flux_ae_shapes(AEShape(vae["ch"], tuple(vae["ch_mult"]), vae["num_res_blocks"], vae["z_channels"]))
     assert math.isqrt(shapes["latent_pos_embed.pos_embed"][0]) == preset["max_latent_size"]
     return BagelCheckpoint(llm, seeded_state(shapes, seed), seeded_state(ae_shapes, seed + 1))
