@@ -50,6 +50,7 @@ class EngineConfig:
     max_request_cost: str = "auto"
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
+    cfg_parallel: bool = False  # a CFG tick's cond rows on one worker process, its uncond rows on another (Qwen-Image)
     # who goes first
     scheduling_policy: str = "arrival"  # engine_lib/sched/policy.py: arrival, shortest_remaining, deadline, ...
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
@@ -115,6 +116,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
+        if self.cfg_parallel and self.mixed_size_batching:
+            raise ConfigError("parameter 'cfg_parallel': not with mixed_size_batching=true (set one of them false)")
         if self.max_request_cost != "auto" and not re.fullmatch(r"\d+", self.max_request_cost):
             raise ConfigError(f"parameter 'max_request_cost': {self.max_request_cost!r} must be auto or an integer "
                               ">= 0 (0: no limit)")
@@ -164,6 +167,8 @@ def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
 
     `adapter` is an adapter class or instance (its capability flags are class attributes).
     """
+    if config.cfg_parallel and not adapter.supports_cfg_parallel:
+        raise ConfigError(f"pipeline '{adapter.name}' does not support cfg_parallel: set cfg_parallel=false")
     if config.step_execution:
         if not adapter.supports_step_execution:
             raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")

@@ -261,6 +261,9 @@ class DiffusionEngine:
                 "engine is shutting down")))
         if not self._thread.is_alive():
             self.runner.free(list(self.runner.states))
+            close = getattr(self.adapter, "close", None)  # (test doubles have none)
+            if close is not None:
+                close()
 
     def stats(self) -> EngineStats:
         with self._cond:

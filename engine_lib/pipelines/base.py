@@ -209,6 +209,7 @@ class PipelineAdapter(ABC):
     max_step_batch: ClassVar[int] = 2**31 - 1
     supports_previews: ClassVar[bool] = False
     batched_decode: ClassVar[bool] = True  # post_decode decodes its states in one call (decode groups pay)
+    supports_cfg_parallel: ClassVar[bool] = False  # a CFG tick's two forwards may run on two ranks (cfg_parallel.py)
     # The request `max_request_cost=auto` scales: the pipeline's diffusers default size (and frames), with
     # classifier-free guidance on (the most rows one image or video takes).
     cost_reference: ClassVar[dict] = {}
@@ -218,6 +219,12 @@ class PipelineAdapter(ABC):
         self.device = device
         self.dtype = dtype
         self.options = dict(options or {})
+        self.cfg_group = None  # the cfg_parallel workers (engine_lib/parallel.py), started by the registry
+
+    def close(self) -> None:
+        """Stop what the adapter started besides its own process (the cfg_parallel workers)."""
+        if self.cfg_group is not None:
+            self.cfg_group.close()
 
     @classmethod
     @abstractmethod

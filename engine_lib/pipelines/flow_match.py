@@ -35,9 +35,9 @@ from engine_lib import interface
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
-from engine_lib.pipelines import taylorseer
+from engine_lib.pipelines import cfg_parallel, taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
-from engine_lib.request import ConfigError, SamplingParams
+from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,10 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def check_inputs(self, params: SamplingParams) -> None:
         self.loras.check(params.lora_name)
+        if self.cfg_group is not None:  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
+            for name in ("lora_name", "cache"):
+                if params.get(name) not in (None, "", "none"):
+                    raise InvalidInputError(name, f"{self.name} does not take this input with cfg_parallel")
 
     @staticmethod
     def row_lora(params: SamplingParams) -> RowLora:
@@ -324,6 +328,8 @@ class FlowMatchAdapter(DiffusersAdapter):
 
         scales = {self.cfg_scale(s.params) for s in states}
         assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
+        if self.cfg_group is not None:  # cond rows on rank 0, uncond rows on rank 1, combined there
+            return cfg_parallel.forward(self.cfg_group, latents, timestep, text, rows, scales.pop())
         if self.cfg_batching:
             first, second = self.cfg_order
             with self._cache_context(first):

@@ -112,7 +112,12 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
             "is not built (run `make models`)"
         )
-    adapter = adapter_cls.load(model_path, device, dtype, adapter_options(config, model_path))
+    options = adapter_options(config, model_path)
+    adapter = adapter_cls.load(model_path, device, dtype, options)
+    if config.cfg_parallel:
+        from engine_lib.pipelines import cfg_parallel
+
+        adapter.cfg_group = cfg_parallel.start(adapter_cls, model_path, device, dtype, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter
 

@@ -1,0 +1,208 @@
+"""Worker processes for multi-device parallelism: one process per rank, all in one torch.distributed group.
+
+The engine's process is the driver: it keeps the engine, the scheduler, every request's state and
+the scheduler steps, and hands each rank its part of a tick's work over that rank's pipe; rank 0
+sends back the result (the ranks exchange tensors among themselves with torch.distributed: gloo
+on CPU, NCCL on CUDA). Every rank answers every call, so the driver and the ranks stay in step.
+
+A worker that dies, or does not answer within the timeout, fails the call with `WorkerError`
+instead of hanging the engine; the group is then broken and every later call fails at once
+(the model instance has to be reloaded). A handler that raises fails only its call: every rank
+still answers it. `close()` stops the workers and their process group.
+
+Messages are plain pickles on the pipe (tensors moved to the CPU first), never shared memory,
+so nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0  # a call (or loading) that takes longer fails the group
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed its part of a call, or did not answer in time."""
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (also inside lists, tuples and dicts) on the CPU, for the pipe."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def rank_devices(device: torch.device, world_size: int) -> list[torch.device]:
+    """Rank r's device: the CPU for every rank, or cuda:r (the host needs world_size GPUs)."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * world_size
+    if torch.cuda.device_count() < world_size:
+        from engine_lib.request import ConfigError
+        raise ConfigError(f"{world_size} ranks need {world_size} CUDA devices; this host has "
+                          f"{torch.cuda.device_count()}")
+    return [torch.device("cuda", r) for r in range(world_size)]
+
+
+class WorkerGroup:
+    """`world_size` spawned workers; `setup(rank, world_size, device)` builds each rank's handler, whose methods
+    `call` runs (each rank's method gets its own arguments; rank 0's return value is the call's)."""
+
+    def __init__(self, setup: Callable, devices: list[torch.device], timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.world_size = len(devices)
+        self.timeout_s = timeout_s
+        self.broken: Optional[str] = None
+        self.calls = 0  # calls every rank answered
+        backend = "nccl" if devices[0].type == "cuda" else "gloo"
+        context = multiprocessing.get_context("spawn")  # CUDA and an engine's threads do not survive a fork
+        if not os.path.basename(sys.executable).startswith("python"):  # embedded (Triton's Python backend stub)
+            context.set_executable(os.path.join(sys.prefix, "bin", "python3"))
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._conns, self.processes = [], []
+        for rank, device in enumerate(devices):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"parallel-rank{rank}", daemon=True,
+                                      args=(rank, self.world_size, str(device), backend, init_method, timeout_s,
+                                            setup, theirs))
+            process.start()
+            theirs.close()
+            self._conns.append(ours)
+            self.processes.append(process)
+        try:
+            self._replies()  # each rank's "ready" once it has joined the group and loaded its handler
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, method: str, args_per_rank: list[tuple]) -> Any:
+        """Run `method` on every rank (rank r with `args_per_rank[r]`); rank 0's result, on the CPU."""
+        if self.broken:
+            raise WorkerError(f"the worker group is broken ({self.broken}); reload the model")
+        assert len(args_per_rank) == self.world_size
+        for conn, args in zip(self._conns, args_per_rank):
+            try:
+                conn.send_bytes(pickle.dumps((method, to_cpu(args))))
+            except OSError:
+                pass  # a dead rank: _replies names it
+        return self._replies()[0]
+
+    def _replies(self) -> list:
+        """One reply from each rank, waiting on their pipes and their processes at once: a rank that dies
+        or stays silent past the timeout breaks the group rather than hanging the driver. A rank whose
+        handler raised still answered (the ranks stay in step): its error fails this call only."""
+        replies, errors = {}, []
+        waiting = dict(enumerate(self._conns))
+        sentinels = [p.sentinel for p in self.processes]
+        while waiting:
+            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=self.timeout_s)
+            if not ready:
+                self._fail(f"rank(s) {sorted(waiting)} did not answer within {self.timeout_s:g} s")
+            for rank, conn in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # its process ended: _check_alive says how
+                    del waiting[rank]
+                    if status == "error":
+                        errors.append(f"rank {rank}: {value}")
+                    replies[rank] = value
+            self._check_alive()
+        if errors:
+            raise WorkerError("; ".join(errors))
+        self.calls += 1
+        return [replies[rank] for rank in range(self.world_size)]
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                self._fail(f"rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
+
+    def _fail(self, reason: str) -> None:
+        self.broken = reason
+        logger.error("parallel worker group: %s", reason)
+        raise WorkerError(reason)
+
+    def close(self) -> None:
+        """Stop every worker (each leaves its process group), kill one that does not stop, close the pipes."""
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop", ())))
+            except OSError:
+                pass
+        for process in self.processes:  # a broken group's survivors may wait in a collective: no grace
+            process.join(1.0 if self.broken else STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self.broken = [], self.broken or "closed"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, device: str, backend: str, init_method: str, timeout_s: float,
+                 setup: Callable, conn) -> None:
+    """One rank: join the group, build the handler, then answer calls until "stop" (or the driver is gone)."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        handler = setup(rank, world_size, device)
+        conn.send_bytes(pickle.dumps(("ok", None)))
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(limit=4))))
+        return
+    try:
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                break  # the driver is gone
+            if method == "stop":
+                break
+            try:
+                result = to_cpu(getattr(handler, method)(*to_device(args, device)))
+                conn.send_bytes(pickle.dumps(("ok", result)))
+            except Exception:
+                conn.send_bytes(pickle.dumps(("error", traceback.format_exc(limit=4))))
+    finally:
+        dist.destroy_process_group()

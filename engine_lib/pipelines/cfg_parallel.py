@@ -1,0 +1,68 @@
+"""CFG-parallel: a true-CFG tick's two transformer forwards on two ranks (the `cfg_parallel` parameter).
+
+The driver (the engine's process) keeps every request's state, the text encoding, the scheduler
+steps and the decode; each tick it sends rank 0 the batch's cond text and rank 1 its uncond text,
+with the same latents, timesteps and per-row inputs. Each rank runs the transformer forward of
+its half, rank 1's prediction is gathered to rank 0, and rank 0 combines the two with the
+adapter's own `_combine_cfg`, the operations of the single-process path, and returns the guided
+prediction to the driver. Only the transformer runs on the ranks, so the engine's contracts
+(keys, pauses, previews, decode groups) are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, rank_devices
+
+SIDES = ("cond", "uncond")  # rank r runs the rows of SIDES[r]
+
+
+def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
+    """Two workers, each loading the pipeline on its device (both CPUs over gloo, or cuda:0 and cuda:1)."""
+    setup = functools.partial(_load_rank, adapter_cls, model_path, dtype, options)
+    return WorkerGroup(setup, rank_devices(device, len(SIDES)), timeout_s)
+
+
+def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
+            scale: float) -> torch.Tensor:
+    """The guided prediction of a tick, computed on the ranks, on the latents' device."""
+    args = [(latents, timestep, text[side], rows, scale) for side in SIDES]
+    return group.call("forward", args).to(latents.device)
+
+
+def _load_rank(adapter_cls: type, model_path: str, dtype: torch.dtype, options: dict, rank: int, world_size: int,
+               device: torch.device) -> "CfgRank":
+    return CfgRank(adapter_cls.load(model_path, device, dtype, options), rank)
+
+
+class CfgRank:
+    """One rank's handler: the transformer forward of its CFG side."""
+
+    def __init__(self, adapter, rank: int):
+        self.adapter, self.rank = adapter, rank
+
+    @torch.inference_mode()
+    def forward(self, latents, timestep, text, rows, scale):
+        side = SIDES[self.rank]
+        failed = None
+        try:
+            with self.adapter._cache_context(side):
+                pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, [])
+        except Exception as error:
+            failed, pred = error, torch.zeros_like(latents)
+        ok = torch.tensor([0 if failed else 1], device=latents.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank learns whether both forwards ran: they stay in step
+        if failed is not None:
+            raise failed
+        if not ok.item():
+            raise RuntimeError("the other rank's forward failed")
+        preds = [torch.empty_like(pred) for _ in SIDES] if self.rank == 0 else None
+        dist.gather(pred.contiguous(), preds, dst=0)
+        if self.rank != 0:
+            return None
+        return self.adapter._combine_cfg(preds[0], preds[1], scale)

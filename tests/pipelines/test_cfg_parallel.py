@@ -1,0 +1,106 @@
+"""CFG-parallel Qwen-Image: the cond rows on rank 0, the uncond rows on rank 1 (two CPU worker processes over
+gloo), against the single-process adapter on the tiny model.
+
+One worker group serves the module; the last two tests kill one of its workers, then close it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from engine_lib.config import EngineConfig, select_mode
+from engine_lib.interface import to_uint8
+from engine_lib.parallel import WorkerError
+from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+from engine_lib.request import ConfigError, InvalidInputError
+from engine_lib.tiny_models import ensure_model
+from parity_checks import load_tiny_adapter, parse, step_latents
+
+LATENT_BOUND = 1e-5
+CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
+DETECTION_LIMIT_S = 60  # a dead worker must fail the tick, never hang it: a hang fails the test after this
+
+
+@pytest.fixture(scope="module")
+def single() -> QwenImageAdapter:
+    return load_tiny_adapter("qwen_image", QwenImageAdapter)
+
+
+@pytest.fixture(scope="module")
+def parallel() -> QwenImageAdapter:
+    from engine_lib.pipelines.registry import load_adapter
+
+    config = EngineConfig(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
+                          cfg_parallel=True)
+    adapter = load_adapter(config)
+    yield adapter
+    adapter.close()
+
+
+def assert_same_run(parallel, single, arrivals):
+    """Every step's latents within LATENT_BOUND and the images within 1 uint8 level; the ranks ran every tick."""
+    calls = parallel.cfg_group.calls
+    latents, images = step_latents(parallel, arrivals)
+    ticks = parallel.cfg_group.calls - calls
+    expected_latents, expected_images = step_latents(single, arrivals)
+    for rid in arrivals:
+        assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
+        levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
+        assert levels.max() <= 1, rid
+    assert ticks == max(at + p.num_inference_steps for at, p in arrivals.values())
+
+
+def test_a_solo_request_equals_the_single_process_run(parallel, single):
+    p = parse(single, dict(prompt="a red cube", num_inference_steps=3, seed=5, **CFG))
+    assert_same_run(parallel, single, {"solo": (0, p)})
+
+
+def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(parallel, single):
+    arrivals = {f"r{i}": (i, parse(single, dict(prompt=prompt, num_inference_steps=steps, seed=i, **CFG)))
+                for i, (prompt, steps) in enumerate([("a cat", 3), ("a red car on a long road", 2), ("fruit", 3)])}
+    assert_same_run(parallel, single, arrivals)
+
+
+def test_what_the_ranks_do_not_run_yet_is_refused():
+    with pytest.raises(ConfigError, match="cfg_parallel"):
+        EngineConfig(cfg_parallel=True, mixed_size_batching=True).validate()
+    with pytest.raises(ConfigError, match="does not support cfg_parallel"):
+        select_mode(EngineConfig(pipeline="flux", cfg_parallel=True), type("Flux", (), {
+            "name": "flux", "supports_cfg_parallel": False}))
+    assert EngineConfig.from_parameters({"cfg_parallel": "true"}).cfg_parallel
+
+
+def test_a_lora_or_a_step_cache_is_refused_with_cfg_parallel(parallel):
+    for name, value in (("cache", "first_block"), ("lora_name", "toy_a")):
+        with pytest.raises(InvalidInputError) as info:
+            parse(parallel, dict(prompt="x", num_inference_steps=2, **{name: value}, **CFG))
+        assert info.value.input_name == name and "cfg_parallel" in str(info.value)
+
+
+def test_a_killed_worker_fails_the_next_tick_without_hanging(parallel, single):
+    rank1 = parallel.cfg_group.processes[1]
+    os.kill(rank1.pid, signal.SIGKILL)
+    rank1.join(10)
+    p = parse(single, dict(prompt="a red cube", num_inference_steps=2, seed=5, **CFG))
+    with ThreadPoolExecutor(1) as pool:
+        tick = pool.submit(step_latents, parallel, {"r": (0, p)})
+        with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died"):
+            tick.result(timeout=DETECTION_LIMIT_S)
+    with pytest.raises(WorkerError, match="broken"):  # and every later tick, at once
+        step_latents(parallel, {"r": (0, p)})
+
+
+def test_close_leaves_no_worker_process_and_no_shared_memory(parallel):
+    processes = parallel.cfg_group.processes
+    parallel.close()
+    assert not any(process.is_alive() for process in processes)
+    for process in processes:
+        with pytest.raises(ProcessLookupError):  # reaped, not a zombie
+            os.kill(process.pid, 0)
+    pids = {str(process.pid) for process in processes} | {str(os.getpid())}
+    assert not [name for name in os.listdir("/dev/shm") if set(name.split("_")) & pids]
