@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.workloads import RequestSpec
+from benchmarks.workloads import RequestSpec, input_image
 
 DEFAULT_TIMEOUT_S = 900.0
 # The DIFFUSION_PRIORITY_KEY of the servers the benchmarks start (systems.serve): a request more urgent than the
@@ -106,6 +106,9 @@ def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, st
         values += [(name, dtype, value) for name, dtype, value, default in optional if value != default]
         if spec.cache:
             values += [("cache", "BYTES", spec.cache), ("cache_threshold", "FP32", spec.cache_threshold)]
+        if spec.image_seed:
+            values += [("image", "BYTES", input_image(spec.image_seed, spec.height, spec.width)),
+                       ("strength", "FP32", spec.strength)]
     return values
 
 
@@ -115,7 +118,7 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
 
     inputs = []
     for name, dtype, value in spec_values(spec, streaming):
-        array = np.array([value.encode() if dtype == "BYTES" else value], dtype=TRITON_DTYPES[dtype])
+        array = np.array([value.encode() if isinstance(value, str) else value], dtype=TRITON_DTYPES[dtype])
         if batch_dim:
             array = array.reshape(1, 1)
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)

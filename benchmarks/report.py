@@ -71,6 +71,7 @@ def closed_tables(result: dict) -> list[str]:
     groups: dict = {}
     for row in rows:
         groups.setdefault((row["system"], row["variant"]), {})[row["concurrency"]] = row
+    rows_each = sc.get("rows_per_request", 1)
     first: dict = {}
     out = []
     for (name, variant), by_c in groups.items():
@@ -81,21 +82,43 @@ def closed_tables(result: dict) -> list[str]:
         line += [spread(of(by_c[c]["points"], "requests_per_s")) for c in cs]
         if sc["num_frames"]:
             line.append(num(rate and rate * sc["num_frames"], 1))
+        per_forward = median(of(points, "server", "mean_batch_size"))
         line += [num(median(of(points, "latency_p50_s")), 2), num(median(of(points, "latency_p99_s")), 2),
-                 num(median(of(points, "first_preview_p50_s")), 2), num(median(of(points, "server", "mean_batch_size")), 2),
-                 str(sum(of(points, "errors"))), num(rate / base if rate and base else None, 2, "x")]
+                 num(median(of(points, "first_preview_p50_s")), 2), num(per_forward, 2)]
+        if rows_each > 1:
+            line.append(num(per_forward and per_forward * rows_each, 2))
+        line += [str(sum(of(points, "errors"))), num(rate / base if rate and base else None, 2, "x")]
         if limit:
             line.append(num(rate / limit if rate else None, 2, "x"))
         out.append(line)
     headers = ["system"] + [f"req/s c={c}" for c in cs] + (["frames/s"] if sc["num_frames"] else []) + [
-        f"p50 s c={top}", f"p99 s c={top}", f"first output p50 s c={top}", f"requests per forward c={top}",
+        f"p50 s c={top}", f"p99 s c={top}", f"first output p50 s c={top}", f"requests per forward c={top}"] + (
+        [f"rows per forward c={top} ({rows_each} a request)"] if rows_each > 1 else []) + [
         "errors", "req/s / first row"] + ([f"/ offline limit (batch {top})"] if limit else [])
     tables = [table(out, headers)]
+    if sc.get("compare_images"):
+        tables.append(image_table(rows))
     if result.get("offline"):
         tables.append(table([[b, num(row["pipe"]["images_per_s"]), num(row["runner"]["images_per_s"])]
                              for b, row in result["offline"].items()],
                             ["offline batch", "pipe() images/s", "engine runner images/s"]))
     return tables
+
+
+def image_table(rows: list) -> str:
+    """Each compared system against its pipeline's first system, round by round: the throughput ratio, and its
+    images against the same requests' (over every round)."""
+    out = []
+    for row in rows:
+        diffs = [d for d in of(row["points"], "image_diff") if d]
+        if diffs:
+            levels = [d["max_level"] for d in diffs if d["max_level"] is not None]
+            out.append([row["label"] + (f", {row['variant']}" if row["variant"] else ""), str(row["concurrency"]),
+                        spread(of(row["points"], "throughput_vs_first"), 2, suffix="x"),
+                        str(sum(d["compared"] for d in diffs)), str(max(levels)) if levels else "-",
+                        str(sum(d["over_one_level"] for d in diffs)), str(sum(d["missing"] for d in diffs))])
+    return table(out, ["system", "concurrency", "req/s / first row's, per round", "images compared with the first "
+                       "row's", "max uint8 difference", "images over 1 level", "requests done in one system only"])
 
 
 def median_round(points: Sequence[dict]) -> dict:

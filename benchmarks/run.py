@@ -26,6 +26,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from benchmarks import loadgen, offline, perf_analyzer, report, scenarios, systems, workloads
 from benchmarks.scenarios import Scenario
 
@@ -70,7 +72,8 @@ def model_path(sc: Scenario, pipeline: str) -> Path:
 def specs(sc: Scenario, n: int, seed: int, priority: int = 0, **overrides) -> list:
     """n requests of the scenario's workload (with `overrides` of its fields), at `priority` (0: not sent)."""
     sc = replace(sc, **overrides)
-    return workloads.generate(n, sc.sizes, sc.steps, seed, sc.preview_interval, sc.loras, sc.num_frames, priority)
+    out = workloads.generate(n, sc.sizes, sc.steps, seed, sc.preview_interval, sc.loras, sc.num_frames, priority)
+    return workloads.edits(out, sc.edit_strength) if sc.edit_strength else out
 
 
 @contextlib.contextmanager
@@ -112,12 +115,28 @@ def run_closed(sc: Scenario, log_dir: Path) -> dict:
             for variant, overrides in sc.variants or (("", {}),):
                 for c in sc.concurrency:
                     workload = specs(sc, max(sc.per_client * c, sc.min_requests), 100 + r, **overrides)
+                    images: dict[str, dict] = {}
                     for name, rs in running.items():
-                        point = measure(rs, lambda: loadgen.run_closed_loop(rs.target, workload, c, f"{name}{c}r{r}"))
+                        done = []
+
+                        def closed(rs=rs, tag=f"{name}{c}r{r}"):
+                            done.append(loadgen.run_closed_loop(rs.target, workload, c, tag))
+                            return done[0]
+
+                        point = measure(rs, closed)
                         point.pop("latencies_s")
+                        if sc.compare_images:
+                            images[name] = {rec.spec.seed: rec.image for rec in done[0].records if rec.ok}
+                            first = next(s.name for s in sc.systems if s.pipeline == rs.system.pipeline)
+                            if first != name:
+                                point["image_diff"] = image_diff(images[first], images[name])
+                                base = points[f"{first}|{variant}|{c}"][-1]["requests_per_s"]
+                                point["throughput_vs_first"] = point["requests_per_s"] / base if (
+                                    base and point["requests_per_s"]) else None
                         points.setdefault(f"{name}|{variant}|{c}", []).append(point)
                         log(f"round {r} {name} {variant} c={c}: {point['requests_per_s'] or 0:.3f} req/s, "
-                            f"{point['errors']} errors")
+                            f"{point['errors']} errors" + (f", images {point['image_diff']}" if "image_diff" in point
+                                                           else ""))
             if limit is not None:
                 limit.sample()
     rows = []
@@ -126,6 +145,15 @@ def run_closed(sc: Scenario, log_dir: Path) -> dict:
         rows.append({"system": name, "label": running[name].system.label, "variant": variant,
                      "concurrency": int(c), "points": pts})
     return {"rows": rows, "offline": limit.summary() if limit else None}
+
+
+def image_diff(reference: dict, images: dict) -> dict:
+    """How far each image is from the reference image of the same request (both keyed by the request's seed): the
+    largest difference in uint8 levels over every pixel, and how many images differ by more than one level."""
+    levels = [int(np.abs(image.astype(np.int16) - reference[seed].astype(np.int16)).max())
+              for seed, image in images.items() if seed in reference]
+    return {"compared": len(levels), "max_level": max(levels, default=None),
+            "over_one_level": sum(level > 1 for level in levels), "missing": len(set(reference) ^ set(images))}
 
 
 def calibrate_solo(rs: systems.RunningSystem, workload: Sequence, repeats: int = 2) -> dict:

@@ -4,7 +4,9 @@ A scenario names the systems it puts side by side (each a tritonserver with its 
 parameters, except where the scenario says "in-process"), the workload they all receive, and how
 it is sent (`kind`):
 
-* closed: N clients, each sending its next request when the last one ends (one point per concurrency);
+* closed: N clients, each sending its next request when the last one ends (one point per concurrency); with
+  `edit_strength` the requests are image-to-image edits, each with its own input image and prompt, and with
+  `compare_images` each image is compared with the same request's image on its pipeline's first system;
 * poisson: requests arriving at random (a Poisson process) at a share of serial capacity, each with an
   SLO of `slo_factor` x the latency it has alone on the first system;
 * priority: one client sending urgent requests one at a time, alone and under a full background load;
@@ -47,6 +49,9 @@ class Scenario:
     variants: tuple = ()  # closed: (label, {field: value}) workloads, each run on every system
     background: int = 8  # priority: closed-loop background clients
     cache_threshold: float = 0.0  # cache: the first_block arm's threshold
+    edit_strength: float = 0.0  # > 0: image-to-image edits, each request its own input image at this strength
+    compare_images: bool = False  # closed: each image against the same request's on its pipeline's first system
+    rows_per_request: int = 1  # rows a request puts in a forward (2: classifier-free guidance), for the tables
 
 
 def modes(n: int = 8, wait_ms: int = 20) -> dict[str, System]:
@@ -118,6 +123,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("pipelines", "Flux and SD3: serial vs step batching", "closed",
              serial_vs_step("flux", 8, max_sequence_length=32) + serial_vs_step("sd3", 8, max_sequence_length=32),
              preset="tiny", sizes=(64,), steps=(4,), concurrency=(1, 8), per_client=2, min_requests=8, repeats=1),
+    # SD3 image-to-image: its step batches take rows of different images and strengths (no key on the image), and
+    # a tiny step at 64x64 is cheap here; Kontext batches one condition size only and doubles each row's tokens.
+    Scenario("edits", "Edits (SD3 image-to-image, a different image per request): serial vs step batching", "closed",
+             serial_vs_step("sd3", 8, max_sequence_length=32), preset="tiny", sizes=(64,), steps=(8,),
+             edit_strength=0.5, compare_images=True, rows_per_request=2, concurrency=(8,), per_client=8),
     Scenario("own-models", "Own model code (BAGEL, HunyuanImage-3.0): step batching vs serial", "closed",
              serial_vs_step("bagel", 4) + serial_vs_step("hunyuan_image3", 4), preset="tiny", sizes=(64,),
              concurrency=(4,), per_client=16),
@@ -137,6 +147,7 @@ QUICK: dict[str, Mapping] = {
                 preview_interval=2, requests=12, repeats=1),
     "priority": dict(requests=10, background=4),
     "step-cache": dict(per_client=2, repeats=2),
+    "edits": dict(per_client=4),
 }
 
 

@@ -7,6 +7,7 @@ rendered, not what they are.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -337,6 +338,66 @@ def test_the_cache_runner_sends_both_arms_the_same_requests_interleaved_and_comp
     assert "first_block, threshold 0.8" in report.render(_result(sc, **result))
     assert [loadgen.spec_values(s)[-2:] for s in fake.sent[4:5]] == [
         [("cache", "BYTES", "first_block"), ("cache_threshold", "FP32", 0.8)]]
+
+
+class _EditServer:
+    """A stand-in for one served edit model: its image is the request's input image (decoded back, halved) moved by
+    `shift` levels where `shift` says, and each request counts `per_forward` requests per forward."""
+
+    def __init__(self, per_forward: float, shift=lambda spec: 0):
+        self.per_forward, self.shift, self.sent = per_forward, shift, []
+        self.metrics = {"diffusion_batch_size_count": 0.0, "diffusion_batch_size_sum": 0.0}
+
+    def open(self):
+        return self
+
+    def close(self):
+        pass
+
+    def run(self, record):
+        from PIL import Image
+
+        values, self.sent = dict((n, v) for n, _, v in loadgen.spec_values(record.spec)), self.sent + [record.spec]
+        self.metrics["diffusion_batch_size_count"] += 1
+        self.metrics["diffusion_batch_size_sum"] += self.per_forward
+        pixels = np.asarray(Image.open(io.BytesIO(values["image"])), np.int16) // 2 + 64 + self.shift(record.spec)
+        record.image = pixels.astype(np.uint8)[None]
+        record.image_shape, record.num_final_flags, record.num_final_outputs = record.image.shape, 1, 1
+        record.sent, record.done = record.scheduled, record.scheduled + 0.01
+        return record
+
+
+def test_the_edits_scenario_sends_each_request_its_own_image_and_compares_it_with_the_serial_one(
+        tmp_path, monkeypatch):
+    """Every request carries its own image and prompt, both systems get the same ones, and each step-batched image is
+    compared with the same request's serial image: the largest difference and the images over one level."""
+    import contextlib
+    from types import SimpleNamespace
+
+    sc = scenarios.replace(scenarios.select(["edits"], quick=True)[0], per_client=1, min_requests=8,
+                           repeats=1)
+    serial, step = sc.systems
+    fakes = {serial.name: _EditServer(1.0), step.name: _EditServer(4.0, lambda s: {0: 1, 3: -1, 5: 3}.get(s.seed % 100, 0))}
+    running = {name: SimpleNamespace(system=system, server=SimpleNamespace(metrics_url=name), target=fakes[name])
+               for name, system in zip(fakes, sc.systems)}
+    monkeypatch.setattr(run, "serving", lambda sc, log_dir: contextlib.nullcontext(running))
+    monkeypatch.setattr(systems, "scrape_metrics", lambda url: dict(fakes[url].metrics))
+    result = run.run_closed(sc, tmp_path)
+    sent = sorted(fakes[step.name].sent, key=lambda s: s.seed)  # eight clients: in any order
+    assert sent == sorted(fakes[serial.name].sent, key=lambda s: s.seed) and len(sent) == 8
+    assert len({s.prompt for s in sent}) == len({s.image_seed for s in sent}) == 8
+    assert {(s.strength, s.height) for s in sent} == {(sc.edit_strength, 64)}
+    values = [dict((n, v) for n, _, v in loadgen.spec_values(s)) for s in sent]
+    assert len({v["image"] for v in values}) == 8 and {v["strength"] for v in values} == {sc.edit_strength}
+    step_row = next(r for r in result["rows"] if r["system"] == step.name)
+    assert step_row["points"][0]["image_diff"] == {"compared": 8, "max_level": 3, "over_one_level": 1, "missing": 0}
+    assert "image_diff" not in result["rows"][0]["points"][0]  # the serial system is the reference
+    tables = cells(report.render(_result(sc, **result)))
+    assert tables[0][-4:] == ["requests per forward c=8", "rows per forward c=8 (2 a request)", "errors",
+                              "req/s / first row"]
+    assert tables[2][-4:-2] == ["1.00", "2.00"] and tables[3][-4:-2] == ["4.00", "8.00"]
+    ratio = step_row["points"][0]["requests_per_s"] / result["rows"][0]["points"][0]["requests_per_s"]
+    assert tables[-1] == [step.label, "8", f"{ratio:.2f}x", "8", "3", "1", "0"]
 
 
 # -- against real servers (tiny model, 2 requests each) -----------------------------------------
