@@ -66,7 +66,7 @@ class InputSpec:
     """
 
     name: str
-    datatype: str  # Triton datatype: BYTES (UTF-8 text, or an encoded image), INT32, INT64, FP32
+    datatype: str  # Triton datatype: BYTES (UTF-8 text, or an encoded image), INT32, INT64, FP32, BOOL
     doc: str  # one line: what the input does (config.pbtxt comment and docs)
     default: Any = None  # a left-out input takes this (None: absent; RANDOM: a random seed)
     required: bool = False
@@ -84,7 +84,7 @@ class InputSpec:
     content: str = "text"  # BYTES only: "text" (UTF-8) or "image" (one PNG, JPEG or WebP file)
 
     def __post_init__(self) -> None:
-        assert self.datatype in ("BYTES", "INT32", "INT64", "FP32"), f"{self.name}: datatype {self.datatype}"
+        assert self.datatype in ("BYTES", "INT32", "INT64", "FP32", "BOOL"), f"{self.name}: datatype {self.datatype}"
         assert self.content == "text" or (self.content == "image" and self.datatype == "BYTES"), \
             f"{self.name}: content {self.content!r}"
         assert self.batch in BATCH_ROLES, f"{self.name}: batch role {self.batch!r}"
@@ -116,6 +116,10 @@ class InputSpec:
             return self._check_text(value)
         if self.datatype in INT_RANGES:
             return self._check_int(value)
+        if self.datatype == "BOOL":
+            if not isinstance(value, (bool, np.bool_)):
+                raise self._fail(f"{value!r} is not true or false")
+            return bool(value)
         return self._check_float(value)
 
     def _fail(self, message: str, below_low: bool = False) -> InvalidInputError:
@@ -184,7 +188,7 @@ class OutputSpec:
     """
 
     name: str
-    datatype: str  # Triton datatype: UINT8 (from floats in [0, 1]), FP32, INT32 (BOOL, BYTES: progress, encoded)
+    datatype: str  # Triton datatype: UINT8 (from floats in [0, 1]), FP32, INT32, BYTES (text; BOOL: progress)
     dims: tuple[int, ...]
     doc: str
     encodings: tuple[str, ...] = ()
@@ -199,6 +203,8 @@ class OutputSpec:
         array = np.asarray(array)
         if self.datatype == "UINT8":
             return array if array.dtype == np.uint8 else to_uint8(array)
+        if self.datatype == "BYTES":  # text, as UTF-8
+            return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in array.ravel()], dtype=np.object_)
         return array.astype({"FP32": np.float32, "INT32": np.int32}[self.datatype])
 
 

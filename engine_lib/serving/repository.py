@@ -144,6 +144,8 @@ def _default(spec: InputSpec) -> str:
         return f"`default_{spec.name}`"
     if spec.default is RANDOM:
         return "random"
+    if isinstance(spec.default, bool):
+        return f"`{str(spec.default).lower()}`"
     return "none" if spec.default is None else f"`{spec.default}`"
 
 
@@ -167,6 +169,8 @@ def _allowed(spec: InputSpec) -> str:
         files = f"1 to {spec.max_count} files, each a" if spec.max_count else "one"
         return (f"{files} PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB and "
                 f"{images.MAX_IMAGE_PIXELS} pixels")
+    if spec.datatype == "BOOL":
+        return "`true`, `false`"
     if spec.datatype == "BYTES":
         if spec.choices:
             return ", ".join(f"`{c}`" for c in spec.choices)

@@ -19,7 +19,8 @@ from engine_lib.interface import InputSpec, OutputSpec
 from engine_lib.request import DiffusionOutput, InvalidInputError
 
 # The numpy dtypes that carry each Triton input datatype.
-NUMPY_DTYPES = {"BYTES": (np.object_, np.bytes_), "INT32": (np.int32,), "INT64": (np.int64,), "FP32": (np.float32,)}
+NUMPY_DTYPES = {"BYTES": (np.object_, np.bytes_), "INT32": (np.int32,), "INT64": (np.int64,), "FP32": (np.float32,),
+                "BOOL": (np.bool_,)}
 
 
 def read_inputs(arrays: Mapping[str, Optional[np.ndarray]], specs: Mapping[str, InputSpec]) -> dict[str, Any]:

@@ -16,7 +16,9 @@ import torch
 
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
-from parity_checks import load_tiny_adapter
+from engine_lib.request import DiffusionRequest, InvalidInputError
+from engine_lib.runner import ModelRunner
+from parity_checks import load_tiny_adapter, parse
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
 SYSTEM = {"answer_ends": "", "answer_capped": "", "think_answer": VLM_THINK_SYSTEM_PROMPT,
@@ -29,8 +31,13 @@ def golden():
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    return load_tiny_adapter("bagel", BagelAdapter).pipe
+def adapter():
+    return load_tiny_adapter("bagel", BagelAdapter)
+
+
+@pytest.fixture(scope="module")
+def pipe(adapter):
+    return adapter.pipe
 
 
 def max_new_tokens(golden, case: str) -> int:
@@ -90,3 +97,102 @@ def test_sampled_text_is_reproducible_per_seed(pipe):
     runs = [pipe.generate_text(context.cond, 12, temperature=1.0, seed=seed).ids for seed in (5, 5, 6)]
     greedy = pipe.generate_text(context.cond, 12).ids
     assert runs[0] == runs[1] and runs[0] != runs[2] and runs[0] != greedy
+
+
+# -- through the runner: the served inputs, text decoded one token per tick ---------------------------------------
+
+
+def golden_request(adapter, golden, case: str, **changes):
+    inputs = {"prompt": str(golden[f"{case}_prompt"]), "max_new_tokens": max_new_tokens(golden, case),
+              "think": case.startswith("think"), "output_modality": "image" if case == "think_image" else "text",
+              "height": 64, "width": 64, "num_inference_steps": 5, "guidance_scale": 4.0, "seed": 1}
+    return parse(adapter, {**inputs, **changes})
+
+
+def run_ticks(adapter, requests: dict) -> tuple[dict, dict]:
+    """Requests (id -> params) admitted together, tick by tick through the runner: final outputs, and each one's
+    streamed `text` chunks."""
+    runner = ModelRunner(adapter, float_outputs=True)
+    new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p)) for rid, p in requests.items()]
+    running, outputs, chunks = [], {}, {rid: [] for rid in requests}
+    while new or running:
+        tick = runner.execute_step(new, running)
+        assert not tick.errors, tick.errors
+        for rid, chunk in tick.chunks.items():
+            chunks[rid].append(chunk["text"][0])
+        outputs.update(tick.outputs)
+        running = [r for r in new + running if r.request_id not in tick.finished]
+        new = []
+    return outputs, chunks
+
+
+@pytest.fixture
+def text_forwards(adapter, monkeypatch) -> list[int]:
+    """The rows of each one-token text forward, in order."""
+    model, seen = adapter.pipe.model, []
+    extend = model.extend
+    monkeypatch.setattr(model, "extend", lambda caches, ids: (seen.append(len(caches)) if ids.shape[1] == 1 else None)
+                        or extend(caches, ids))
+    return seen
+
+
+def test_the_served_inputs(adapter):
+    p = parse(adapter, {"prompt": "a cat"})
+    assert (p.think, p.output_modality, p.max_new_tokens, p.temperature) == (False, "image", 999, 0.0)
+    assert adapter.total_steps(p) == p.num_inference_steps
+    p = parse(adapter, {"prompt": "a cat", "think": True, "max_new_tokens": 7, "num_inference_steps": 4})
+    assert adapter.total_steps(p) == 11
+    assert adapter.total_steps(parse(adapter, {"prompt": "a", "output_modality": "TEXT", "max_new_tokens": 7})) == 7
+    for name, value in (("think", 1), ("output_modality", "video"), ("max_new_tokens", 0), ("max_new_tokens", 4097),
+                        ("temperature", -0.1), ("temperature", 11.0)):
+        with pytest.raises(InvalidInputError, match=name):
+            parse(adapter, {"prompt": "a cat", name: value})
+    with pytest.raises(InvalidInputError, match="cfg_img_scale"):
+        parse(adapter, {"prompt": "a cat", "think": True, "cfg_img_scale": 1.5})
+
+
+def test_requests_decoding_together_give_the_references_answers_thought_and_image(adapter, golden, text_forwards):
+    """The four golden cases admitted together: their text phases share one forward per tick (rows against caches
+    of different lengths), the think image's denoise steps share ticks with the others' decoding, and every id,
+    text and the image are the reference's. The streamed characters add up to each final text."""
+    requests = {case: golden_request(adapter, golden, case) for case in SYSTEM}
+    outputs, chunks = run_ticks(adapter, requests)
+    for case in SYSTEM:
+        text = outputs[case]["text"][0]
+        assert text == str(golden[f"{case}_text"]), case
+        assert "".join(chunks[case]) == text and len(chunks[case]) > 1, case
+    assert "image" not in outputs["answer_ends"]
+    image = (outputs["think_image"]["image"][0] * 255).round().astype(int)
+    assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1
+    # One forward per tick while any decodes: capped ones take their cap (9, 11, 15), the one that ends takes a
+    # forward per id it keeps (30 with <|im_start|>), its last one predicting <|im_end|>.
+    assert text_forwards == [4] * 9 + [3] * 2 + [2] * 4 + [1] * 15
+
+
+def test_a_plain_image_beside_decoding_requests_equals_its_solo_run(adapter, golden):
+    plain = golden_request(adapter, golden, "think_image", think=False, seed=3)
+    together, _ = run_ticks(adapter, {"plain": plain, "answer": golden_request(adapter, golden, "answer_capped"),
+                                      "think": golden_request(adapter, golden, "think_image")})
+    solo, _ = run_ticks(adapter, {"plain": plain})
+    np.testing.assert_array_equal(together["plain"]["image"], solo["plain"]["image"])
+    assert "text" not in solo["plain"]
+
+
+def test_sampled_answers_through_the_runner_repeat_per_seed(adapter, golden):
+    runs = [run_ticks(adapter, {"r": golden_request(adapter, golden, "answer_capped", temperature=1.0, seed=seed)})[0]
+            for seed in (4, 4, 8)]
+    texts = [r["r"]["text"][0] for r in runs]
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_think_travels_as_a_bool_tensor(adapter):
+    from engine_lib.serving.openai_api.gateway import InputType, to_tensor
+    from engine_lib.serving.tensors import read_inputs
+
+    specs = {s.name: s for s in adapter.input_specs()}
+    assert read_inputs({"think": np.array([True])}, specs) == {"think": True}
+    assert to_tensor("think", True, InputType("TYPE_BOOL")).dtype == np.bool_
+    with pytest.raises(InvalidInputError, match="think"):
+        read_inputs({"think": np.array([1], dtype=np.int32)}, specs)
+    with pytest.raises(InvalidInputError, match="think"):
+        to_tensor("think", 1, InputType("TYPE_BOOL"))

@@ -9,6 +9,15 @@
 * `step_scheduler`: the request's Euler update `x - v * dt` (k updates for k steps);
 * `post_decode`: unpack and decode, one VAE call per image size.
 
+Text (`output_modality=text`: an answer; `think`: a thought before the image or the
+answer) runs as steps too: a request in its text phase decodes one token per tick,
+and every such request of a tick shares one forward (`BagelPipeline.next_tokens`,
+each row against its own growing cache), beside the tick's denoise forward. Its
+steps are `max_new_tokens` (plus `num_inference_steps` for an image); at
+`<|im_end|>` it jumps to its first denoise step (or to its end). New characters
+stream as intermediate responses (`chunk_outputs`); the final response holds the
+whole text.
+
 `cache=first_block` (`step_cache.py`): each request and CFG branch decides from the first layer's residual of
 its own latent tokens, and its residuals stay in its state (`step_cache`).
 
@@ -22,11 +31,13 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine_lib import interface
-from engine_lib.interface import InputSpec, replace_spec
-from engine_lib.pipelines.bagel.pipeline import RENORM_TYPES, BagelPipeline, Context, Guidance
+from engine_lib.interface import InputSpec, OutputSpec, replace_spec
+from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM_TYPES, VLM_THINK_SYSTEM_PROMPT,
+                                                 BagelPipeline, Context, Guidance, TextDecode)
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
@@ -56,7 +67,16 @@ BAGEL_INPUTS = (
     InputSpec("timestep_shift", "FP32", "schedule shift s: t -> s t / (1 + (s - 1) t)", default=3.0, low=0.01,
               high=100, batch="row", pipe_arg="timestep_shift"),
     *step_cache.CACHE_INPUTS,
+    InputSpec("think", "BOOL", "first decode a plan (an image) or reasoning (a text answer), sent as `text`",
+              default=False, batch="row"),
+    InputSpec("output_modality", "BYTES", "image, or text: an answer to the prompt, no image",
+              default="image", choices=("image", "text"), high=8, batch="row"),
+    InputSpec("max_new_tokens", "INT32", "most tokens of the text (think mode's thought, or the answer)",
+              default=999, low=1, high=4096, batch="row"),
+    InputSpec("temperature", "FP32", "text sampling temperature; 0: greedy (the reference's default)", default=0.0,
+              low=0, high=10, batch="row"),
 )
+TEXT = OutputSpec("text", "BYTES", (1,), "the answer or thought (UTF-8); intermediate responses: its new characters")
 
 
 @dataclass
@@ -70,16 +90,33 @@ class BagelState(RequestState):
     dts: Optional[torch.Tensor] = None
     guidance: Guidance = field(default_factory=Guidance)
     step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" -> its first-block cache (BranchCache)
+    text: Optional[TextDecode] = None  # the thought or answer, once its text phase starts
+    streamed: str = ""  # its characters sent so far
+    first_denoise_step: int = 0  # the step index of the first denoise step (after a thought's steps)
 
     @property
     def num_rows(self) -> int:
         return 1
 
+    @property
+    def decoding(self) -> bool:
+        """In its text phase: the next step decodes a token."""
+        return self.text is not None and not self.text.done
+
+    @property
+    def denoise_index(self) -> int:
+        return self.step_index - self.first_denoise_step
+
     def step_inputs(self) -> dict[str, torch.Tensor]:
+        if self.decoding:  # one all-zero latent token stands in; its next token comes from the text forward
+            return {"latents": self.context.cond.keys[0].new_zeros(1, 1, TOKEN_DIM)}
         return {"latents": self.latents[None]}  # gathered right-padded to the batch's largest image
 
     def cfg_now(self) -> bool:
-        return self.guidance.active(float(self.timesteps[self.step_index]))
+        return self.guidance.active(float(self.timesteps[self.denoise_index]))
+
+
+TOKEN_DIM = 64  # BAGEL's packed latent token: 2 x 2 patches of 16 channels
 
 
 class BagelAdapter(PipelineAdapter):
@@ -88,7 +125,7 @@ class BagelAdapter(PipelineAdapter):
     name = "bagel"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 4.0}  # the official example's
     inputs = BAGEL_INPUTS
-    outputs = (IMAGE,)
+    outputs = (IMAGE, TEXT)
     state_class = BagelState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
@@ -118,8 +155,19 @@ class BagelAdapter(PipelineAdapter):
         start, end = params.cfg_interval
         if start > end:
             raise InvalidInputError("cfg_interval", f"start {start:g} is after end {end:g}")
+        if params.think and params.output_modality == "image" and params.cfg_img_scale > 1:
+            raise InvalidInputError("cfg_img_scale", "think takes cfg_img_scale <= 1 (the image-CFG context "
+                                                     "without the thought is not kept)")
+
+    def total_steps(self, params: SamplingParams) -> int:
+        """A text answer's steps are its tokens; a thought's come before the image's denoise steps."""
+        if params.output_modality == "text":
+            return int(params.max_new_tokens)
+        return int(params.num_inference_steps) + (int(params.max_new_tokens) if params.think else 0)
 
     def request_cost(self, params: SamplingParams) -> int:
+        if params.output_modality == "text":
+            return 1
         tokens = (params.height // self.pipe.downsample) * (params.width // self.pipe.downsample) + 2
         return tokens * (2 if params.guidance_scale > 1 else 1)
 
@@ -127,7 +175,20 @@ class BagelAdapter(PipelineAdapter):
     @torch.inference_mode()
     def prepare_encode(self, state: BagelState) -> None:
         p = state.params
-        state.context = self.pipe.encode(p.prompt, p.height, p.width)
+        if p.output_modality == "text":
+            state.context = self.pipe.encode(p.prompt, 0, 0, VLM_THINK_SYSTEM_PROMPT if p.think else "")
+        else:
+            state.context = self.pipe.encode(p.prompt, p.height, p.width, GEN_THINK_SYSTEM_PROMPT if p.think else "")
+        if p.think or p.output_modality == "text":
+            state.text = self.pipe.start_text(state.context.cond, p.max_new_tokens, p.temperature, p.seed)
+        else:
+            self._start_image(state)
+
+    def _start_image(self, state: BagelState) -> None:
+        """The noise, schedule and guidance of the image (after its thought, if any)."""
+        p = state.params
+        state.first_denoise_step = state.num_steps - p.num_inference_steps
+        state.step_index = max(state.step_index, state.first_denoise_step)
         state.latents = self.pipe.initial_noise(p.seed, state.context)
         state.timesteps, state.dts = self.pipe.schedule(p.num_inference_steps, p.timestep_shift)
         state.device_timesteps = state.timesteps.to(self.device)  # (admission: a copy here may wait)
@@ -135,20 +196,34 @@ class BagelAdapter(PipelineAdapter):
                                   p.cfg_renorm_min)
 
     @torch.inference_mode()
-    def denoise_step(self, input_batch: InputBatch, *, states: list[BagelState]) -> torch.Tensor:
-        """Every request's guided velocity, right-padded like the gathered latents: [B, N_max, 64]."""
-        with_uncond = tuple(s.cfg_now() for s in states)
-        rows = input_batch.cache.get(with_uncond)  # the padded caches, rebuilt only when the rows change
+    def denoise_step(self, input_batch: InputBatch, *, states: list[BagelState]) -> dict:
+        """One forward for the requests decoding text (each one's next token and the keys and values of the one
+        fed, `token` [B] and `kv` [B, 1, ...], -1 and zeros elsewhere), one for the denoising ones (each one's
+        guided velocity, right-padded like the gathered latents: `velocity` [B, N_max, 64])."""
+        latents = input_batch["latents"]
+        out = {"velocity": torch.zeros_like(latents), "token": torch.full((len(states),), -1, dtype=torch.long)}
+        texts = [i for i, s in enumerate(states) if s.decoding]
+        if texts:
+            tokens, new = self.pipe.next_tokens([states[i].text for i in texts])
+            out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
+            out["kv"][texts, 0] = new
+            out["token"][texts] = torch.tensor(tokens)
+        images = [i for i, s in enumerate(states) if not s.decoding]
+        if not images:
+            return out
+        denoising = [states[i] for i in images]
+        with_uncond = tuple(s.cfg_now() for s in denoising)
+        key = (tuple(images), with_uncond)
+        rows = input_batch.cache.get(key)  # the padded caches, rebuilt only when the rows change
         if rows is None:
             input_batch.cache.clear()
-            rows = input_batch.cache[with_uncond] = self.pipe.query_rows([s.context for s in states], with_uncond)
-        latents = input_batch["latents"]
-        velocities = self.pipe.predict(rows, latents, [s.device_timesteps[s.step_index] for s in states],
-                                       [s.guidance for s in states], with_uncond, [len(s.latents) for s in states],
-                                       self._row_groups(states, with_uncond))
-        out = torch.zeros_like(latents)
-        for i, v in enumerate(velocities):
-            out[i, :len(v)] = v
+            rows = input_batch.cache[key] = self.pipe.query_rows([s.context for s in denoising], with_uncond)
+        velocities = self.pipe.predict(rows, latents[images] if texts else latents,
+                                       [s.device_timesteps[s.denoise_index] for s in denoising],
+                                       [s.guidance for s in denoising], with_uncond,
+                                       [len(s.latents) for s in denoising], self._row_groups(denoising, with_uncond))
+        for i, v in zip(images, velocities):
+            out["velocity"][i, :len(v)] = v
         return out
 
     def _row_groups(self, states: list[BagelState], with_uncond: tuple) -> Optional[list[step_cache.RowGroup]]:
@@ -163,13 +238,45 @@ class BagelAdapter(PipelineAdapter):
                 for r, (s, branch) in enumerate(rows) for on in [step_cache.caches(s.params)]]
 
     @torch.inference_mode()
-    def step_scheduler(self, state: BagelState, noise_pred: torch.Tensor) -> None:
-        state.latents = state.latents - noise_pred[0] * state.dts[state.step_index]
+    def step_scheduler(self, state: BagelState, noise_pred: dict) -> None:
+        if not state.decoding:
+            state.latents = state.latents - noise_pred["velocity"][0] * state.dts[state.denoise_index]
+            state.step_index += 1
+            return
+        self.pipe.advance(state.text, int(noise_pred["token"][0]), noise_pred["kv"][0, 0])
         state.step_index += 1
+        if not state.text.done:
+            return
+        if state.params.output_modality == "text":
+            state.step_index = state.num_steps
+            return
+        # the thought, re-encoded, into the image's context (the reference's update_context_text)
+        state.context.cond = self.pipe.append(state.context.cond, self.pipe.text(state.text.ids))
+        self._start_image(state)
+
+    def chunk_outputs(self, state: BagelState) -> Optional[Outputs]:
+        """The text's characters since the last call (a partial UTF-8 character at the end waits for its bytes)."""
+        if state.text is None:
+            return None
+        text = self.pipe.text(state.text.ids)
+        if not state.text.done:
+            text = text.rstrip("\ufffd")
+        if len(text) <= len(state.streamed) or not text.startswith(state.streamed):
+            return None
+        new, state.streamed = text[len(state.streamed):], text
+        return {"text": np.array([new], dtype=object)}
 
     @torch.inference_mode()
     def post_decode(self, states: list[BagelState]) -> list[Outputs]:
-        return decode_by_grid(states, self.pipe.decode)
+        images = [s for s in states if s.params.output_modality == "image"]
+        decoded = iter(decode_by_grid(images, self.pipe.decode) if images else [])
+        out = []
+        for state in states:
+            named = next(decoded) if state.params.output_modality == "image" else {}
+            if state.text is not None:
+                named["text"] = np.array([self.pipe.text(state.text.ids)], dtype=object)
+            out.append(named)
+        return out
 
 
 ADAPTER = BagelAdapter

@@ -189,13 +189,15 @@ class BagelModel(nn.Module):
     @torch.no_grad()
     def prefill(self, token_ids: torch.Tensor) -> KVCache:
         """The (wrapped) prompt into a fresh cache, from position 0."""
-        return self.extend([self.empty_cache()], token_ids[None])[0][0]
+        cache = self.empty_cache()
+        return grow(cache, self.extend([cache], token_ids[None])[0][0])
 
     @torch.no_grad()
-    def extend(self, caches: list[KVCache], token_ids: torch.Tensor) -> tuple[list[KVCache], torch.Tensor]:
-        """`token_ids` [R, L] appended to row r's context `caches[r]` through the understanding weights, causally,
-        at RoPE positions continuing that cache (caches of different lengths padded and masked): each row's
-        longer cache, and its last token's hidden state after the final `norm` [R, D] (what `lm_head` reads)."""
+    def extend(self, caches: list[KVCache], token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_ids` [R, L] run after row r's context `caches[r]` through the understanding weights, causally,
+        at RoPE positions continuing that cache (caches of different lengths padded and masked); changes no cache.
+        Returns the tokens' keys and values [R, layers, 2, kv_heads, L, d] (`grow` appends them) and each row's
+        last hidden state after the final `norm` [R, D] (what `lm_head` reads)."""
         c = self.config
         R, L = token_ids.shape
         hidden = self.embed_tokens(token_ids).view(R * L, -1)
@@ -217,10 +219,8 @@ class BagelModel(nn.Module):
             out = attend(q, torch.cat([padded.keys[i], k], dim=2), torch.cat([padded.values[i], v], dim=2), mask)
             hidden = hidden + und.o_proj(out.transpose(1, 2).reshape(R * L, -1))
             hidden = hidden + und.mlp(und.post_attention_layernorm(hidden))
-        grown = [KVCache([torch.cat([cache.keys[i], new_keys[i][r]], dim=1) for i in range(len(self.layers))],
-                         [torch.cat([cache.values[i], new_values[i][r]], dim=1) for i in range(len(self.layers))])
-                 for r, cache in enumerate(caches)]
-        return grown, self.norm(hidden.view(R, L, -1)[:, -1])
+        new = torch.stack([torch.stack(new_keys, 1), torch.stack(new_values, 1)], 2)
+        return new, self.norm(hidden.view(R, L, -1)[:, -1])
 
     # -- one denoise forward over many rows ----------------------------------------------
     @torch.no_grad()
@@ -280,6 +280,13 @@ class BagelModel(nn.Module):
                            layer.gen.post_attention_layernorm)
             hidden = hidden + _by_expert(x, und_at, gen_at, layer.und.mlp, layer.gen.mlp)
         return hidden
+
+def grow(cache: KVCache, new: torch.Tensor) -> KVCache:
+    """`cache` with one row's keys and values of `BagelModel.extend` ([layers, 2, kv_heads, L, d]) appended: a new
+    cache (the one it grew from stays as it was)."""
+    return KVCache([torch.cat([k, n[0]], dim=1) for k, n in zip(cache.keys, new)],
+                   [torch.cat([v, n[1]], dim=1) for v, n in zip(cache.values, new)])
+
 
 def _by_expert(x: torch.Tensor, und_at: torch.Tensor, gen_at: torch.Tensor, und, gen) -> torch.Tensor:
     """`und` on the text tokens, `gen` on the latent tokens, zeros on padding."""

@@ -17,8 +17,8 @@ per forward):
 * `decode`: unpack 2x2 patches, the FLUX VAE, and the reference's uint8 rule
   (`(x * 0.5 + 0.5).clamp(0, 1) * 255` truncated);
 * text (`interleave_inference(..., understanding_output=True)` and `think=True`):
-  `start_text` / `decode_tokens` decode from `<|im_start|>` after a context, one
-  token per forward for many requests at once, greedy or sampled, until `<|im_end|>`
+  `start_text`, then `next_tokens` / `advance` decode from `<|im_start|>` after a
+  context, one token per forward for many requests at once, greedy or sampled, until `<|im_end|>`
   or `max_new_tokens`; `text` is the reference's cut of the decoded ids; a thought
   goes into the image's context re-encoded (`append`). Think mode's system prompt
   is in both the generation and the text-CFG context.
@@ -32,9 +32,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, load_model
+from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, grow, load_model
 from engine_lib.pipelines.decoder_parts import shifted_schedule
 from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
 
@@ -75,13 +76,13 @@ class Context:
 
 @dataclass
 class TextDecode:
-    """One request's text being decoded: its context grows by each token fed back (a copy: the context it
-    started from is left as it was, as the reference decodes on a deep copy)."""
+    """One request's text being decoded. Its context grows by each token fed back, as a new cache: the context it
+    started from stays as it was (the reference decodes on a deep copy)."""
 
     cache: KVCache
     max_new_tokens: int
     temperature: float = 0.0  # 0: greedy
-    generator: Optional[torch.Generator] = None  # sampling's, on the host
+    seed: int = 0  # sampling's: token k is drawn with a generator seeded by (seed, k)
     ids: list[int] = field(default_factory=list)  # `<|im_start|>` first, `<|im_end|>` never
     done: bool = False
 
@@ -143,40 +144,42 @@ class BagelPipeline:
     def append(self, cache: KVCache, text: str) -> KVCache:
         """`text`, wrapped in `<|im_start|>` ... `<|im_end|>`, appended to a context (a thought, after it is
         decoded, goes into the image's context this way: re-encoded from its text, as the reference does)."""
-        [grown], _ = self.model.extend([cache], torch.tensor([self.token_ids(text)], device=self.device))
-        return grown
+        new, _ = self.model.extend([cache], torch.tensor([self.token_ids(text)], device=self.device))
+        return grow(cache, new[0])
 
     # -- text decoding ----------------------------------------------------------------------
-    def start_text(self, cache: KVCache, max_new_tokens: int, temperature: float = 0.0,
-                   seed: Optional[int] = None) -> TextDecode:
-        """A decode from `<|im_start|>` after `cache`, sampled (temperature > 0) from a generator seeded with `seed`."""
-        generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
-        return TextDecode(cache, int(max_new_tokens), float(temperature), generator, [self.bos])
+    def start_text(self, cache: KVCache, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> TextDecode:
+        """A decode from `<|im_start|>` after `cache`: greedy, or sampled at `temperature` > 0."""
+        return TextDecode(cache, int(max_new_tokens), float(temperature), int(seed), [self.bos])
 
     @torch.no_grad()
-    def decode_tokens(self, decodes: Sequence[TextDecode]) -> None:
-        """One token for each unfinished decode, all in one forward: the last id fed into its own cache, the next
-        chosen from `lm_head`'s logits. A decode ends on `<|im_end|>` (not kept) or at its `max_new_tokens`."""
-        live = [d for d in decodes if not d.done]
-        if not live:
-            return
-        last = torch.tensor([[d.ids[-1]] for d in live], device=self.device)
-        caches, hidden = self.model.extend([d.cache for d in live], last)
+    def next_tokens(self, decodes: Sequence[TextDecode]) -> tuple[list[int], torch.Tensor]:
+        """One forward for many decodes, each row its last id against its own cache; changes nothing. Returns
+        each one's next token (chosen from `lm_head`'s logits) and the keys and values of the id fed (`advance`
+        takes both)."""
+        last = torch.tensor([[d.ids[-1]] for d in decodes], device=self.device)
+        new, hidden = self.model.extend([d.cache for d in decodes], last)
         logits = self.model.lm_head(hidden).float().cpu()
-        for d, cache, row in zip(live, caches, logits):
-            d.cache = cache
-            token = self.next_token(row, d)
-            if token == self.eos or d.new_tokens >= d.max_new_tokens:
-                d.done = True
-            else:
-                d.ids.append(token)
+        return [self.next_token(row, d) for d, row in zip(decodes, logits)], new
+
+    def advance(self, decode: TextDecode, token: int, new: torch.Tensor) -> None:
+        """`next_tokens`' result for one decode: its context grows; it ends on `<|im_end|>` (not kept) or once
+        it holds `max_new_tokens` (the reference runs one more forward whose token it drops)."""
+        decode.cache = grow(decode.cache, new)
+        if token == self.eos:
+            decode.done = True
+            return
+        decode.ids.append(token)
+        decode.done = decode.new_tokens >= decode.max_new_tokens
 
     @staticmethod
     def next_token(logits: torch.Tensor, d: TextDecode) -> int:
         if d.temperature <= 0:
             return int(torch.argmax(logits))
+        # Seeded per token, so a forward run again (a batch retried row by row) draws the same token.
+        seed = int(np.random.SeedSequence((d.seed, d.new_tokens)).generate_state(1)[0])
         probs = torch.softmax(logits / d.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=d.generator))
+        return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
 
     def text(self, ids: Sequence[int]) -> str:
         """The reference's text of decoded ids: after the first `<|im_start|>`, up to a later one."""
@@ -184,11 +187,12 @@ class BagelPipeline:
             "<|im_start|>")[1]
 
     def generate_text(self, cache: KVCache, max_new_tokens: int, temperature: float = 0.0,
-                      seed: Optional[int] = None) -> TextDecode:
+                      seed: int = 0) -> TextDecode:
         """One request's whole decode, token by token."""
         decode = self.start_text(cache, max_new_tokens, temperature, seed)
         while not decode.done:
-            self.decode_tokens([decode])
+            [token], new = self.next_tokens([decode])
+            self.advance(decode, token, new[0])
         return decode
 
     def initial_noise(self, seed: int, context: Context) -> torch.Tensor:
@@ -269,7 +273,7 @@ class BagelPipeline:
         return SimpleNamespace(images=self.decode([x], context.grid).cpu().numpy(), text=thought)
 
     def answer(self, prompt: str, think: bool = False, max_new_tokens: int = 999, temperature: float = 0.0,
-               seed: Optional[int] = None) -> str:
+               seed: int = 0) -> str:
         """A text answer to `prompt` (with `think`: after `VLM_THINK_SYSTEM_PROMPT`, the reasoning included)."""
         context = self.encode(prompt, 0, 0, VLM_THINK_SYSTEM_PROMPT if think else "")
         return self.text(self.generate_text(context.cond, max_new_tokens, temperature, seed).ids)

@@ -75,6 +75,10 @@ def to_tensor(name: str, value: Any, input_type: InputType) -> np.ndarray:
         if not isinstance(value, str):
             raise InvalidInputError(name, f"must be a string, got {_short(value)}")
         return np.array([value.encode("utf-8")], dtype=dtype)
+    if datatype == "BOOL":
+        if not isinstance(value, bool):
+            raise InvalidInputError(name, f"must be true or false, got {_short(value)}")
+        return np.array([value], dtype=dtype)
     if datatype in INT_RANGES:
         low, high = INT_RANGES[datatype]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
