@@ -405,6 +405,29 @@ def test_bagel_bad_inputs_get_invalid_arg_naming_them(server, inputs, says):
     assert says in result.error.message(), result.error.message()
 
 
+def test_bagel_answers_in_text_and_thinks_before_its_image(server):
+    """The reference's greedy texts (tests/golden/bagel/think.npz): a text request streams its answer's characters,
+    then ends with the whole answer and no image; a think request ends with its thought and the image drawn after
+    it; a think that is not a BOOL is refused by name."""
+    golden = np.load(REPO_ROOT / "tests" / "golden" / "bagel" / "think.npz")
+    answer = run_request(server.grpc_url, model="bagel", request_id="answer", prompt=str(golden["answer_ends_prompt"]),
+                         output_modality="text", max_new_tokens=39)
+    assert not answer.errors, answer.errors
+    text = answer.final.as_numpy("text")[0].decode("utf-8")
+    assert text == str(golden["answer_ends_text"]) and answer.final.as_numpy("image") is None
+    chunks = [r.as_numpy("text")[0] for r in answer.responses if r is not answer.final and r.as_numpy("text") is not None]
+    assert len(chunks) > 1 and b"".join(chunks).decode("utf-8") == text
+    think = run_request(server.grpc_url, model="bagel", request_id="think", prompt=str(golden["think_image_prompt"]),
+                        think=True, max_new_tokens=9, height=64, width=64, num_inference_steps=5, seed=1,
+                        guidance_scale=4.0)
+    assert not think.errors, think.errors
+    assert think.final.as_numpy("text")[0].decode("utf-8") == str(golden["think_image_text"])
+    image = think.final.as_numpy("image")[0].astype(int)
+    assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1
+    bad = run_request(server.grpc_url, model="bagel", request_id="bad-think", prompt="x", think=[True, False])
+    assert len(bad.errors) == 1 and "think" in bad.error.message()
+
+
 def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
     result = run_request(server.grpc_url, model="hunyuan_image3", request_id="bad", prompt="x", height=64, width=32)
     assert not result.responses and len(result.errors) == 1
