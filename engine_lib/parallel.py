@@ -195,7 +195,7 @@ def _worker_main(rank: int, world_size: int, device: str, backend: str, init_met
         while True:
             try:
                 method, args = pickle.loads(conn.recv_bytes())
-            except EOFError:
+            except (EOFError, OSError):
                 break  # the driver is gone
             if method == "stop":
                 break

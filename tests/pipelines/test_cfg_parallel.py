@@ -1,7 +1,8 @@
 """CFG-parallel Qwen-Image: the cond rows on rank 0, the uncond rows on rank 1 (two CPU worker processes over
 gloo), against the single-process adapter on the tiny model.
 
-One worker group serves the module; the last two tests kill one of its workers, then close it.
+One worker group serves the module; the last two tests kill one of its workers, then close it (run in another
+order, a later test starts new workers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from engine_lib.config import EngineConfig, select_mode
 from engine_lib.interface import to_uint8
 from engine_lib.parallel import WorkerError
+from engine_lib.pipelines import cfg_parallel
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
@@ -23,7 +25,7 @@ from parity_checks import load_tiny_adapter, parse, step_latents
 
 LATENT_BOUND = 1e-5
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
-DETECTION_LIMIT_S = 60  # a dead worker must fail the tick, never hang it: a hang fails the test after this
+DETECTION_LIMIT_S = 30  # a dead worker must fail the tick, never hang it: a hang fails the test after this
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def single() -> QwenImageAdapter:
 
 
 @pytest.fixture(scope="module")
-def parallel() -> QwenImageAdapter:
+def loaded() -> QwenImageAdapter:
     from engine_lib.pipelines.registry import load_adapter
 
     config = EngineConfig(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
@@ -40,6 +42,17 @@ def parallel() -> QwenImageAdapter:
     adapter = load_adapter(config)
     yield adapter
     adapter.close()
+
+
+@pytest.fixture
+def parallel(loaded) -> QwenImageAdapter:
+    """The module's adapter and workers; new workers after a test that killed or closed them (in file order those
+    tests come last)."""
+    if loaded.cfg_group.broken:
+        loaded.close()
+        loaded.cfg_group = cfg_parallel.start(type(loaded), str(ensure_model("qwen_image", "tiny")), loaded.device,
+                                              loaded.dtype, loaded.options)
+    return loaded
 
 
 def assert_same_run(parallel, single, arrivals):
@@ -87,10 +100,13 @@ def test_a_killed_worker_fails_the_next_tick_without_hanging(parallel, single):
     os.kill(rank1.pid, signal.SIGKILL)
     rank1.join(10)
     p = parse(single, dict(prompt="a red cube", num_inference_steps=2, seed=5, **CFG))
-    with ThreadPoolExecutor(1) as pool:
+    pool = ThreadPoolExecutor(1)
+    try:  # (a hung tick is left behind: closing the group ends it)
         tick = pool.submit(step_latents, parallel, {"r": (0, p)})
         with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died"):
             tick.result(timeout=DETECTION_LIMIT_S)
+    finally:
+        pool.shutdown(wait=False)
     with pytest.raises(WorkerError, match="broken"):  # and every later tick, at once
         step_latents(parallel, {"r": (0, p)})
 
