@@ -8,6 +8,7 @@ thinking. The reference's cap counts `<|im_start|>` too, so ours (`max_new_token
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
+from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
+from engine_lib.sched.scheduler import Scheduler
 from parity_checks import load_tiny_adapter, parse
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
@@ -196,3 +199,35 @@ def test_think_travels_as_a_bool_tensor(adapter):
         read_inputs({"think": np.array([1], dtype=np.int32)}, specs)
     with pytest.raises(InvalidInputError, match="think"):
         to_tensor("think", 1, InputType("TYPE_BOOL"))
+
+
+def test_a_decoding_request_paused_for_an_urgent_one_ends_as_alone(adapter, golden):
+    """One seat: an answer decoding is preempted at tick 2 by an urgent think request (whose thought ends early
+    into its denoise steps), then resumes; both give the reference's texts. Its growing cache is step state: a
+    pause on a GPU moves it with the rest."""
+    runner = ModelRunner(adapter, float_outputs=True)
+    sched = Scheduler(1, lambda p: None, max_preemptions=1, max_head_bypass=0)
+    answer, think = golden_request(adapter, golden, "answer_ends"), golden_request(adapter, golden, "think_image")
+    slow = DiffusionRequest("slow", answer, num_steps=adapter.total_steps(answer), priority=2)
+    urgent = DiffusionRequest("urgent", think, num_steps=adapter.total_steps(think), priority=1)
+    sched.add_request(slow)
+    outputs, paused, tick = {}, [], 0
+    while sched.has_requests:
+        if tick == 2:
+            sched.add_request(urgent)
+        plan = sched.schedule()
+        runner.free(plan.finished_ids)
+        runner.pause(plan.preempted_ids)
+        paused += plan.preempted_ids
+        if not plan.is_empty:
+            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
+                                      [sched.get_request(i) for i in plan.running_ids])
+            outputs.update(out.outputs)
+            sched.update_from_output(plan, out)
+        if tick == 1:  # (a copy: a meta tensor cannot come back)
+            moved = move_tensors(copy.deepcopy(runner.states["slow"]), torch.device("meta"))
+            assert moved.text.cache.keys[0].device.type == "meta"
+        tick += 1
+    assert paused == ["slow"]
+    assert outputs["slow"]["text"][0] == str(golden["answer_ends_text"])
+    assert outputs["urgent"]["text"][0] == str(golden["think_image_text"])

@@ -109,7 +109,7 @@ class BagelState(RequestState):
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         if self.decoding:  # one all-zero latent token stands in; its next token comes from the text forward
-            return {"latents": self.context.cond.keys[0].new_zeros(1, 1, TOKEN_DIM)}
+            return {"latents": torch.zeros(1, 1, TOKEN_DIM, device=self.context.cond.keys[0].device)}
         return {"latents": self.latents[None]}  # gathered right-padded to the batch's largest image
 
     def cfg_now(self) -> bool:
