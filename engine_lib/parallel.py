@@ -31,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 300.0  # a call (or loading) that takes longer fails the group
+DEFAULT_TIMEOUT_S = 300.0  # a call that takes longer fails the group
+LOAD_TIMEOUT_S = 1800.0  # each rank loads the whole pipeline (a large checkpoint from disk)
 STOP_TIMEOUT_S = 10.0
 
 
@@ -96,7 +97,7 @@ class WorkerGroup:
             self._conns.append(ours)
             self.processes.append(process)
         try:
-            self._replies()  # each rank's "ready" once it has joined the group and loaded its handler
+            self._replies(LOAD_TIMEOUT_S)  # each rank's "ready" once it has joined the group and built its handler
         except BaseException:
             self.close()
             raise
@@ -111,9 +112,9 @@ class WorkerGroup:
                 conn.send_bytes(pickle.dumps((method, to_cpu(args))))
             except OSError:
                 pass  # a dead rank: _replies names it
-        return self._replies()[0]
+        return self._replies(self.timeout_s)[0]
 
-    def _replies(self) -> list:
+    def _replies(self, timeout_s: float) -> list:
         """One reply from each rank, waiting on their pipes and their processes at once: a rank that dies
         or stays silent past the timeout breaks the group rather than hanging the driver. A rank whose
         handler raised still answered (the ranks stay in step): its error fails this call only."""
@@ -121,9 +122,9 @@ class WorkerGroup:
         waiting = dict(enumerate(self._conns))
         sentinels = [p.sentinel for p in self.processes]
         while waiting:
-            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=self.timeout_s)
+            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=timeout_s)
             if not ready:
-                self._fail(f"rank(s) {sorted(waiting)} did not answer within {self.timeout_s:g} s")
+                self._fail(f"rank(s) {sorted(waiting)} did not answer within {timeout_s:g} s")
             for rank, conn in list(waiting.items()):
                 if conn in ready:
                     try:
