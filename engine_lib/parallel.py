@@ -90,8 +90,8 @@ class WorkerGroup:
         for rank, device in enumerate(devices):
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"parallel-rank{rank}", daemon=True,
-                                      args=(rank, self.world_size, str(device), backend, init_method, timeout_s,
-                                            setup, theirs))
+                                      args=(rank, self.world_size, str(device), torch.get_num_threads(), backend,
+                                            init_method, timeout_s, setup, theirs))
             process.start()
             theirs.close()
             self._conns.append(ours)
@@ -174,16 +174,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, device: str, backend: str, init_method: str, timeout_s: float,
-                 setup: Callable, conn) -> None:
+def _worker_main(rank: int, world_size: int, device: str, threads: int, backend: str, init_method: str,
+                 timeout_s: float, setup: Callable, conn) -> None:
     """One rank: join the group, build the handler, then answer calls until "stop" (or the driver is gone)."""
     import torch.distributed as dist
 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    else:  # the driver's CPU kernels (their blocking follows the thread count): a rank computes what it would
+        torch.set_num_threads(threads)
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))

@@ -21,7 +21,7 @@ from engine_lib.pipelines import cfg_parallel
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents
+from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 
 LATENT_BOUND = 1e-5
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
@@ -31,6 +31,12 @@ DETECTION_LIMIT_S = 15  # a dead worker must fail the tick, never hang it: a han
 @pytest.fixture(scope="module")
 def single() -> QwenImageAdapter:
     return load_tiny_adapter("qwen_image", QwenImageAdapter)
+
+
+@pytest.fixture(scope="module")
+def two_forwards(single) -> QwenImageAdapter:
+    """cfg_batching off: cond and uncond as two forwards of B rows, the forwards the ranks run."""
+    return with_cfg_batching(single, False)
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +61,31 @@ def parallel(loaded) -> QwenImageAdapter:
     return loaded
 
 
-def assert_same_run(parallel, single, arrivals):
-    """Every step's latents within LATENT_BOUND and the images within 1 uint8 level; the ranks ran every tick."""
+def assert_same_run(parallel, single, two_forwards, arrivals):
+    """Every step's latents bit for bit those of the two single-process forwards (same kernels, same thread count),
+    within LATENT_BOUND of the default batched forward, its images within 1 uint8 level; the ranks ran every tick."""
     calls = parallel.cfg_group.calls
     latents, images = step_latents(parallel, arrivals)
     ticks = parallel.cfg_group.calls - calls
+    exact_latents, _ = step_latents(two_forwards, arrivals)
     expected_latents, expected_images = step_latents(single, arrivals)
     for rid in arrivals:
+        assert np.array_equal(latents[rid], exact_latents[rid]), rid
         assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
         levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
         assert levels.max() <= 1, rid
     assert ticks == max(at + p.num_inference_steps for at, p in arrivals.values())
 
 
-def test_a_solo_request_equals_the_single_process_run(parallel, single):
+def test_a_solo_request_equals_the_single_process_run(parallel, single, two_forwards):
     p = parse(single, dict(prompt="a red cube", num_inference_steps=3, seed=5, **CFG))
-    assert_same_run(parallel, single, {"solo": (0, p)})
+    assert_same_run(parallel, single, two_forwards, {"solo": (0, p)})
 
 
-def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(parallel, single):
+def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(parallel, single, two_forwards):
     arrivals = {f"r{i}": (i, parse(single, dict(prompt=prompt, num_inference_steps=steps, seed=i, **CFG)))
                 for i, (prompt, steps) in enumerate([("a cat", 3), ("a red car on a long road", 2), ("fruit", 3)])}
-    assert_same_run(parallel, single, arrivals)
+    assert_same_run(parallel, single, two_forwards, arrivals)
 
 
 def test_what_the_ranks_do_not_run_yet_is_refused():
