@@ -408,7 +408,7 @@ def test_bagel_bad_inputs_get_invalid_arg_naming_them(server, inputs, says):
 def test_bagel_answers_in_text_and_thinks_before_its_image(server):
     """The reference's greedy texts (tests/golden/bagel/think.npz): a text request streams its answer's characters,
     then ends with the whole answer and no image; a think request ends with its thought and the image drawn after
-    it; a think that is not a BOOL is refused by name."""
+    it; a think that is not a BOOL is refused by name; over HTTP generate_stream, JSON true is a BOOL think."""
     golden = np.load(REPO_ROOT / "tests" / "golden" / "bagel" / "think.npz")
     answer = run_request(server.grpc_url, model="bagel", request_id="answer", prompt=str(golden["answer_ends_prompt"]),
                          output_modality="text", max_new_tokens=39)
@@ -426,6 +426,10 @@ def test_bagel_answers_in_text_and_thinks_before_its_image(server):
     assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1
     bad = run_request(server.grpc_url, model="bagel", request_id="bad-think", prompt="x", think=[True, False])
     assert len(bad.errors) == 1 and "think" in bad.error.message()
+    body = {"prompt": str(golden["think_answer_prompt"]), "think": True, "output_modality": "text", "max_new_tokens": 15}
+    status, reply = post_json(f"http://{server.http_url}/v2/models/bagel/generate_stream", body)  # JSON true: BOOL
+    assert status == 200, reply
+    assert sse_events(reply)[-1]["text"] == str(golden["think_answer_text"])
 
 
 def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
