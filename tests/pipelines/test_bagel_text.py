@@ -164,6 +164,7 @@ def test_requests_decoding_together_give_the_references_answers_thought_and_imag
         text = outputs[case]["text"][0]
         assert text == str(golden[f"{case}_text"]), case
         assert "".join(chunks[case]) == text and len(chunks[case]) > 1, case
+        assert outputs[case]["finish_reason"][0] == ("stop" if case == "answer_ends" else "length"), case
     assert "image" not in outputs["answer_ends"]
     image = (outputs["think_image"]["image"][0] * 255).round().astype(int)
     assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1

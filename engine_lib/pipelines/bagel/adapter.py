@@ -16,7 +16,7 @@ each row against its own growing cache), beside the tick's denoise forward. Its
 steps are `max_new_tokens` (plus `num_inference_steps` for an image); at
 `<|im_end|>` it jumps to its first denoise step (or to its end). New characters
 stream as intermediate responses (`chunk_outputs`); the final response holds the
-whole text.
+whole text and its `finish_reason` (`stop` at `<|im_end|>`, `length` at the cap).
 
 `cache=first_block` (`step_cache.py`): each request and CFG branch decides from the first layer's residual of
 its own latent tokens, and its residuals stay in its state (`step_cache`).
@@ -77,6 +77,8 @@ BAGEL_INPUTS = (
               low=0, high=10, batch="row"),
 )
 TEXT = OutputSpec("text", "BYTES", (1,), "the answer or thought (UTF-8); intermediate responses: its new characters")
+FINISH_REASON = OutputSpec("finish_reason", "BYTES", (1,), "with the whole text: stop (it ended on its end token) "
+                           "or length (it reached max_new_tokens)")
 
 
 @dataclass
@@ -125,7 +127,7 @@ class BagelAdapter(PipelineAdapter):
     name = "bagel"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 4.0}  # the official example's
     inputs = BAGEL_INPUTS
-    outputs = (IMAGE, TEXT)
+    outputs = (IMAGE, TEXT, FINISH_REASON)
     state_class = BagelState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
@@ -275,6 +277,9 @@ class BagelAdapter(PipelineAdapter):
             named = next(decoded) if state.params.output_modality == "image" else {}
             if state.text is not None:
                 named["text"] = np.array([self.pipe.text(state.text.ids)], dtype=object)
+                # `advance` keeps no end token, so a text that ended on one is under its cap
+                capped = state.text.new_tokens >= state.text.max_new_tokens
+                named["finish_reason"] = np.array(["length" if capped else "stop"], dtype=object)
             out.append(named)
         return out
 
