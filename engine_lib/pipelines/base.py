@@ -213,13 +213,13 @@ class PipelineAdapter(ABC):
     # The request `max_request_cost=auto` scales: the pipeline's diffusers default size (and frames), with
     # classifier-free guidance on (the most rows one image or video takes).
     cost_reference: ClassVar[dict] = {}
+    cfg_group: Any = None  # the cfg_parallel workers (engine_lib/parallel.py), started by the registry
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
         self.options = dict(options or {})
-        self.cfg_group = None  # the cfg_parallel workers (engine_lib/parallel.py), started by the registry
 
     def close(self) -> None:
         """Stop what the adapter started besides its own process (the cfg_parallel workers)."""
