@@ -1,4 +1,5 @@
-"""An OpenAI Images API front door for the Triton models: `/v1/models`, `/v1/images/generations`, `/edits`.
+"""An OpenAI Images API front door for the Triton models: `/v1/models`, `/v1/images/generations`, `/edits`,
+and `/v1/chat/completions` for the models that answer in text.
 
 A thin async HTTP server (FastAPI + uvicorn) that speaks gRPC streaming to the local
 tritonserver through tritonclient's asyncio client; no model code runs in it (it imports
@@ -8,6 +9,7 @@ requests.py  the OpenAI request body -> a model's inputs, and OpenAI-shaped erro
 gateway.py   tritonclient.grpc.aio: ready models, their declared inputs, one streamed request
 keys.py      bearer keys and the `priority` each may ask for (OPENAI_API_KEY, OPENAI_PRIORITY_KEYS)
 app.py       the FastAPI app: endpoints, bearer keys, bounded body reads, server-sent events, client disconnects
+chat.py      `/v1/chat/completions` for the models that answer in text (BAGEL)
 generate.py  strict versions of Triton's `generate` / `generate_stream`
 watch.py     waiting for a request's responses while watching its HTTP client
 __main__.py  `python -m engine_lib.serving.openai_api --triton HOST:PORT --port 9000`

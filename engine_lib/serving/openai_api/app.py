@@ -16,7 +16,11 @@ response (watch.py; a stream without partial images waits for its only one), at 
 it streams. PNG encoding runs on worker threads (about 0.3 s per 1024x1024 image), never on
 the event loop that answers every other client.
 
-Video jobs (`/v1/videos`, for the models with a `video_mp4` output): videos.py. Bearer keys and priority
+A model that thinks before it draws (BAGEL with `think: true`, an extra field as any declared input) sends its
+thought as the `text` output: it comes back as each image's `revised_prompt`.
+
+Chat completions (`/v1/chat/completions`, for the models that answer in text): chat.py. Video jobs (`/v1/videos`,
+for the models with a `video_mp4` output): videos.py. Bearer keys and priority
 rights: keys.py. `/openapi.json` needs a key like the API (it lists every input of the API); there are no
 `/docs` pages.
 """
@@ -46,7 +50,7 @@ from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, b
                                                     lone_surrogate_field, openai_param, parse_edit_request,
                                                     parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
-from engine_lib.serving.openai_api import videos
+from engine_lib.serving.openai_api import chat, videos
 from engine_lib.serving.openai_api.watch import next_response, until_final
 from engine_lib.serving.tensors import encode_png_base64
 
@@ -169,11 +173,14 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
             return StreamingResponse(events(image_request, first, responses, kind), media_type="text/event-stream")
         final = await until_final(responses, request, on_error=error_from_triton)
         images = await run_in_threadpool(png_base64, final.images)
-        return {"created": int(time.time()), "data": [{"b64_json": image} for image in images],
+        thought = final.outputs.get("text")  # a model that thought before drawing (BAGEL's think) sends it
+        extra = {"revised_prompt": thought.ravel()[0].decode("utf-8", errors="replace")} if thought is not None else {}
+        return {"created": int(time.time()), "data": [{"b64_json": image, **extra} for image in images],
                 "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
 
     app.include_router(v1)
     app.include_router(make_router(read_json, authorize, keys))
+    app.include_router(chat.make_router(read_json, authorize, keys))
     app.include_router(videos.make_router(read_json, read_form, authorize, keys))
     return app
 
