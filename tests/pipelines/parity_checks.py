@@ -121,6 +121,33 @@ def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int
     return result
 
 
+def run_preempting(runner: ModelRunner, arrivals: dict[int, list[DiffusionRequest]], seats: int = 1,
+                   on_tick=None) -> tuple[dict[str, dict], list[str]]:
+    """Requests arriving at their ticks (`arrivals`: tick -> requests, with priorities) through a scheduler of
+    `seats` that preempts, and the runner, until all end: (each request's final outputs, the ids paused in
+    order). `on_tick(tick)` runs after each tick (to look at a paused state)."""
+    sched = Scheduler(seats, lambda p: None, max_preemptions=1, max_head_bypass=0)
+    arrivals = dict(arrivals)
+    outputs, paused, tick = {}, [], 0
+    while sched.has_requests or arrivals:
+        for request in arrivals.pop(tick, []):
+            sched.add_request(request)
+        plan = sched.schedule()
+        runner.free(plan.finished_ids)
+        runner.pause(plan.preempted_ids)
+        paused += plan.preempted_ids
+        if not plan.is_empty:
+            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
+                                      [sched.get_request(i) for i in plan.running_ids])
+            assert not out.errors, out.errors
+            outputs.update(out.outputs)
+            sched.update_from_output(plan, out)
+        if on_tick is not None:
+            on_tick(tick)
+        tick += 1
+    return outputs, paused
+
+
 def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, dict]:
     """The adapter's step contract tick by tick, as the runner calls it (requests join at their tick), for
     adapters whose state keeps `latents`: each request's latents after every step (stacked), and its final image.

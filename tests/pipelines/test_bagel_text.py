@@ -20,8 +20,7 @@ from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from engine_lib.sched.scheduler import Scheduler
-from parity_checks import load_tiny_adapter, parse
+from parity_checks import load_tiny_adapter, parse, run_preempting
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
 SYSTEM = {"answer_ends": "", "answer_capped": "", "think_answer": VLM_THINK_SYSTEM_PROMPT,
@@ -207,28 +206,16 @@ def test_a_decoding_request_paused_for_an_urgent_one_ends_as_alone(adapter, gold
     into its denoise steps), then resumes; both give the reference's texts. Its growing cache is step state: a
     pause on a GPU moves it with the rest."""
     runner = ModelRunner(adapter, float_outputs=True)
-    sched = Scheduler(1, lambda p: None, max_preemptions=1, max_head_bypass=0)
     answer, think = golden_request(adapter, golden, "answer_ends"), golden_request(adapter, golden, "think_image")
     slow = DiffusionRequest("slow", answer, num_steps=adapter.total_steps(answer), priority=2)
     urgent = DiffusionRequest("urgent", think, num_steps=adapter.total_steps(think), priority=1)
-    sched.add_request(slow)
-    outputs, paused, tick = {}, [], 0
-    while sched.has_requests:
-        if tick == 2:
-            sched.add_request(urgent)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            outputs.update(out.outputs)
-            sched.update_from_output(plan, out)
+
+    def paused_state_moves(tick):
         if tick == 1:  # (a copy: a meta tensor cannot come back)
             moved = move_tensors(copy.deepcopy(runner.states["slow"]), torch.device("meta"))
             assert moved.text.cache.keys[0].device.type == "meta"
-        tick += 1
+
+    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]}, on_tick=paused_state_moves)
     assert paused == ["slow"]
     assert outputs["slow"]["text"][0] == str(golden["answer_ends_text"])
     assert outputs["urgent"]["text"][0] == str(golden["think_image_text"])

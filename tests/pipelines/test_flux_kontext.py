@@ -20,9 +20,8 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux_kontext.adapter import FluxKontextAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from engine_lib.sched import Scheduler
 from parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching)
+                           load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching, run_preempting)
 
 RNG = np.random.default_rng(11)
 
@@ -116,24 +115,10 @@ def test_the_condition_lives_in_the_state_and_is_freed_on_abort(adapter):
 def test_pause_and_resume_equal_the_uninterrupted_run(adapter):
     """A running request paused for a more urgent one (one seat) ends as it does alone."""
     runner = ModelRunner(adapter)
-    sched = Scheduler(1, lambda p: None, max_preemptions=1, max_head_bypass=0)
     slow = DiffusionRequest("slow", parse(adapter, params(0, steps=4)), num_steps=4, priority=2)
     urgent = DiffusionRequest("urgent", parse(adapter, params(3, seed=5, steps=2)), num_steps=2, priority=1)
-    sched.add_request(slow)
-    images, paused, tick = {}, [], 0
-    while sched.has_requests:
-        if tick == 2:
-            sched.add_request(urgent)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            images.update({rid: o["image"] for rid, o in out.outputs.items()})
-            sched.update_from_output(plan, out)
-        tick += 1
+    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]})
+    images = {rid: o["image"] for rid, o in outputs.items()}
     assert paused == ["slow"]
     np.testing.assert_array_equal(images["slow"], solo_steps(adapter, slow.params))
     np.testing.assert_array_equal(images["urgent"], solo_steps(adapter, urgent.params))

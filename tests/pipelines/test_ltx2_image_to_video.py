@@ -20,8 +20,7 @@ from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from engine_lib.sched import Scheduler
-from parity_checks import FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse
+from parity_checks import FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse, run_preempting
 from test_ltx2 import NO_GUIDANCE, run
 
 RNG = np.random.default_rng(11)
@@ -128,26 +127,12 @@ def test_pause_and_resume_equal_the_uninterrupted_run_and_abort_frees_the_condit
     """A running image request paused for a more urgent one (one seat) ends as it does alone; its condition
     lives in its state (moved with it by a pause on a GPU), never on the adapter, and an abort frees it."""
     runner = ModelRunner(adapter, float_outputs=True)
-    sched = Scheduler(1, lambda p: None, max_preemptions=1, max_head_bypass=0)
     slow = DiffusionRequest("slow", parse(adapter, params(0, seed=5, steps=3, **NO_GUIDANCE)), num_steps=3,
                             priority=2)
     urgent = DiffusionRequest("urgent", parse(adapter, params(1, seed=6, steps=1, **NO_GUIDANCE)), num_steps=1,
                               priority=1)
-    sched.add_request(slow)
-    videos, paused, tick = {}, [], 0
-    while sched.has_requests:
-        if tick == 1:
-            sched.add_request(urgent)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            videos.update({rid: o["video"] for rid, o in out.outputs.items()})
-            sched.update_from_output(plan, out)
-        tick += 1
+    outputs, paused = run_preempting(runner, {0: [slow], 1: [urgent]})
+    videos = {rid: o["video"] for rid, o in outputs.items()}
     assert paused == ["slow"]
     np.testing.assert_array_equal(videos["slow"], reference(slow.params)[0])
     np.testing.assert_array_equal(videos["urgent"], reference(urgent.params)[0])

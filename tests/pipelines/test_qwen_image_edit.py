@@ -22,8 +22,8 @@ from PIL import Image
 from engine_lib.pipelines.qwen_image_edit.adapter import MAX_IMAGES, QwenImageEditAdapter, QwenImageEditPlusAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from engine_lib.sched import Scheduler
-from parity_checks import PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, solo_steps
+from parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_preempting,
+                           solo_steps)
 
 
 def png(width: int, height: int, color: tuple) -> bytes:
@@ -101,24 +101,10 @@ def test_the_condition_lives_in_the_state_is_kept_across_a_pause_and_freed_on_ab
     """A running request paused for a more urgent one (one seat) ends as it does alone; an abort frees its
     condition latents."""
     runner = ModelRunner(adapter)
-    sched = Scheduler(1, lambda p: None, max_preemptions=1, max_head_bypass=0)
     slow = DiffusionRequest("slow", parse(adapter, params(0, PROMPTS[0], seed=1)), num_steps=3, priority=2)
     urgent = DiffusionRequest("urgent", parse(adapter, params(1, PROMPTS[0], seed=1)), num_steps=3, priority=1)
-    sched.add_request(slow)
-    images, paused, tick = {}, [], 0
-    while sched.has_requests:
-        if tick == 1:
-            sched.add_request(urgent)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            images.update({rid: o["image"] for rid, o in out.outputs.items()})
-            sched.update_from_output(plan, out)
-        tick += 1
+    outputs, paused = run_preempting(runner, {0: [slow], 1: [urgent]})
+    images = {rid: o["image"] for rid, o in outputs.items()}
     assert paused == ["slow"]
     np.testing.assert_array_equal(images["slow"], solo(slow.params))
     np.testing.assert_array_equal(images["urgent"], solo(urgent.params))

@@ -27,8 +27,8 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
-from engine_lib.sched import Scheduler
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, solo_steps, with_cfg_batching
+from parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, run_preempting, solo_steps,
+                           with_cfg_batching)
 from step_cache_checks import STEPS, cached_inputs, rows_into, with_options
 
 PREDICTED = [step for step in range(STEPS) if not taylorseer.computes(step)]  # [3, 5]
@@ -125,27 +125,13 @@ def test_a_shared_batch_decides_per_row(qwen):
 def test_pause_and_resume_equal_the_uninterrupted_runs(qwen):
     """Two taylorseer requests share a batch until a more urgent one takes the seat of the least urgent,
     which resumes later (its factors kept): both end as they do alone."""
-    sched = Scheduler(2, lambda p: None, max_preemptions=1, max_head_bypass=0)
     runner = ModelRunner(qwen)
     request = partial(DiffusionRequest, num_steps=STEPS)
     slow = request("slow", parse(qwen, {**BASE, "seed": 1}), priority=3)
     other = request("other", parse(qwen, {**BASE, "seed": 2}), priority=2)
     urgent = request("urgent", parse(qwen, {**BASE, "seed": 5, "num_inference_steps": 2}), num_steps=2, priority=1)
-    arrivals = {0: [slow], 1: [other], 3: [urgent]}
-    images, paused, tick = {}, [], 0
-    while sched.has_requests or arrivals:
-        for r in arrivals.pop(tick, []):
-            sched.add_request(r)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            images.update({rid: o["image"] for rid, o in out.outputs.items()})
-            sched.update_from_output(plan, out)
-        tick += 1
+    outputs, paused = run_preempting(runner, {0: [slow], 1: [other], 3: [urgent]}, seats=2)
+    images = {rid: o["image"] for rid, o in outputs.items()}
     assert paused == ["slow"] and runner.num_states == 0
     np.testing.assert_array_equal(images["slow"], solo_steps(qwen, slow.params))
     np.testing.assert_array_equal(images["other"], solo_steps(qwen, other.params))
