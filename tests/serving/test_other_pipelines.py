@@ -268,7 +268,7 @@ def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_m
 
 def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
     """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise; SD3's
-    image-to-image and FLUX.1 Kontext's edit); a model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
+    image-to-image, streamed with two partial images too, and FLUX.1 Kontext's edit); a model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
     edit cap a 413, and the front door serves on."""
     import openai
 
@@ -289,6 +289,10 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
                                height=48, image=picture, **extra)
         assert not expected.errors and int(expected.final.as_numpy("num_steps")[0]) == 3  # the last 60% of 4
         np.testing.assert_array_equal(decode(result.data[0].b64_json), expected.final.as_numpy("image")[0])
+        events = list(client.images.edit(model="sd3", image=("in.png", picture, "image/png"), prompt="in winter",
+                                         size="64x48", stream=True, partial_images=2, extra_body=extra))
+        assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+        np.testing.assert_array_equal(decode(events[-1].b64_json), expected.final.as_numpy("image")[0])
         kontext = {"auto_resize": 0, "seed": 1, "num_inference_steps": 2}
         result = client.images.edit(model="flux_kontext", image=("in.png", picture, "image/png"), prompt="in winter",
                                     size="64x48", extra_body=kontext)
@@ -430,6 +434,33 @@ def test_bagel_answers_in_text_and_thinks_before_its_image(server):
     status, reply = post_json(f"http://{server.http_url}/v2/models/bagel/generate_stream", body)  # JSON true: BOOL
     assert status == 200, reply
     assert sse_events(reply)[-1]["text"] == str(golden["think_answer_text"])
+
+
+def test_the_front_door_chats_with_bagel_as_grpc_answers_and_returns_its_thought(server, tmp_path):
+    """The official SDK's chat completion equals gRPC's `output_modality=text` answer of the same inputs, with its
+    finish_reason; streamed, its deltas add up to it; an image with think returns the thought as `revised_prompt`."""
+    from .test_openai import front_door, sdk
+
+    golden = np.load(REPO_ROOT / "tests" / "golden" / "bagel" / "think.npz")
+    expected = run_request(server.grpc_url, model="bagel", request_id="chat", prompt="a red cube",
+                           output_modality="text", max_new_tokens=12, temperature=0.0)
+    assert not expected.errors, expected.errors
+    text = expected.final.as_numpy("text")[0].decode("utf-8")
+    door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
+    try:
+        client = sdk(door)
+        ask = dict(model="bagel", messages=[{"role": "user", "content": "a red cube"}], max_tokens=12, temperature=0)
+        answer = client.chat.completions.create(**ask)
+        assert answer.choices[0].message.content == text
+        assert answer.choices[0].finish_reason == expected.final.as_numpy("finish_reason")[0].decode()
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+        image = client.images.generate(model="bagel", prompt=str(golden["think_image_prompt"]), size="64x64",
+                                       extra_body={"think": True, "max_new_tokens": 9, "num_inference_steps": 2})
+        assert image.data[0].revised_prompt == str(golden["think_image_text"])
+    finally:
+        door.stop()
 
 
 def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
