@@ -4,7 +4,8 @@ Streams one request, draws a progress bar from the step responses, saves
 previews when asked and every final image, and prints one result line.
 Videos: `--model helios --frames 65 --out clip.mp4` (an mp4, with sound where the
 model makes it), `--out clip.npy` (the raw uint8 frames [N, F, H, W, 3]) or
-`--out clip.wav` (the sound); the bar names each chunk as it arrives.
+`--out clip.wav` (the sound); the bar names each chunk as it arrives. Text (BAGEL: `--output-modality text` for an
+answer, `--think` for a thought first) is printed to stdout as it streams; a text answer saves no image.
 Ctrl-C cancels the request on the server and exits with 130.
 """
 
@@ -71,8 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "of the first block reuses (default: the model's, else 0.05; higher: faster, less faithful)")
     gen.add_argument("--frames", type=_positive, dest="num_frames", help="num_frames (video models)")
     gen.add_argument("--fps", type=float, dest="frame_rate", help="frame_rate (LTX-2)")
-    gen.add_argument("--preview-every", type=_non_negative, default=1,
-                     help="a progress response with a preview every K steps (default 1; 0: final image only)")
+    gen.add_argument("--think", action="store_true", default=None,
+                     help="first decode a plan (an image) or reasoning (a text answer), printed as it streams (bagel)")
+    gen.add_argument("--output-modality", choices=("image", "text"),
+                     help="text: answer the prompt in text, printed as it streams, no image (bagel)")
+    gen.add_argument("--max-new-tokens", type=_positive, help="most tokens of the thought or answer (bagel)")
+    gen.add_argument("--temperature", type=float, help="text sampling temperature; 0: greedy (bagel's default)")
+    gen.add_argument("--preview-every", type=_non_negative,
+                     help="a progress response with a preview every K steps (default 1, with --think or "
+                          "--output-modality 0; 0: final image only, as bagel needs)")
     gen.add_argument("--preview-dir", type=Path, help="save the previews here")
     gen.add_argument("--out", type=Path, default=Path("out.png"),
                      help="output PNG; several images become out-0.png, out-1.png, ... Videos: .mp4, .npy "
@@ -159,6 +167,7 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     bar = ProgressBar()
     output_format = VIDEO_SUFFIXES.get(args.out.suffix.lower())
+    text = args.think or args.output_modality is not None  # BAGEL, which sends no previews
     events = stream(
         args.prompt,
         url=args.url,
@@ -175,19 +184,26 @@ def run_generate(args: argparse.Namespace) -> int:
         num_images=args.num_images,
         num_frames=args.num_frames,
         frame_rate=args.frame_rate,
-        preview_interval=args.preview_every or 0,
+        preview_interval=args.preview_every if args.preview_every is not None else 0 if text else 1,
         output_format=output_format,
         image=_images(args.image),
         strength=args.strength,
         mask=None if args.mask is None else args.mask.read_bytes(),
         cache=args.cache,
         cache_threshold=args.cache_threshold,
+        think=args.think,
+        output_modality=args.output_modality,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
     )
-    final = None
+    final, printed = None, ""
     # closing() cancels the request if we leave early (Ctrl-C while saving a preview).
     with contextlib.closing(events), contextlib.closing(bar):
         for event in events:
-            if isinstance(event, Progress):
+            if isinstance(event, Progress) and event.text is not None:
+                printed += event.text
+                print(event.text, end="", flush=True)
+            elif isinstance(event, Progress):
                 bar.update(event.step, event.num_steps, _chunk_note(event.chunk) if event.chunk else "")
                 if event.previews and args.preview_dir is not None:
                     _save_previews(args.preview_dir, event)
@@ -196,6 +212,13 @@ def run_generate(args: argparse.Namespace) -> int:
                 if bar.shown and final.num_steps:
                     bar.update(final.num_steps, final.num_steps)
     assert final is not None, "stream() ends with a Final or raises"
+    if final.text is not None:  # the rest of the text (the whole of it if the streamed part does not lead it)
+        print(final.text[len(printed):] if final.text.startswith(printed) else "\n" * bool(printed) + final.text,
+              flush=True)
+        if not final.images and final.video is None:
+            print(f"answered ({final.finish_reason}) in {time.monotonic() - started:.2f} s", file=sys.stderr,
+                  flush=True)
+            return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if final.video is not None:
         paths = save_video(args.out, final.video)

@@ -37,6 +37,10 @@ INPUT_DTYPES = {
     "mask_image": "BYTES",
     "cache": "BYTES",
     "cache_threshold": "FP32",
+    "think": "BOOL",
+    "output_modality": "BYTES",
+    "max_new_tokens": "INT32",
+    "temperature": "FP32",
 }
 
 
@@ -60,6 +64,10 @@ def build_inputs(
     mask: Optional[bytes] = None,
     cache: Optional[str] = None,
     cache_threshold: Optional[float] = None,
+    think: Optional[bool] = None,
+    output_modality: Optional[str] = None,
+    max_new_tokens: Optional[int] = None,
+    temperature: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The request's inputs by Triton name, leaving out everything not set. `image` (an encoded file, for
     image-to-image, or a list of them: qwen_image_edit_plus's one [n] input) and `mask` (one more, for inpainting:
@@ -86,6 +94,10 @@ def build_inputs(
         "mask_image": None if mask is None else base64.b64encode(mask).decode("ascii"),
         "cache": cache,
         "cache_threshold": cache_threshold,
+        "think": think,
+        "output_modality": output_modality,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
     }
     return {name: value for name, value in values.items() if value is not None}
 
@@ -123,6 +135,17 @@ def stream(
     from client.http_transport import http_events
 
     return http_events(url, model, inputs, timeout)
+
+
+def answer(prompt: str, **kwargs: Any) -> str:
+    """A text answer to `prompt` (BAGEL: `output_modality="text"`); same arguments as `stream`."""
+    final = None
+    for event in stream(prompt, output_modality="text", **kwargs):
+        if isinstance(event, Final):
+            final = event
+    if final is None or final.text is None:
+        raise ServerError("the server ended the request without a final text")
+    return final.text
 
 
 def generate(prompt: str, **kwargs: Any) -> List[Image.Image]:

@@ -76,6 +76,16 @@ def decode_video(outputs: Mapping[str, Any]) -> Optional[Video]:
                  audio_sample_rate=None if sample_rate is None else int(sample_rate))
 
 
+def _text(value: Any) -> Optional[str]:
+    """A [1] text output (gRPC: UTF-8 bytes, HTTP: a JSON string) as str; None if absent."""
+    if value is None:
+        return None
+    if not isinstance(value, (bytes, str)):
+        items = np.asarray(value, dtype=object).reshape(-1)
+        value = items[0] if items.size else ""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def decode_response(outputs: Mapping[str, Any], is_last: bool) -> Union[Progress, Final, None]:
     """The event for one response. `is_last`: the transport saw Triton's final flag.
 
@@ -87,10 +97,13 @@ def decode_response(outputs: Mapping[str, Any], is_last: bool) -> Union[Progress
     video = decode_video(outputs)
     step = _scalar(outputs.get("step"))
     num_steps = _scalar(outputs.get("num_steps"))
-    if bool(_scalar(outputs.get("is_final"))) or (is_last and (images is not None or video is not None)):
-        if images is None and video is None:
-            raise ResponseFormatError("the final response carries no image or video")
-        return Final(images=images or [], num_steps=num_steps, video=video)
-    if step is None and images is None and video is None:
+    text = _text(outputs.get("text"))
+    if bool(_scalar(outputs.get("is_final"))) or (is_last and (images is not None or video is not None
+                                                               or text is not None)):
+        if images is None and video is None and text is None:
+            raise ResponseFormatError("the final response carries no image, video or text")
+        return Final(images=images or [], num_steps=num_steps, video=video, text=text,
+                     finish_reason=_text(outputs.get("finish_reason")))
+    if step is None and images is None and video is None and text is None:
         return None
-    return Progress(step=int(step or 0), num_steps=int(num_steps or 0), previews=images, chunk=video)
+    return Progress(step=int(step or 0), num_steps=int(num_steps or 0), previews=images, chunk=video, text=text)

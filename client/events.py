@@ -34,15 +34,19 @@ class Progress:
     num_steps: int
     previews: Optional[List[Image.Image]] = None
     chunk: Optional[Video] = None
+    text: Optional[str] = None  # the new characters of a text being decoded (BAGEL's answer or thought)
 
 
 @dataclass
 class Final:
-    """The last response of a request: the finished images, or the video."""
+    """The last response of a request: the finished images, or the video; a text answer or thought whole, with
+    why it ended (`stop`: its end token, `length`: max_new_tokens)."""
 
     images: List[Image.Image]
     num_steps: Optional[int] = None
     video: Optional[Video] = None
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
 
 
 class ClientError(Exception):

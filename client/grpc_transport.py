@@ -27,7 +27,7 @@ from client.events import (
 
 _NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 _OUTPUTS = ("image", "image_png", "video", "video_mp4", "frame_rate", "frame_offset", "audio", "audio_sample_rate",
-            "step", "num_steps", "is_final")
+            "step", "num_steps", "is_final", "text", "finish_reason")
 # gRPC statuses that mean the transport failed, not the model.
 _TRANSPORT_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 

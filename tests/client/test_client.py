@@ -157,6 +157,11 @@ class _CannedTriton(BaseHTTPRequestHandler):
             {"error": "input 'height': 4097 is out of range [16, 1024]"},
         ],
         "no_final": [{"step": 1, "num_steps": 2, "is_final": False}],
+        "answers": [  # BAGEL's text answer: new characters, then the whole text (its last piece never streamed)
+            {"step": 1, "num_steps": 3, "is_final": False, "text": "Hel"},
+            {"step": 2, "num_steps": 3, "is_final": False, "text": "lo, "},
+            {"step": 3, "num_steps": 3, "is_final": True, "text": "Hello, world", "finish_reason": "length"},
+        ],
     }
     requests: list = []
 
@@ -216,6 +221,23 @@ def test_http_errors_carry_tritons_message(canned_server):
 
 
 # -- no server ------------------------------------------------------------------------------
+def test_the_cli_prints_a_text_answer_as_it_streams(canned_server, capsys):
+    from client.__main__ import main
+
+    _CannedTriton.requests.clear()
+    assert main(["generate", "--prompt", "hi", "--http", "--url", canned_server, "--model", "answers", "--think",
+                 "--output-modality", "text", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "Hello, world\n" and "answered (length)" in out.err
+    assert _CannedTriton.requests[0][1] == {"prompt": "hi", "think": True, "output_modality": "text",
+                                            "max_new_tokens": 5, "temperature": 0.0, "output_format": "png"}
+    tensor, = _infer_inputs({"think": True}, {"think": "BOOL"})  # gRPC: a BOOL tensor, as the model declares
+    assert tensor.datatype() == "BOOL"
+    final = decode_response({"text": np.array([b"ok"], dtype=object), "finish_reason": np.array([b"stop"], dtype=object),
+                             "is_final": np.array([True])}, is_last=True)
+    assert (final.text, final.finish_reason, final.images) == ("ok", "stop", [])
+
+
 @pytest.mark.parametrize("protocol_args", [[], ["--http"]], ids=["grpc", "http"])
 def test_unreachable_server_gives_one_clear_line(protocol_args, tmp_path):
     port = _free_port()
