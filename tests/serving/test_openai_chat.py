@@ -150,6 +150,34 @@ def test_a_bad_chat_is_a_400_naming_the_field(client, kwargs, param):
     assert ChatGateway.sent == []
 
 
+def test_a_client_that_leaves_the_stream_closes_its_triton_request():
+    """Starlette closes the chunks' generator when the client goes away; that closes the gateway's stream, which
+    cancels the Triton request (gateway.py)."""
+    import asyncio
+
+    from engine_lib.serving.openai_api.chat import ChatRequest, chunks
+
+    closed = []
+
+    async def responses():
+        try:
+            for step in range(1, 100):
+                yield Response(step=step, num_steps=99, is_final=False, images=None,
+                               outputs={"text": np.array([b"x"], dtype=object)})
+        finally:
+            closed.append(True)
+
+    async def leave_after_two():
+        stream = responses()
+        first = await stream.__anext__()
+        events = chunks(ChatRequest("m"), "chatcmpl-1", first, stream)
+        assert [await events.__anext__() for _ in range(3)][-1].count('"content": "x"') == 1
+        await events.aclose()
+
+    asyncio.run(leave_after_two())
+    assert closed == [True]
+
+
 def test_a_model_that_does_not_answer_in_text_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         ask(client, model="painter")
