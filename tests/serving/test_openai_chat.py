@@ -4,6 +4,8 @@ and a fake gateway that records what would reach Triton (the served check agains
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import openai
 import pytest
@@ -13,11 +15,12 @@ from engine_lib.serving.openai_api import app as app_module
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
 
 from .fake_gateway import OneModelGateway
+from .test_security_front_door import HOSTILE_VALUES
 
 INPUTS = {"prompt": InputType("TYPE_STRING"), "output_modality": InputType("TYPE_STRING"),
           "max_new_tokens": InputType("TYPE_INT32"), "temperature": InputType("TYPE_FP32"),
           "seed": InputType("TYPE_INT64"), "think": InputType("TYPE_BOOL"), "height": InputType("TYPE_INT32"),
-          "width": InputType("TYPE_INT32")}
+          "width": InputType("TYPE_INT32"), "priority": InputType("TYPE_INT32")}
 PIECES = ["Hel", "lo, ", "wor"]  # streamed; the final holds "Hello, world": its last "ld" never came as a piece
 ANSWER = "Hello, world"
 
@@ -176,6 +179,18 @@ def test_a_client_that_leaves_the_stream_closes_its_triton_request():
 
     asyncio.run(leave_after_two())
     assert closed == [True]
+
+
+def test_no_malformed_value_of_any_chat_field_is_a_500_and_priority_keeps_its_rights(http):
+    for field in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
+                  "stream_options", "n", "think", "priority", "unknown"):
+        for value in [*HOSTILE_VALUES, '[{"role": "user", "content": [{"type": "text", "text": 1}]}]']:
+            base = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})[1:-1]
+            reply = http.post("/v1/chat/completions", content=f'{{{base}, "{field}": {value}}}'.encode())
+            assert reply.status_code < 500 and (reply.status_code == 200 or "error" in reply.json()), (field, value)
+    reply = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "priority": 1})
+    assert reply.status_code == 403 and reply.json()["error"]["param"] == "priority"
 
 
 def test_a_model_that_does_not_answer_in_text_is_a_404(client):
