@@ -86,9 +86,9 @@ def parse_chat_request(body: Any, input_types: Mapping[str, Any], default_model:
     for name in ("temperature", "seed"):
         if body.get(name) is not None:
             request.inputs[name] = body[name]
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):  # OpenAI takes null for its defaults
         raise bad_request("n must be 1 (one answer per request)", "n")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad_request("stream must be true or false", "stream")
     request.stream = stream
@@ -136,6 +136,7 @@ def chat_error(request: ChatRequest):
 
 
 def text_of(response: Response, name: str = "text") -> Optional[str]:
+    """A response's one-element text output as str; None when it has none."""
     array = response.outputs.get(name)
     if array is None or not len(array):
         return None
