@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway, TritonRequestError
 from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
-from engine_lib.serving.openai_api.requests import OpenAIError, bad_request, error_from_triton
+from engine_lib.serving.openai_api.requests import OpenAIError, bad_request, error_from_triton, extra_inputs
 from engine_lib.serving.openai_api.watch import next_response, until_final
 
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -97,14 +97,7 @@ def parse_chat_request(body: Any, input_types: Mapping[str, Any], default_model:
                                 or options.get("include_usage", False) is not False):
         raise bad_request("stream_options may only hold include_usage: false (no tokens are counted here)",
                           "stream_options")
-    for name, value in body.items():
-        if name in CHAT_FIELDS:
-            continue
-        if name in MANAGED_INPUTS or name not in input_types:
-            known = sorted(set(input_types) - set(MANAGED_INPUTS))
-            raise bad_request(f"unknown field {name!r}; {model} also takes: {', '.join(known)}", name,
-                              "unknown_parameter")
-        request.inputs[name] = value
+    request.inputs.update(extra_inputs(body, CHAT_FIELDS, MANAGED_INPUTS, input_types, model))
     return request
 
 

@@ -111,15 +111,24 @@ def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model
     if request.partial_images:
         request.inputs["preview_interval"] = 1  # every step; the front door forwards the ones it needs
 
+    request.inputs.update(extra_inputs(body, OPENAI_FIELDS, MANAGED_INPUTS, input_types, model))
+    return request
+
+
+def extra_inputs(body: Mapping[str, Any], own_fields, managed: Mapping[str, Any], input_types: Mapping[str, Any],
+                 model: str) -> dict[str, Any]:
+    """The body's fields other than the endpoint's `own_fields`, as the model's inputs of those names: a field
+    the model does not declare, or one of the inputs the endpoint sets itself (`managed`), is a 400 naming it."""
+    inputs = {}
     for name, value in body.items():
-        if name in OPENAI_FIELDS:
+        if name in own_fields:
             continue
-        if name in MANAGED_INPUTS or name not in input_types:
-            known = sorted(set(input_types) - set(MANAGED_INPUTS))
+        if name in managed or name not in input_types:
+            known = sorted(set(input_types) - set(managed))
             raise bad_request(f"unknown field {name!r}; {model} also takes: {', '.join(known)}", name,
                               "unknown_parameter")
-        request.inputs[name] = value
-    return request
+        inputs[name] = value
+    return inputs
 
 
 def parse_edit_request(fields: list[tuple[str, str]], files: list[tuple[str, bytes]], input_types: Mapping[str, Any],

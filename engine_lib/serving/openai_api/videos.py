@@ -48,8 +48,8 @@ from starlette.concurrency import run_in_threadpool
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway, TritonRequestError
 from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
-from engine_lib.serving.openai_api.requests import (OpenAIError, bad_request, error_from_triton, form_body,
-                                                    lone_surrogate_field, model_name, parse_size)
+from engine_lib.serving.openai_api.requests import (OpenAIError, bad_request, error_from_triton, extra_inputs,
+                                                    form_body, lone_surrogate_field, model_name, parse_size)
 
 log = logging.getLogger(__name__)
 
@@ -237,14 +237,8 @@ def parse_video_request(body: Any, files: list[tuple[str, bytes]], input_types: 
         if "image" in inputs:
             raise bad_request("input_reference takes one image file", "input_reference")
         inputs["image"] = data
-    for name, value in body.items():
-        if name in VIDEO_FIELDS or name == "frame_rate" and "frame_rate" in input_types:
-            continue
-        if name in VIDEO_INPUTS or name not in input_types:
-            known = sorted(set(input_types) - set(VIDEO_INPUTS))
-            raise bad_request(f"unknown field {name!r}; {model} also takes: {', '.join(known)}", name,
-                              "unknown_parameter")
-        inputs[name] = value
+    own = VIDEO_FIELDS + (("frame_rate",) if "frame_rate" in input_types else ())  # frame_rate: read above
+    inputs.update(extra_inputs(body, own, VIDEO_INPUTS, input_types, model))
     return VideoRequest(model, inputs, size if isinstance(size, str) else str(size), seconds, frame_rate)
 
 
