@@ -8,10 +8,16 @@ work a decision saves instead of timing it.
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
+import weakref
 
 import numpy as np
+import torch
 
-from engine_lib.pipelines.base import PipelineAdapter
+from engine_lib.pipelines.base import PipelineAdapter, move_tensors
+from engine_lib.request import DiffusionRequest, SamplingParams
+from engine_lib.runner import ModelRunner
 from engine_lib.pipelines.step_cache import threshold
 from parity_checks import FLOAT_BOUND, Arrival, drive_steps, image_diff, parse, solo_steps, with_cfg_batching
 
@@ -100,6 +106,38 @@ def check_rows_decide_alone(runner: PipelineAdapter, tail_rows: list, requests: 
     assert sum(tail_rows) == sum(solo_rows.values())
     computed = sum(solo_rows.values()) - solo_rows["off"]  # the request without the cache makes no decision
     assert counts == {"cache_steps_computed": computed, "cache_steps_reused": 3 * STEPS - computed}
+
+
+def check_pause_resume_and_abort(adapter: PipelineAdapter, inputs: SamplingParams, steps: int,
+                                 other: SamplingParams, other_steps: int, branches: set[str]) -> None:
+    """Paused after two steps while `other` (cached too) runs to its end, then resumed: the same image as its
+    uninterrupted run. Its cache (residuals of each of `branches`) moves with its state, every tensor, and
+    freeing the state (an abort) releases the cached residuals."""
+    expected = solo_steps(adapter, inputs)
+    runner = ModelRunner(adapter)
+    paused, other = DiffusionRequest("p", inputs, num_steps=steps), DiffusionRequest("o", other, num_steps=other_steps)
+    runner.execute_step([paused], [])
+    runner.execute_step([], [paused])
+    runner.pause(["p"])
+    cache = runner.states["p"].step_cache
+    assert set(cache) == branches
+    assert all(cache[b].head_residual is not None and cache[b].tail_residual is not None for b in branches)
+    moved = move_tensors(copy.deepcopy(runner.states["p"]), torch.device("meta"))  # a GPU pause: to the host
+    assert {t.device.type for b in branches for t in (moved.step_cache[b].head_residual,
+                                                      moved.step_cache[b].tail_residual)} == {"meta"}
+    runner.execute_step([other], [])
+    while "o" in runner.states:
+        runner.execute_step([], [other])
+    out = None
+    while out is None:
+        out = runner.execute_step([], [paused]).outputs.get("p")
+    assert np.array_equal(out["image"], expected)
+
+    runner.execute_step([DiffusionRequest("x", inputs, num_steps=steps)], [])
+    residuals = [weakref.ref(runner.states["x"].step_cache[b].head_residual) for b in branches]
+    runner.free(["x"])  # what an abort does
+    gc.collect()
+    assert all(residual() is None for residual in residuals) and not runner.states
 
 
 def with_options(adapter: PipelineAdapter, **options) -> PipelineAdapter:

@@ -9,24 +9,18 @@ a pause beside other cached requests, moves with the state and goes with it.
 
 from __future__ import annotations
 
-import copy
-import gc
-import weakref
 from functools import partial
 
-import numpy as np
 import pytest
-import torch
 
 from engine_lib.config import EngineConfig
-from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
-from engine_lib.request import DiffusionRequest, InvalidInputError
-from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse, solo_steps
-from step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
-                               check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into, with_options)
+from engine_lib.request import InvalidInputError
+from parity_checks import load_tiny_adapter, parse
+from step_cache_checks import (STEPS, cached_inputs, check_pause_resume_and_abort, check_rows_decide_alone,
+                               check_shared_batch, check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into,
+                               with_options)
 
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
 # the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.
@@ -80,32 +74,8 @@ def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_
     """Paused after two steps while another cached request runs to its end, then resumed: the same image as
     its uninterrupted run. Its cache moves with its state (every tensor, and back), and freeing the state
     (an abort) releases the cached residuals."""
-    inputs = parse(adapter, cached(0.5, seed=5))
-    expected = solo_steps(adapter, inputs)
-    runner = ModelRunner(adapter)
-    paused, other = DiffusionRequest("p", inputs, num_steps=STEPS), DiffusionRequest("o", parse(
-        adapter, cached(0.5, seed=6, num_inference_steps=3)), num_steps=3)
-    runner.execute_step([paused], [])
-    runner.execute_step([], [paused])
-    runner.pause(["p"])
-    cache = runner.states["p"].step_cache["cond"]
-    assert cache.head_residual is not None and cache.tail_residual is not None
-    moved = move_tensors(copy.deepcopy(runner.states["p"]), torch.device("meta"))  # a GPU pause: to the host
-    assert moved.step_cache["cond"].head_residual.device.type == "meta"
-    assert moved.step_cache["cond"].tail_residual.device.type == "meta"
-    runner.execute_step([other], [])
-    while "o" in runner.states:
-        runner.execute_step([], [other])
-    out = None
-    while out is None:
-        out = runner.execute_step([], [paused]).outputs.get("p")
-    assert np.array_equal(out["image"], expected)
-
-    runner.execute_step([DiffusionRequest("x", inputs, num_steps=STEPS)], [])
-    residual = weakref.ref(runner.states["x"].step_cache["cond"].head_residual)
-    runner.free(["x"])  # what an abort does
-    gc.collect()
-    assert residual() is None and not runner.states
+    check_pause_resume_and_abort(adapter, parse(adapter, cached(0.5, seed=5)), STEPS,
+                                 parse(adapter, cached(0.5, seed=6, num_inference_steps=3)), 3, {"cond"})
 
 
 def test_rows_of_different_sizes_decide_alone_in_a_packed_forward(adapter, tail_rows):

@@ -9,9 +9,6 @@ layer's generation MLP counts the latent tokens that reach it, so a reusing row 
 
 from __future__ import annotations
 
-import copy
-import gc
-import weakref
 from collections import Counter
 from functools import partial
 from unittest import mock
@@ -23,12 +20,10 @@ import torch
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.model import QueryRows
 from engine_lib.pipelines.bagel.pipeline import Guidance, guide
-from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.step_cache import threshold
-from engine_lib.request import DiffusionRequest, InvalidInputError
-from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse, solo_steps, step_latents
-from step_cache_checks import STEPS, cached_inputs, check_shared_batch, rows_into
+from engine_lib.request import InvalidInputError
+from parity_checks import load_tiny_adapter, parse, step_latents
+from step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch, rows_into
 
 # The tiny model's first-layer residual changes little between steps: without CFG 0.05 reuses 3 of the 6 steps,
 # 0.1 four; with CFG (the default interval) 0.05 reuses 6 of 11 branch forwards.
@@ -131,28 +126,5 @@ def test_rows_decide_alone_in_a_shared_batch(adapter, tail_tokens):
 
 
 def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_cache(adapter):
-    inputs = parse(adapter, cached(0.05, seed=5))
-    expected = solo_steps(adapter, inputs)
-    runner = ModelRunner(adapter)
-    paused, other = DiffusionRequest("p", inputs, num_steps=STEPS), DiffusionRequest("o", parse(
-        adapter, cached(0.1, seed=6, num_inference_steps=3)), num_steps=3)
-    runner.execute_step([paused], [])
-    runner.execute_step([], [paused])
-    runner.pause(["p"])
-    cache = runner.states["p"].step_cache["cond"]
-    assert cache.head_residual is not None and cache.tail_residual is not None
-    moved = move_tensors(copy.deepcopy(runner.states["p"]), torch.device("meta"))  # a GPU pause: to the host
-    assert {moved.step_cache[b].tail_residual.device.type for b in moved.step_cache} == {"meta"}
-    runner.execute_step([other], [])
-    while "o" in runner.states:
-        runner.execute_step([], [other])
-    out = None
-    while out is None:
-        out = runner.execute_step([], [paused]).outputs.get("p")
-    assert np.array_equal(out["image"], expected)
-
-    runner.execute_step([DiffusionRequest("x", inputs, num_steps=STEPS)], [])
-    residual = weakref.ref(runner.states["x"].step_cache["cond"].head_residual)
-    runner.free(["x"])  # what an abort does
-    gc.collect()
-    assert residual() is None and not runner.states
+    check_pause_resume_and_abort(adapter, parse(adapter, cached(0.05, seed=5)), STEPS,
+                                 parse(adapter, cached(0.1, seed=6, num_inference_steps=3)), 3, {"cond", "uncond"})

@@ -8,24 +8,17 @@ reach the last layer (its MoE also runs every prompt's prefill, so a module hook
 
 from __future__ import annotations
 
-import copy
-import gc
-import weakref
 from collections import Counter
 from functools import partial
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 
-from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.step_cache import threshold
-from engine_lib.request import DiffusionRequest
-from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse, solo_steps, step_latents
-from step_cache_checks import STEPS, cached_inputs, check_shared_batch
+from parity_checks import load_tiny_adapter, parse, step_latents
+from step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch
 
 # The tiny model's first-layer residual changes by 0.1-0.2 from step to step (seed 3 solo: 0.1 reuses none of the
 # 6 steps, 0.15 three, 0.2 five).
@@ -129,26 +122,5 @@ def test_rows_decide_alone_in_a_shared_batch(adapter, tail_rows):
 
 def test_a_paused_cached_request_resumes_as_if_never_paused_and_abort_frees_its_cache(adapter):
     inputs = parse(adapter, cached(0.15, seed=5, guidance_scale=5.0, num_inference_steps=4))
-    expected = solo_steps(adapter, inputs)
-    runner = ModelRunner(adapter)
-    paused, other = DiffusionRequest("p", inputs, num_steps=4), DiffusionRequest("o", parse(
-        adapter, cached(0.2, seed=6, num_inference_steps=3, guidance_scale=1.0)), num_steps=3)
-    runner.execute_step([paused], [])
-    runner.execute_step([], [paused])
-    runner.pause(["p"])
-    assert set(runner.states["p"].step_cache) == {"cond", "uncond"}
-    moved = move_tensors(copy.deepcopy(runner.states["p"]), torch.device("meta"))  # a GPU pause: to the host
-    assert {moved.step_cache[b].tail_residual.device.type for b in moved.step_cache} == {"meta"}
-    runner.execute_step([other], [])
-    while "o" in runner.states:
-        runner.execute_step([], [other])
-    out = None
-    while out is None:
-        out = runner.execute_step([], [paused]).outputs.get("p")
-    assert np.array_equal(out["image"], expected)
-
-    runner.execute_step([DiffusionRequest("x", inputs, num_steps=4)], [])
-    residual = weakref.ref(runner.states["x"].step_cache["uncond"].head_residual)
-    runner.free(["x"])  # what an abort does
-    gc.collect()
-    assert residual() is None and not runner.states
+    other = parse(adapter, cached(0.2, seed=6, num_inference_steps=3, guidance_scale=1.0))
+    check_pause_resume_and_abort(adapter, inputs, 4, other, 3, {"cond", "uncond"})
