@@ -229,7 +229,16 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def _transformer(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
                      states: list[FlowMatchState]) -> torch.Tensor:
-        """One transformer call, exactly as the pipeline's denoising loop makes it."""
+        """One transformer call, exactly as the pipeline's denoising loop makes it: `_forward`, under the
+        TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
+        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
+        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
+        with taylorseer.attending(seer):
+            return self._forward(latents, timestep, text, rows, states, seer)
+
+    def _forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
+                 states: list[FlowMatchState], seer: Optional[taylorseer.Plan]) -> torch.Tensor:
+        """The pipeline's transformer forward over `rows` (`seer`: the TaylorSeer plan it runs under, or None)."""
         raise NotImplementedError
 
     def _shift(self, image_seq_len: int, max_shift_default: float = 1.15) -> float:

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from engine_lib.interface import InputSpec, replace_spec
-from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
@@ -105,13 +104,6 @@ class QwenImageAdapter(FlowMatchAdapter):
         if len(set(shapes)) > 1:  # a ragged batch: image tokens packed, each row its own RoPE
             rows["packing"] = QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device)
         return rows
-
-    def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """`_forward`, under the TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
-        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
-        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
-        with taylorseer.attending(seer):
-            return self._forward(latents, timestep, text, rows, states, seer)
 
     def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only

@@ -43,7 +43,6 @@ import torch
 
 from engine_lib import interface
 from engine_lib.host_copy import to_device
-from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
                                              TextParts, max_sequence_length, strength_steps)
 from engine_lib.pipelines.sd3.first_block import cached_forward, cached_packed_forward
@@ -246,13 +245,6 @@ class SD3Adapter(FlowMatchAdapter):
         vae = self.pipe.vae_scale_factor  # a ragged batch: patch tokens packed
         return {"packing": SD3Packing([(s.params.height // vae, s.params.width // vae) for s in states
                                        for _ in range(s.num_rows)], self.pipe.patch_size, self.device)}
-
-    def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """`_forward`, under the TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
-        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
-        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
-        with taylorseer.attending(seer):
-            return self._forward(latents, timestep, text, rows, states, seer)
 
     def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
         """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
