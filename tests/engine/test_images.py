@@ -17,15 +17,9 @@ from PIL import Image
 from engine_lib import images
 from engine_lib.images import decode_image
 from engine_lib.request import InvalidInputError
-from tests.hostile_images import hostile, odd_but_valid
+from tests.hostile_images import encode, hostile, odd_but_valid, png_header_only
 
 RNG = np.random.default_rng(0)
-
-
-def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **kwargs)
-    return buffer.getvalue()
 
 
 def rgb(width: int = 24, height: int = 16) -> Image.Image:
@@ -44,15 +38,6 @@ def refused(data, fragment: str = "") -> str:
     assert message.startswith("input 'image': "), message
     assert fragment in message, message
     return message
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header declares width x height and whose data is a few bytes: a decompression bomb."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
 
 
 @pytest.mark.parametrize("make", [
