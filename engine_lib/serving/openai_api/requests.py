@@ -74,14 +74,20 @@ def model_name(body: Mapping[str, Any], default_model: Optional[str]) -> str:
     return model
 
 
-def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model: Optional[str]) -> ImageRequest:
-    """Map an `/v1/images/generations` body onto the model's inputs (`input_types`: name -> InputType)."""
+def model_and_prompt(body: Any, default_model: Optional[str]) -> tuple[str, str]:
+    """A create body's model and prompt, the two fields every images and videos request needs."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
     model = model_name(body, default_model)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("prompt is required and must be a string", "prompt", "missing_required_parameter")
+    return model, prompt
+
+
+def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model: Optional[str]) -> ImageRequest:
+    """Map an `/v1/images/generations` body onto the model's inputs (`input_types`: name -> InputType)."""
+    model, prompt = model_and_prompt(body, default_model)
     request = ImageRequest(model, {"prompt": prompt})
 
     for name, allowed in NO_OP_VALUES.items():

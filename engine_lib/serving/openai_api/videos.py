@@ -49,7 +49,7 @@ from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway, TritonRequestError
 from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import (OpenAIError, bad_request, error_from_triton, extra_inputs,
-                                                    form_body, lone_surrogate_field, model_name, parse_size)
+                                                    form_body, lone_surrogate_field, model_and_prompt, parse_size)
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +206,7 @@ def parse_seconds(value: Any, frame_rate: float) -> tuple[str, int]:
 def parse_video_request(body: Any, files: list[tuple[str, bytes]], input_types: Mapping[str, InputType],
                         default_model: Optional[str]) -> VideoRequest:
     """Map a create body (JSON, or a form typed by `form_body`) and its files onto the model's inputs."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", None, "invalid_json")
-    model = model_name(body, default_model)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise bad_request("prompt is required and must be a string", "prompt", "missing_required_parameter")
+    model, prompt = model_and_prompt(body, default_model)
     inputs: dict[str, Any] = {"prompt": prompt}
     size = body.get("size", "auto")
     width, height = parse_size(size)
