@@ -50,7 +50,12 @@ class EngineConfig:
     max_request_cost: str = "auto"
     cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
     mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
+    # several devices for one model (engine_lib/parallel.py: one worker process per rank; docs/deployment.md)
     cfg_parallel: bool = False  # a CFG tick's cond rows on one worker process, its uncond rows on another (Qwen-Image)
+    sequence_parallel_size: int = 1  # ranks that split each forward's latent tokens (Ulysses attention)
+    tensor_parallel_size: int = 1  # ranks that split attention heads and MLPs (HunyuanImage-3.0)
+    expert_parallel: bool = False  # with tensor_parallel_size > 1: the MoE experts spread over those ranks
+    devices: str = ""  # the ranks' devices, comma-separated (cuda:0,cuda:1); empty: cuda:0..N-1 on a GPU host, else cpu
     # who goes first
     scheduling_policy: str = "arrival"  # engine_lib/sched/policy.py: arrival, shortest_remaining, deadline, ...
     priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
@@ -116,14 +121,37 @@ class EngineConfig:
         for name in ("max_num_seqs", "priority_levels", "max_loras", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
-        if self.cfg_parallel and self.mixed_size_batching:
-            raise ConfigError("parameter 'cfg_parallel': not with mixed_size_batching=true (set one of them false)")
+        for name in ("sequence_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ConfigError("parameter 'expert_parallel': spreads the experts over the tensor-parallel ranks; "
+                              "set tensor_parallel_size >= 2")
+        kinds = [name for name, on in (("cfg_parallel", self.cfg_parallel),
+                                       ("sequence_parallel_size", self.sequence_parallel_size > 1),
+                                       ("tensor_parallel_size", self.tensor_parallel_size > 1)) if on]
+        if len(kinds) > 1:
+            raise ConfigError(f"parameters {' and '.join(repr(k) for k in kinds)}: one kind of parallelism per "
+                              "model instance (set all but one to their defaults)")
+        if kinds and self.mixed_size_batching:
+            raise ConfigError(f"parameter '{kinds[0]}': not with mixed_size_batching=true (set one of them off)")
+        if self.devices and len(self.device_list()) != self.world_size:
+            raise ConfigError(f"parameter 'devices': {self.devices!r} names {len(self.device_list())} device(s); "
+                              f"this instance runs {self.world_size} rank(s)")
         if self.max_request_cost != "auto" and not re.fullmatch(r"\d+", self.max_request_cost):
             raise ConfigError(f"parameter 'max_request_cost': {self.max_request_cost!r} must be auto or an integer "
                               ">= 0 (0: no limit)")
         for name, value in self.input_max.items():
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"parameter 'max_{name}': {value} must be a finite number >= 0")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks) this instance runs besides its own: 1 means none (one process)."""
+        return (2 if self.cfg_parallel else 1) * self.sequence_parallel_size * self.tensor_parallel_size
+
+    def device_list(self) -> list[str]:
+        return [d.strip() for d in self.devices.split(",") if d.strip()]
 
     def request_cost_limit(self, pipeline_default: int) -> int:
         """The most latent tokens x rows one request may add to a forward (0: no limit): `max_request_cost`, or
@@ -167,8 +195,12 @@ def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
 
     `adapter` is an adapter class or instance (its capability flags are class attributes).
     """
-    if config.cfg_parallel and not adapter.supports_cfg_parallel:
-        raise ConfigError(f"pipeline '{adapter.name}' does not support cfg_parallel: set cfg_parallel=false")
+    for name, on, supported, default in (
+            ("cfg_parallel", config.cfg_parallel, adapter.supports_cfg_parallel, "false"),
+            ("sequence_parallel_size", config.sequence_parallel_size > 1, adapter.supports_sequence_parallel, "1"),
+            ("tensor_parallel_size", config.tensor_parallel_size > 1, adapter.supports_tensor_parallel, "1")):
+        if on and not supported:
+            raise ConfigError(f"pipeline '{adapter.name}' does not support {name}: set {name}={default}")
     if config.step_execution:
         if not adapter.supports_step_execution:
             raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")

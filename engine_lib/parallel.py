@@ -61,12 +61,22 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def rank_devices(device: torch.device, world_size: int) -> list[torch.device]:
-    """Rank r's device: the CPU for every rank, or cuda:r (the host needs world_size GPUs)."""
+def rank_devices(device: torch.device, world_size: int, names: Optional[list[str]] = None) -> list[torch.device]:
+    """Rank r's device: `names[r]` if given (the `devices` parameter), else the CPU for every rank, or
+    cuda:r (the host needs world_size GPUs)."""
+    from engine_lib.request import ConfigError
+    if names:
+        if len(names) != world_size:
+            raise ConfigError(f"parameter 'devices': {len(names)} device(s) for {world_size} rank(s)")
+        devices = [torch.device(name) for name in names]
+        missing = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count()]
+        if missing:
+            raise ConfigError(f"parameter 'devices': {', '.join(missing)} not on this host "
+                              f"({torch.cuda.device_count()} CUDA devices)")
+        return devices
     if device.type != "cuda":
         return [torch.device("cpu")] * world_size
     if torch.cuda.device_count() < world_size:
-        from engine_lib.request import ConfigError
         raise ConfigError(f"{world_size} ranks need {world_size} CUDA devices; this host has "
                           f"{torch.cuda.device_count()}")
     return [torch.device("cuda", r) for r in range(world_size)]

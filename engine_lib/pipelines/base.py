@@ -210,10 +210,12 @@ class PipelineAdapter(ABC):
     supports_previews: ClassVar[bool] = False
     batched_decode: ClassVar[bool] = True  # post_decode decodes its states in one call (decode groups pay)
     supports_cfg_parallel: ClassVar[bool] = False  # a CFG tick's two forwards may run on two ranks (cfg_parallel.py)
+    supports_sequence_parallel: ClassVar[bool] = False  # a forward's tokens may be split over ranks
+    supports_tensor_parallel: ClassVar[bool] = False  # heads, MLPs (and experts) may be split over ranks
     # The request `max_request_cost=auto` scales: the pipeline's diffusers default size (and frames), with
     # classifier-free guidance on (the most rows one image or video takes).
     cost_reference: ClassVar[dict] = {}
-    cfg_group: Any = None  # the cfg_parallel workers (engine_lib/parallel.py), started by the registry
+    workers: Any = None  # the parallel ranks (engine_lib/parallel.py WorkerGroup), from start_workers
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         self.pipe = pipe
@@ -222,9 +224,16 @@ class PipelineAdapter(ABC):
         self.options = dict(options or {})
 
     def close(self) -> None:
-        """Stop what the adapter started besides its own process (the cfg_parallel workers)."""
-        if self.cfg_group is not None:
-            self.cfg_group.close()
+        """Stop what the adapter started besides its own process (the parallel workers)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def start_workers(self, model_path: str, options: dict) -> Any:
+        """The worker group for `options["parallel"]` (config parameters `cfg_parallel`,
+        `sequence_parallel_size`, `tensor_parallel_size`, `expert_parallel`, `devices`), on the ranks'
+        devices; the registry calls it once after `load`. A pipeline with parallel support overrides it."""
+        from engine_lib.request import ConfigError
+        raise ConfigError(f"pipeline '{self.name}' runs in one process")
 
     @classmethod
     @abstractmethod

@@ -25,7 +25,7 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """Two workers, each loading the pipeline on its device (both CPUs over gloo, or cuda:0 and cuda:1)."""
     setup = functools.partial(_load_rank, adapter_cls, model_path, dtype, options)
-    return WorkerGroup(setup, rank_devices(device, len(SIDES)), timeout_s)
+    return WorkerGroup(setup, rank_devices(device, len(SIDES), options.get("parallel", {}).get("devices")), timeout_s)
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,

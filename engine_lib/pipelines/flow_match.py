@@ -168,10 +168,15 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def check_inputs(self, params: SamplingParams) -> None:
         self.loras.check(params.lora_name)
-        if self.cfg_group is not None:  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
+        if self.workers is not None:  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
             for name in ("lora_name", "cache"):
                 if params.get(name) not in (None, "", "none"):
                     raise InvalidInputError(name, f"{self.name} does not take this input with cfg_parallel")
+
+    def start_workers(self, model_path: str, options: dict):
+        if options["parallel"]["cfg_parallel"]:
+            return cfg_parallel.start(type(self), model_path, self.device, self.dtype, options)
+        return super().start_workers(model_path, options)
 
     @staticmethod
     def row_lora(params: SamplingParams) -> RowLora:
@@ -337,8 +342,8 @@ class FlowMatchAdapter(DiffusersAdapter):
 
         scales = {self.cfg_scale(s.params) for s in states}
         assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
-        if self.cfg_group is not None:  # cond rows on rank 0, uncond rows on rank 1, combined there
-            return cfg_parallel.forward(self.cfg_group, latents, timestep, text, rows, scales.pop())
+        if self.workers is not None:  # cond rows on rank 0, uncond rows on rank 1, combined there
+            return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scales.pop())
         if self.cfg_batching:
             first, second = self.cfg_order
             with self._cache_context(first):

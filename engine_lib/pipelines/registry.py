@@ -114,10 +114,8 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
         )
     options = adapter_options(config, model_path)
     adapter = adapter_cls.load(model_path, device, dtype, options)
-    if config.cfg_parallel:
-        from engine_lib.pipelines import cfg_parallel
-
-        adapter.cfg_group = cfg_parallel.start(adapter_cls, model_path, device, dtype, options)
+    if config.world_size > 1:
+        adapter.workers = adapter.start_workers(model_path, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter
 
@@ -129,4 +127,12 @@ def adapter_options(config: EngineConfig, model_path: str) -> dict:
         lora_dir = str(default_lora_dir(config.pipeline))
     return {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
             "lora_dir": lora_dir or None, "max_loras": config.max_loras,
-            "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20}
+            "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20,
+            "parallel": parallel_options(config)}
+
+
+def parallel_options(config: EngineConfig) -> dict:
+    """What the adapter's `start_workers` (and a sharded `load`) needs to know of the instance's ranks."""
+    return {"cfg_parallel": config.cfg_parallel, "sequence_parallel_size": config.sequence_parallel_size,
+            "tensor_parallel_size": config.tensor_parallel_size, "expert_parallel": config.expert_parallel,
+            "world_size": config.world_size, "devices": config.device_list()}

@@ -18,6 +18,7 @@ from engine_lib.config import EngineConfig, select_mode
 from engine_lib.interface import to_uint8
 from engine_lib.parallel import WorkerError
 from engine_lib.pipelines import cfg_parallel
+from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
@@ -54,9 +55,9 @@ def loaded() -> QwenImageAdapter:
 def parallel(loaded) -> QwenImageAdapter:
     """The module's adapter and workers; new workers after a test that killed or closed them (in file order those
     tests come last)."""
-    if loaded.cfg_group.broken:
+    if loaded.workers.broken:
         loaded.close()
-        loaded.cfg_group = cfg_parallel.start(type(loaded), str(ensure_model("qwen_image", "tiny")), loaded.device,
+        loaded.workers = cfg_parallel.start(type(loaded), str(ensure_model("qwen_image", "tiny")), loaded.device,
                                               loaded.dtype, loaded.options)
     return loaded
 
@@ -64,9 +65,9 @@ def parallel(loaded) -> QwenImageAdapter:
 def assert_same_run(parallel, single, two_forwards, arrivals):
     """Every step's latents bit for bit those of the two single-process forwards (same kernels, same thread count),
     within LATENT_BOUND of the default batched forward, its images within 1 uint8 level; the ranks ran every tick."""
-    calls = parallel.cfg_group.calls
+    calls = parallel.workers.calls
     latents, images = step_latents(parallel, arrivals)
-    ticks = parallel.cfg_group.calls - calls
+    ticks = parallel.workers.calls - calls
     exact_latents, _ = step_latents(two_forwards, arrivals)
     expected_latents, expected_images = step_latents(single, arrivals)
     for rid in arrivals:
@@ -92,9 +93,14 @@ def test_what_the_ranks_do_not_run_yet_is_refused():
     with pytest.raises(ConfigError, match="cfg_parallel"):
         EngineConfig(cfg_parallel=True, mixed_size_batching=True).validate()
     with pytest.raises(ConfigError, match="does not support cfg_parallel"):
-        select_mode(EngineConfig(pipeline="flux", cfg_parallel=True), type("Flux", (), {
-            "name": "flux", "supports_cfg_parallel": False}))
+        select_mode(EngineConfig(pipeline="sd3", cfg_parallel=True), get_adapter_class("sd3"))
     assert EngineConfig.from_parameters({"cfg_parallel": "true"}).cfg_parallel
+    with pytest.raises(ConfigError, match="one kind of parallelism"):
+        EngineConfig(cfg_parallel=True, tensor_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="'devices'"):
+        EngineConfig(cfg_parallel=True, devices="cpu").validate()
+    with pytest.raises(ConfigError, match="'expert_parallel'"):
+        EngineConfig(expert_parallel=True).validate()
 
 
 def test_a_lora_or_a_step_cache_is_refused_with_cfg_parallel(parallel):
@@ -105,7 +111,7 @@ def test_a_lora_or_a_step_cache_is_refused_with_cfg_parallel(parallel):
 
 
 def test_a_killed_worker_fails_the_next_tick_without_hanging(parallel, single):
-    rank1 = parallel.cfg_group.processes[1]
+    rank1 = parallel.workers.processes[1]
     os.kill(rank1.pid, signal.SIGKILL)
     rank1.join(10)
     p = parse(single, dict(prompt="a red cube", num_inference_steps=2, seed=5, **CFG))
@@ -122,7 +128,7 @@ def test_a_killed_worker_fails_the_next_tick_without_hanging(parallel, single):
 
 def test_close_leaves_no_worker_process_and_no_shared_memory(loaded):
     """(After the kill above, the group closed is the broken one: its survivor must end too.)"""
-    processes = loaded.cfg_group.processes
+    processes = loaded.workers.processes
     loaded.close()
     assert not any(process.is_alive() for process in processes)
     for process in processes:
