@@ -7,8 +7,9 @@ on CPU, NCCL on CUDA). Every rank answers every call, so the driver and the rank
 
 A worker that dies, or does not answer within the timeout, fails the call with `WorkerError`
 instead of hanging the engine; the group is then broken and every later call fails at once
-(the model instance has to be reloaded). A handler that raises fails only its call: every rank
-still answers it. `close()` stops the workers and their process group.
+(the engine then ends the requests whose state it held and starts a new group: engine.py). A
+handler that raises fails only its call: every rank still answers it. `close()` stops the workers
+and their process group.
 
 Messages are plain pickles on the pipe (tensors moved to the CPU first), never shared memory,
 so nothing is left in /dev/shm.
@@ -111,18 +112,24 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
+        logger.info("parallel worker group started: pids %s on %s", [p.pid for p in self.processes],
+                    [str(d) for d in devices])
 
     def call(self, method: str, args_per_rank: list[tuple]) -> Any:
         """Run `method` on every rank (rank r with `args_per_rank[r]`); rank 0's result, on the CPU."""
+        return self.call_all(method, args_per_rank)[0]
+
+    def call_all(self, method: str, args_per_rank: list[tuple]) -> list:
+        """Run `method` on every rank (rank r with `args_per_rank[r]`); every rank's result, on the CPU."""
         if self.broken:
-            raise WorkerError(f"the worker group is broken ({self.broken}); reload the model")
+            raise WorkerError(f"the worker group is broken ({self.broken})")
         assert len(args_per_rank) == self.world_size
         for conn, args in zip(self._conns, args_per_rank):
             try:
                 conn.send_bytes(pickle.dumps((method, to_cpu(args))))
             except OSError:
                 pass  # a dead rank: _replies names it
-        return self._replies(self.timeout_s)[0]
+        return self._replies(self.timeout_s)
 
     def _replies(self, timeout_s: float) -> list:
         """One reply from each rank, waiting on their pipes and their processes at once: a rank that dies

@@ -46,6 +46,10 @@ class CfgRank:
     def __init__(self, adapter, rank: int):
         self.adapter, self.rank = adapter, rank
 
+    def held_states(self) -> int:
+        """Request states this rank holds: none (every request's state stays on the driver)."""
+        return 0
+
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale):
         side = SIDES[self.rank]

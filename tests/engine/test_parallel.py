@@ -45,6 +45,10 @@ def test_rank_0_answers_what_the_ranks_computed_together(group):
     assert group.call("ranks", [(torch.tensor([10.0]),), (torch.tensor([20.0]),)]).tolist() == [[10.0], [21.0]]
 
 
+def test_call_all_answers_every_rank_s_result(group):
+    assert [t.tolist() for t in group.call_all("ranks", [(torch.tensor([1.0]),)] * 2)] == [[[1.0], [2.0]]] * 2
+
+
 def test_a_handler_error_fails_its_call_only(group):
     with pytest.raises(WorkerError, match="(?s)rank 1: .*planted failure on rank 1"):
         group.call("fail_on", [(1,), (1,)])
