@@ -3,7 +3,8 @@
 tests/golden/bagel/think.npz comes from ByteDance-Seed/Bagel's `interleave_inference` run greedily in float32 on the
 tiny checkpoint (`reference_think.py`, README): the prefilled ids (templates, system prompts), the decoded ids and
 text of an answer that ends on `<|im_end|>`, one that stops at its cap, an answer after thinking, and an image after
-thinking. The reference's cap counts `<|im_start|>` too, so ours (`max_new_tokens`) is one less.
+thinking, with image CFG off and on. The reference's cap counts `<|im_start|>` too, so ours (`max_new_tokens`) is one
+less.
 """
 
 from __future__ import annotations
@@ -94,6 +95,40 @@ def test_the_image_after_thinking_is_the_references(pipe, golden):
     assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1
 
 
+def image_cfg_think(pipe, golden, **changes):
+    """The golden image-CFG think request through `BagelPipeline.__call__`: its output and each step's input
+    latents."""
+    seen, predict = [], pipe.predict
+
+    def recorded(rows, latents, *args, **kwargs):
+        seen.append(latents[0].clone())
+        return predict(rows, latents, *args, **kwargs)
+    pipe.predict = recorded
+    try:
+        out = pipe(str(golden["think_image_cfg_img_prompt"]), 64, 64, num_inference_steps=5,
+                   generator=torch.Generator().manual_seed(1), guidance_scale=4.0, cfg_img_scale=2.0, think=True,
+                   max_new_tokens=max_new_tokens(golden, "think_image_cfg_img"), **changes)
+    finally:
+        del pipe.predict
+    return out, torch.stack(seen).numpy()
+
+
+def test_think_with_image_cfg_guides_against_the_prompt_without_the_thought(pipe, golden):
+    """The reference prefills the thought into the generation context only: its image-CFG context keeps the system
+    prompt and the prompt (5 prefills: those two into both contexts, then the thought). Each step's latents are
+    the reference's within float32 rounding (guiding against a context with the thought is 5e-3 off), the image
+    within one level."""
+    prompt = str(golden["think_image_cfg_img_prompt"])
+    out, latents = image_cfg_think(pipe, golden)
+    assert out.text == str(golden["think_image_cfg_img_text"])
+    assert prefills(golden, "think_image_cfg_img") == [pipe.token_ids(GEN_THINK_SYSTEM_PROMPT)] * 2 + [
+        pipe.token_ids(prompt)] * 2 + [pipe.token_ids(out.text)]
+    np.testing.assert_allclose(latents, golden["think_image_cfg_img_latents_in"], rtol=0, atol=1e-5)
+    image = (out.images[0] * 255).round().astype(int)
+    assert np.abs(image - golden["think_image_cfg_img_image_u8"].astype(int)).max() <= 1
+    assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() > 1  # the scale matters
+
+
 def test_sampled_text_is_reproducible_per_seed(pipe):
     context = pipe.encode("a red cube on a blue floor", 0, 0)
     runs = [pipe.generate_text(context.cond, 12, temperature=1.0, seed=seed).ids for seed in (5, 5, 6)]
@@ -106,8 +141,8 @@ def test_sampled_text_is_reproducible_per_seed(pipe):
 
 def golden_request(adapter, golden, case: str, **changes):
     inputs = {"prompt": str(golden[f"{case}_prompt"]), "max_new_tokens": max_new_tokens(golden, case),
-              "think": case.startswith("think"), "output_modality": "image" if case == "think_image" else "text",
-              "height": 64, "width": 64, "num_inference_steps": 5, "guidance_scale": 4.0, "seed": 1}
+              "think": case.startswith("think"),
+              "output_modality": "image" if case.startswith("think_image") else "text", "height": 64, "width": 64, "num_inference_steps": 5, "guidance_scale": 4.0, "seed": 1}
     return parse(adapter, {**inputs, **changes})
 
 
@@ -149,8 +184,9 @@ def test_the_served_inputs(adapter):
                         ("temperature", -0.1), ("temperature", 11.0)):
         with pytest.raises(InvalidInputError, match=name):
             parse(adapter, {"prompt": "a cat", name: value})
-    with pytest.raises(InvalidInputError, match="cfg_img_scale"):
-        parse(adapter, {"prompt": "a cat", "think": True, "cfg_img_scale": 1.5})
+    image_cfg = {"prompt": "a cat", "cfg_img_scale": 1.5, "height": 64, "width": 64}
+    plain, think = parse(adapter, image_cfg), parse(adapter, {**image_cfg, "think": True})
+    assert adapter.request_cost(think) == 3 * adapter.request_cost(plain) // 2  # an image-CFG row of its own
 
 
 def test_requests_decoding_together_give_the_references_answers_thought_and_image(adapter, golden, text_forwards):
@@ -179,6 +215,17 @@ def test_a_plain_image_beside_decoding_requests_equals_its_solo_run(adapter, gol
     solo, _ = run_ticks(adapter, {"plain": plain})
     np.testing.assert_array_equal(together["plain"]["image"], solo["plain"]["image"])
     assert "text" not in solo["plain"]
+
+
+def test_think_with_image_cfg_through_the_runner_beside_others_equals_the_pipeline(adapter, golden):
+    """Served, the image-CFG request's rows (three while CFG runs) share forwards with a plain image and an answer
+    decoding: its image is `__call__`'s bit for bit."""
+    think = golden_request(adapter, golden, "think_image_cfg_img", cfg_img_scale=2.0)
+    outputs, _ = run_ticks(adapter, {"think": think, "answer": golden_request(adapter, golden, "answer_capped"),
+                                     "plain": golden_request(adapter, golden, "think_image", think=False, seed=3)})
+    alone, _ = image_cfg_think(adapter.pipe, golden)
+    assert outputs["think"]["text"][0] == alone.text
+    np.testing.assert_array_equal(outputs["think"]["image"][0], alone.images[0])
 
 
 def test_sampled_answers_through_the_runner_repeat_per_seed(adapter, golden):

@@ -5,7 +5,9 @@
 * `denoise_step`: one forward over every scheduled request's latent tokens, each row
   attending only to its own cache (caches of different lengths and images of
   different sizes padded and masked), the CFG rows of every request whose timestep
-  is inside its `cfg_interval` in the same forward; then each request's own CFG/renorm;
+  is inside its `cfg_interval` in the same forward (after a thought with cfg_img_scale > 1,
+  an image-CFG row too, against the context without the thought, as the reference
+  guides); then each request's own CFG/renorm;
 * `step_scheduler`: the request's Euler update `x - v * dt` (k updates for k steps);
 * `post_decode`: unpack and decode, one VAE call per image size.
 
@@ -37,7 +39,7 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM_TYPES, VLM_THINK_SYSTEM_PROMPT,
-                                                 BagelPipeline, Context, Guidance, TextDecode)
+                                                 BagelPipeline, Context, Guidance, TextDecode, with_img)
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
@@ -55,9 +57,9 @@ BAGEL_INPUTS = (
     interface.PRIORITY,
     InputSpec("guidance_scale", "FP32", "text CFG scale (BAGEL's cfg_text_scale); <= 1: no CFG", default=4.0, low=0,
               high=interface.GUIDANCE_HIGH, batch="row", pipe_arg="guidance_scale"),
-    InputSpec("cfg_img_scale", "FP32", "image CFG scale (text to image has no image context: it scales towards "
-              "the conditional velocity)", default=1.0, low=0, high=interface.GUIDANCE_HIGH, batch="row",
-              pipe_arg="cfg_img_scale"),
+    InputSpec("cfg_img_scale", "FP32", "image CFG scale: away from the velocity without images (text to image: "
+              "the conditional one; after think: the prompt's without the thought)", default=1.0, low=0,
+              high=interface.GUIDANCE_HIGH, batch="row", pipe_arg="cfg_img_scale"),
     InputSpec("cfg_interval", "FP32", "CFG runs at timesteps t with start < t <= end (t falls from 1 to 0)",
               default=(0.4, 1.0), low=0, high=1, count=2, batch="row", pipe_arg="cfg_interval"),
     InputSpec("cfg_renorm_type", "BYTES", "how the guided velocity is rescaled to the conditional one's norm",
@@ -91,7 +93,7 @@ class BagelState(RequestState):
     device_timesteps: Optional[torch.Tensor] = None  # the same on the device, for the forward
     dts: Optional[torch.Tensor] = None
     guidance: Guidance = field(default_factory=Guidance)
-    step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" -> its first-block cache (BranchCache)
+    step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" / "img" -> its first-block cache (BranchCache)
     text: Optional[TextDecode] = None  # the thought or answer, once its text phase starts
     streamed: str = ""  # its characters sent so far
     first_denoise_step: int = 0  # the step index of the first denoise step (after a thought's steps)
@@ -157,9 +159,6 @@ class BagelAdapter(PipelineAdapter):
         start, end = params.cfg_interval
         if start > end:
             raise InvalidInputError("cfg_interval", f"start {start:g} is after end {end:g}")
-        if params.think and params.output_modality == "image" and params.cfg_img_scale > 1:
-            raise InvalidInputError("cfg_img_scale", "think takes cfg_img_scale <= 1 (the image-CFG context "
-                                                     "without the thought is not kept)")
 
     def total_steps(self, params: SamplingParams) -> int:
         """A text answer's steps are its tokens; a thought's come before the image's denoise steps."""
@@ -171,7 +170,9 @@ class BagelAdapter(PipelineAdapter):
         if params.output_modality == "text":
             return 1
         tokens = (params.height // self.pipe.downsample) * (params.width // self.pipe.downsample) + 2
-        return tokens * (2 if params.guidance_scale > 1 else 1)
+        if params.guidance_scale <= 1:
+            return tokens
+        return tokens * (3 if params.think and params.cfg_img_scale > 1 else 2)  # an image-CFG row after a thought
 
     # -- the step contract -----------------------------------------------------------------
     @torch.inference_mode()
@@ -215,7 +216,8 @@ class BagelAdapter(PipelineAdapter):
             return out
         denoising = [states[i] for i in images]
         with_uncond = tuple(s.cfg_now() for s in denoising)
-        key = (tuple(images), with_uncond)
+        img = tuple(with_img([s.context for s in denoising], with_uncond))
+        key = (tuple(images), with_uncond, img)
         rows = input_batch.cache.get(key)  # the padded caches, rebuilt only when the rows change
         if rows is None:
             input_batch.cache.clear()
@@ -223,17 +225,20 @@ class BagelAdapter(PipelineAdapter):
         velocities = self.pipe.predict(rows, latents[images] if texts else latents,
                                        [s.device_timesteps[s.denoise_index] for s in denoising],
                                        [s.guidance for s in denoising], with_uncond,
-                                       [len(s.latents) for s in denoising], self._row_groups(denoising, with_uncond))
+                                       [len(s.latents) for s in denoising],
+                                       self._row_groups(denoising, with_uncond, img), img)
         for i, v in zip(images, velocities):
             out["velocity"][i, :len(v)] = v
         return out
 
-    def _row_groups(self, states: list[BagelState], with_uncond: tuple) -> Optional[list[step_cache.RowGroup]]:
-        """One group per row of `query_rows` (every conditional row, then the unconditional ones), each its
-        request's CFG branch with its own latent tokens; None when no request caches."""
+    def _row_groups(self, states: list[BagelState], with_uncond: tuple,
+                    img: tuple) -> Optional[list[step_cache.RowGroup]]:
+        """One group per row of `query_rows` (every conditional row, then the unconditional ones, then the
+        image-CFG ones), each its request's CFG branch with its own latent tokens; None when no request caches."""
         if not any(step_cache.caches(s.params) for s in states):
             return None
         rows = [(s, "cond") for s in states] + [(s, "uncond") for s, u in zip(states, with_uncond) if u]
+        rows += [(s, "img") for s, i in zip(states, img) if i]
         return [step_cache.RowGroup(slice(r, r + 1), step_cache.threshold(s.params) if on else None,
                                     s.step_cache.setdefault(branch, step_cache.BranchCache()) if on else None,
                                     len(s.latents), self.cache_steps if on else None)
@@ -253,7 +258,7 @@ class BagelAdapter(PipelineAdapter):
             state.step_index = state.num_steps
             return
         # the thought, re-encoded, into the image's context (the reference's update_context_text)
-        state.context.cond = self.pipe.append(state.context.cond, self.pipe.text(state.text.ids))
+        self.pipe.add_thought(state.context, self.pipe.text(state.text.ids), state.params.cfg_img_scale)
         self._start_image(state)
 
     def chunk_outputs(self, state: BagelState) -> Optional[Outputs]:

@@ -8,11 +8,13 @@ per forward):
 * `encode`: `<|im_start|>` + prompt tokens + `<|im_end|>` prefilled into the
   request's generation context; the text-CFG context is empty (the reference
   copies it before the prompt). The image-CFG context of text to image holds the
-  same prompt as the generation context, so its velocity is the conditional one;
+  same prompt as the generation context, so its velocity is the conditional one,
+  except after a thought: it keeps the prompt without it (`Context.img`);
 * `initial_noise`: `torch.randn(h * w, 64)` on a CPU generator seeded with the seed;
 * `schedule`: `linspace(1, 0, k + 1)` shifted by `timestep_shift`; k Euler updates;
 * `predict`: one forward over every request's conditional row and, where CFG is
-  active at its timestep, its unconditional row; then each request's own CFG and
+  active at its timestep, its unconditional row (and its image-CFG row, if it has
+  its own image-CFG context); then each request's own CFG and
   renorm (the reference's packed "global" renorm would mix requests; ours does not);
 * `decode`: unpack 2x2 patches, the FLUX VAE, and the reference's uint8 rule
   (`(x * 0.5 + 0.5).clamp(0, 1) * 255` truncated);
@@ -67,11 +69,14 @@ class Guidance:
 @dataclass
 class Context:
     """A request's prompt contexts: the generation context and the text-CFG one (empty, or think mode's system
-    prompt: the reference copies it before the prompt)."""
+    prompt: the reference copies it before the prompt). The image-CFG context is the generation context except
+    after a thought, which the reference adds to the generation context only: then `img` keeps the context
+    without it (only for cfg_img_scale > 1, the one use of its row)."""
 
     cond: KVCache
     uncond: KVCache
     grid: tuple[int, int]  # latent patches (h, w)
+    img: Optional[KVCache] = None  # the image-CFG context where it differs from `cond`
 
 
 @dataclass
@@ -141,6 +146,13 @@ class BagelPipeline:
         cond = self.append(uncond, prompt)
         return Context(cond, uncond, (height // self.downsample, width // self.downsample))
 
+    def add_thought(self, context: Context, thought: str, cfg_img_scale: float) -> None:
+        """A decoded thought into the generation context only (the reference's `update_context_text` of
+        `gen_context`); the image-CFG context keeps the prompt without it when its row will run."""
+        if cfg_img_scale > 1.0:
+            context.img = context.cond
+        context.cond = self.append(context.cond, thought)
+
     def append(self, cache: KVCache, text: str) -> KVCache:
         """`text`, wrapped in `<|im_start|>` ... `<|im_end|>`, appended to a context (a thought, after it is
         decoded, goes into the image's context this way: re-encoded from its text, as the reference does)."""
@@ -207,30 +219,37 @@ class BagelPipeline:
         return t[:-1], t[:-1] - t[1:]
 
     def query_rows(self, contexts: Sequence[Context], with_uncond: Sequence[bool]) -> QueryRows:
-        """Every request's conditional row, then the unconditional rows of those running CFG."""
-        caches = [c.cond for c in contexts] + [c.uncond for c, u in zip(contexts, with_uncond) if u]
-        positions = [c.cond.length for c in contexts] + [c.uncond.length for c, u in zip(contexts, with_uncond) if u]
-        grids = [c.grid for c in contexts] + [c.grid for c, u in zip(contexts, with_uncond) if u]
-        return QueryRows.build(caches, positions, grids, self.model.config.max_latent_size,
+        """Every request's conditional row, then the unconditional rows of those running CFG, then the image-CFG
+        rows of those of them with their own image-CFG context (`with_img`)."""
+        rows = [(c.cond, c.grid) for c in contexts]
+        rows += [(c.uncond, c.grid) for c, u in zip(contexts, with_uncond) if u]
+        rows += [(c.img, c.grid) for c, i in zip(contexts, with_img(contexts, with_uncond)) if i]
+        return QueryRows.build([cache for cache, _ in rows], [cache.length for cache, _ in rows],
+                               [grid for _, grid in rows], self.model.config.max_latent_size,
                                (self.start_of_image, self.end_of_image), self.device)
 
     @torch.no_grad()
     def predict(self, rows: QueryRows, latents: torch.Tensor, timesteps: Sequence[torch.Tensor],
                 guidance: Sequence[Guidance], with_uncond: Sequence[bool], counts: Sequence[int],
-                groups: Optional[list] = None) -> list[torch.Tensor]:
+                groups: Optional[list] = None, with_img: Sequence[bool] = ()) -> list[torch.Tensor]:
         """Each request's guided velocity [N_r, 64]: one forward over `rows` (`query_rows`), `latents`
-        [B, N_max, 64] right-padded, `counts` the N_r (`groups`: the first-block cache's, per row)."""
+        [B, N_max, 64] right-padded, `counts` the N_r (`groups`: the first-block cache's, per row; `with_img`:
+        the requests with an image-CFG row, `with_img` of their contexts)."""
         uncond = [i for i, u in enumerate(with_uncond) if u]
-        t = torch.stack([timesteps[i] for i in list(range(len(counts))) + uncond]).to(self.device)
-        # the uncond rows by slices: a list index is a host-to-device copy that waits, on CUDA
-        both = torch.cat([latents] + [latents[i:i + 1] for i in uncond]) if uncond else latents
-        raw = self.model.velocity(rows, both, t, groups)
-        out, next_uncond = [], len(counts)
+        img = [i for i, m in enumerate(with_img) if m]
+        extra = uncond + img
+        t = torch.stack([timesteps[i] for i in list(range(len(counts))) + extra]).to(self.device)
+        # the extra rows by slices: a list index is a host-to-device copy that waits, on CUDA
+        rows_in = torch.cat([latents] + [latents[i:i + 1] for i in extra]) if extra else latents
+        raw = self.model.velocity(rows, rows_in, t, groups)
+        row_of = {("uncond", i): len(counts) + k for k, i in enumerate(uncond)}
+        row_of.update({("img", i): len(counts) + len(uncond) + k for k, i in enumerate(img)})
+        out = []
         for i, n in enumerate(counts):
             v = raw[i, :n]
             if with_uncond[i]:
-                v = guide(v, raw[next_uncond, :n], guidance[i])
-                next_uncond += 1
+                v_img = raw[row_of["img", i], :n] if ("img", i) in row_of else None
+                v = guide(v, raw[row_of["uncond", i], :n], guidance[i], v_img)
             out.append(v)
         return out
 
@@ -254,21 +273,20 @@ class BagelPipeline:
         """An image (`images`); with `think`, first the plan (`text`) decoded after `GEN_THINK_SYSTEM_PROMPT`,
         then put into the image's context."""
         assert output_type == "np", "BagelPipeline returns numpy images"
-        if think and cfg_img_scale > 1.0:
-            raise ValueError("think takes cfg_img_scale <= 1 (its image-CFG context, without the thought, is not kept)")
         seed = generator.initial_seed() if generator is not None else torch.seed()
         guidance = Guidance(guidance_scale, cfg_img_scale, tuple(cfg_interval), cfg_renorm_type, cfg_renorm_min)
         context = self.encode(prompt, height, width, GEN_THINK_SYSTEM_PROMPT if think else "")
         thought = None
         if think:
             thought = self.text(self.generate_text(context.cond, max_new_tokens, temperature, seed).ids)
-            context.cond = self.append(context.cond, thought)
+            self.add_thought(context, thought, cfg_img_scale)
         x = self.initial_noise(seed, context)
         timesteps, dts = self.schedule(num_inference_steps, timestep_shift)
         for t, dt in zip(timesteps, dts):
             with_uncond = [guidance.active(float(t))]
             rows = self.query_rows([context], with_uncond)
-            [v] = self.predict(rows, x[None], [t], [guidance], with_uncond, [len(x)])
+            [v] = self.predict(rows, x[None], [t], [guidance], with_uncond, [len(x)],
+                               with_img=with_img([context], with_uncond))
             x = x - v * dt
         return SimpleNamespace(images=self.decode([x], context.grid).cpu().numpy(), text=thought)
 
@@ -279,10 +297,17 @@ class BagelPipeline:
         return self.text(self.generate_text(context.cond, max_new_tokens, temperature, seed).ids)
 
 
-def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, g: Guidance) -> torch.Tensor:
+def with_img(contexts: Sequence[Context], with_uncond: Sequence[bool]) -> list[bool]:
+    """Which requests run an image-CFG row: those running CFG whose image-CFG context is not the generation one."""
+    return [u and c.img is not None for c, u in zip(contexts, with_uncond)]
+
+
+def guide(v_cond: torch.Tensor, v_uncond: torch.Tensor, g: Guidance, v_img: Optional[torch.Tensor] = None
+          ) -> torch.Tensor:
     """The reference's CFG and renorm for one request ([N, 64] each). Text to image has no image
-    context, so the image-CFG velocity is the conditional one."""
-    v_img = v_cond
+    context, so the image-CFG velocity is the conditional one, unless a thought left the image-CFG
+    context without it (`v_img`, the velocity against that context)."""
+    v_img = v_cond if v_img is None else v_img
     v_text = v_uncond + g.cfg_text_scale * (v_cond - v_uncond)
     if g.cfg_renorm_type == "text_channel":
         scale = (v_cond.norm(dim=-1, keepdim=True) / (v_text.norm(dim=-1, keepdim=True) + 1e-8))

@@ -10,8 +10,9 @@ Usage:
 
 Runs `InterleaveInferencer.interleave_inference([prompt], ...)` greedily (do_sample=False) for the CASES below:
 text answers (understanding_output=True), an answer after thinking (think=True, understanding_output=True) and an
-image after thinking (think=True). The monkeypatches are golden.npz's (README): a per-sequence SDPA stand-in for
-flash_attn, an einops stand-in, transformers-5 compatibility, and bfloat16 casts made float32 in qwen2_navit.
+image after thinking (think=True), with image CFG off and on (cfg_img_scale 2). The monkeypatches are golden.npz's
+(README): a per-sequence SDPA stand-in for flash_attn, an einops stand-in, transformers-5 compatibility, and bfloat16
+casts made float32 in qwen2_navit.
 Recorders (no behaviour change) wrap Bagel.prepare_prompts (every prefilled text's ids), Bagel.generate_text (the
 generated ids), Bagel._forward_flow (each step's input latents) and AutoEncoder.decode.
 """
@@ -35,6 +36,11 @@ CASES = {
     "think_image": dict(prompt="a red cube on a blue floor", think=True, understanding_output=False,
                         max_think_token_n=10, image_shapes=(64, 64), cfg_text_scale=4.0, cfg_renorm_type="global",
                         seed=1),
+    # The image-CFG context keeps the prompt without the thought (interleave_inference updates it with the system
+    # prompt and the prompt only), so cfg_img_scale > 1 guides away from the image the prompt alone would give.
+    "think_image_cfg_img": dict(prompt="a red cube on a blue floor", think=True, understanding_output=False,
+                                max_think_token_n=10, image_shapes=(64, 64), cfg_text_scale=4.0, cfg_img_scale=2.0,
+                                cfg_renorm_type="global", seed=1),
 }
 COMMON = dict(do_sample=False, num_timesteps=6, cfg_img_scale=1.0, cfg_interval=[0.4, 1.0], cfg_renorm_min=0.0,
               timestep_shift=3.0)
