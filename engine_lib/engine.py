@@ -25,7 +25,9 @@ from engine_lib.request import (
     EngineError,
     EngineUnavailableError,
     InvalidInputError,
+    PipelineError,
     RequestCancelledError,
+    RequestStatus,
     SamplingParams,
 )
 from engine_lib.runner import ModelRunner, TickInterrupted
@@ -35,6 +37,7 @@ from engine_lib.testing import EngineHooks
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[DiffusionOutput], None]
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # the waits before each next try to restart a broken worker group
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,11 @@ class DiffusionEngine:
         self._sinks: dict[str, Sink] = {}
         self._pending_aborts: list[str] = []
         self._closed = False
+        # The engine thread's own: why the adapter's parallel worker group is down (None: up, or no group), and
+        # when it tries to start a new one.
+        self._workers_down: Optional[str] = None
+        self._restart_at = 0.0
+        self._failed_restarts = 0
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
         self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
@@ -276,8 +284,9 @@ class DiffusionEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self._pending_aborts or self.scheduler.has_requests):
-                    self._cond.wait()
+                while not (self._closed or self._pending_aborts or self.scheduler.has_requests
+                           or self._restart_due()):
+                    self._cond.wait(None if self._workers_down is None else self._restart_at - time.monotonic())
                 if self._closed:
                     return
                 aborted = self.scheduler.abort(self._pending_aborts)
@@ -291,6 +300,9 @@ class DiffusionEngine:
             for request in expired:
                 self._emit_final(request, error=request.error)
                 logger.info("request %s timed out before it started", request.request_id)
+            self._check_workers()  # (a worker that died since the last tick breaks the group here)
+            if self._restart_due():
+                self._restart_workers()
             if has_work and self._tick_gate is not None and not self._tick_gate():
                 with self._cond:
                     self._cond.wait(timeout=0.01)
@@ -299,6 +311,7 @@ class DiffusionEngine:
                 self._tick()
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
+            self._check_workers()
 
     def _tick(self) -> None:
         with self._cond:
@@ -319,6 +332,9 @@ class DiffusionEngine:
             return
         start = time.monotonic()
         try:
+            if self._workers_down is not None:  # its requests end at once, rather than wait for an unknown time
+                raise EngineUnavailableError(f"{self.adapter.name}'s parallel workers are down ({self._workers_down}); "
+                                             "they restart by themselves: retry later")
             result = self.runner.execute_step(new, running, frozenset(sched_out.hold_decode_ids))
         except TickInterrupted:  # each of its requests was cancelled (their finals follow), or the engine closes
             logger.info("tick interrupted after %.2fs (its requests were cancelled, or the engine closes)",
@@ -338,6 +354,42 @@ class DiffusionEngine:
             self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
+
+    # -- the adapter's parallel workers (engine thread) ------------------------------
+    def _check_workers(self) -> None:
+        """When the adapter's worker group broke (a worker died, or a call timed out), every request whose
+        state the engine holds (running or paused: what the ranks held is lost) ends with one final error, and
+        the group restarts before the next tick; the requests still waiting run on the new group."""
+        workers = getattr(self.adapter, "workers", None)
+        if workers is None or self._workers_down is not None or not workers.check():
+            return
+        error = PipelineError(f"the model's parallel workers failed: {workers.broken}")
+        with self._cond:
+            lost = self.scheduler.abort(list(self.runner.states))
+        self.runner.free(list(self.runner.states))
+        for request in lost:
+            request.status, request.error = RequestStatus.FAILED, error
+            self._emit_final(request, error=error)
+        logger.error("%s's parallel workers failed (%s): %d request(s) lost; restarting them", self.adapter.name,
+                     workers.broken, len(lost))
+        self._workers_down, self._restart_at = workers.broken, time.monotonic()
+
+    def _restart_due(self) -> bool:
+        return self._workers_down is not None and time.monotonic() >= self._restart_at
+
+    def _restart_workers(self) -> None:
+        """A new worker group in place of the broken one; a start that fails is tried again after a growing wait
+        (RESTART_BACKOFF_S), and meanwhile every request that would run ends UNAVAILABLE (see _tick)."""
+        try:
+            self.adapter.restart_workers()
+        except Exception as exc:  # noqa: BLE001 - tried again later
+            wait = RESTART_BACKOFF_S[min(self._failed_restarts, len(RESTART_BACKOFF_S) - 1)]
+            self._failed_restarts += 1
+            self._workers_down, self._restart_at = f"restart failed: {exc}", time.monotonic() + wait
+            logger.error("restarting %s's parallel workers failed (%s); next try in %g s", self.adapter.name, exc, wait)
+            return
+        logger.info("%s's parallel workers restarted", self.adapter.name)
+        self._workers_down, self._failed_restarts = None, 0
 
     # -- output streams --------------------------------------------------------
     def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerOutput) -> None:

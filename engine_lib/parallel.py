@@ -159,6 +159,15 @@ class WorkerGroup:
         return [replies[rank] for rank in range(self.world_size)]
 
     def _check_alive(self) -> None:
+    def check(self) -> Optional[str]:
+        """Why the group is broken (None: it is not); a worker that died since the last call breaks it now."""
+        if not self.broken:
+            try:
+                self._check_alive()
+            except WorkerError:
+                pass
+        return self.broken
+
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 self._fail(f"rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")

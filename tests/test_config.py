@@ -171,6 +171,28 @@ def test_instance_kind_places_the_engine(kind, device_id, device, expected):
     assert config.device == expected
 
 
+@pytest.mark.parametrize("kind, params, device, devices", [
+    ("MODEL", {"devices": "cuda:2,cuda:3"}, "cuda:2", ["cuda:2", "cuda:3"]),  # the engine beside rank 0
+    ("MODEL", {"devices": "cuda:2,cuda:3", "device": "cuda:0"}, "cuda:0", ["cuda:2", "cuda:3"]),
+    ("MODEL", {}, "auto", []),  # cuda:0 and cuda:1 on a GPU host, else the CPU
+    ("CPU", {}, "cpu", []),
+    ("CPU", {"devices": "cpu,cpu"}, "cpu", ["cpu", "cpu"]),
+])
+def test_a_parallel_instance_takes_its_ranks_devices_from_kind_model_and_devices(kind, params, device, devices):
+    config = EngineConfig.from_parameters({"cfg_parallel": "true", **params}).for_instance(kind, "1")
+    assert (config.device, config.device_list()) == (device, devices)
+
+
+@pytest.mark.parametrize("kind, params, message", [
+    ("GPU", {}, r"KIND_GPU: this instance runs 2 ranks .* KIND_MODEL .* parameter 'devices'"),
+    ("CPU", {"devices": "cuda:0,cuda:1"}, r"parameter 'devices': 'cuda:0,cuda:1' .* contradicts .* KIND_CPU"),
+    ("CPU", {"device": "cuda"}, r"device 'cuda'\) contradicts .* KIND_CPU"),
+])
+def test_a_parallel_instance_on_kind_gpu_or_contradicting_kind_cpu_fails_the_load(kind, params, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_parameters({"tensor_parallel_size": "2", **params}).for_instance(kind, "0")
+
+
 @pytest.mark.parametrize("kind, device_id, device", [
     ("GPU", "1", "cpu"),
     ("GPU", "1", "cuda:0"),

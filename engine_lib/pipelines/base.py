@@ -235,6 +235,17 @@ class PipelineAdapter(ABC):
         from engine_lib.request import ConfigError
         raise ConfigError(f"pipeline '{self.name}' runs in one process")
 
+    def launch_workers(self, model_path: str, options: dict) -> None:
+        """`workers = start_workers(...)`, keeping its arguments for `restart_workers` (the registry's load)."""
+        self._worker_args = (model_path, options)
+        self.workers = self.start_workers(model_path, options)
+
+    def restart_workers(self) -> None:
+        """A new worker group in place of a broken one: the engine calls it after a tick broke the group. Raises
+        what `start_workers` raises (the engine tries again later)."""
+        self.workers.close()
+        self.workers = self.start_workers(*self._worker_args)
+
     @classmethod
     @abstractmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,

@@ -115,7 +115,7 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     options = adapter_options(config, model_path)
     adapter = adapter_cls.load(model_path, device, dtype, options)
     if config.world_size > 1:
-        adapter.workers = adapter.start_workers(model_path, options)
+        adapter.launch_workers(model_path, options)
     logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
     return adapter
 
