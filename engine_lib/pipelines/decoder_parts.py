@@ -5,16 +5,18 @@ prefilled once per request. So both need: a request's own KV cache of its prompt
 many such caches of different lengths padded into one forward (with the mask
 that hides the padding), the small pieces of math their reference code shares
 (Qwen/Hunyuan RMSNorm, rotate-half RoPE, DiT's sinusoidal timestep embedding),
-the shifted flow-matching schedule both step with Euler, and the first-block cache around their
-layer stacks (`first_layer_cache`).
+the shifted flow-matching schedule both step with Euler, the first-block cache around their
+layer stacks (`first_layer_cache`), and a text phase's growing context and token choice
+(`TextDecode`, `grow`, `sample_token`: BAGEL's think and answers, Hunyuan's think and recaption).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,40 @@ class KVCache:
     def empty(self) -> "KVCache":
         """A zero-length cache of the same layers (a context with no prompt)."""
         return KVCache([k[:, :0] for k in self.keys], [v[:, :0] for v in self.values])
+
+
+def grow(cache: KVCache, new: torch.Tensor) -> KVCache:
+    """`cache` with one row's keys and values of a model's `extend` ([layers, 2, kv_heads, L, d]) appended: a new
+    cache (the one it grew from stays as it was)."""
+    return KVCache([torch.cat([k, n[0]], dim=1) for k, n in zip(cache.keys, new)],
+                   [torch.cat([v, n[1]], dim=1) for v, n in zip(cache.values, new)])
+
+
+@dataclass
+class TextDecode:
+    """One request's text being decoded. Its context grows by each token fed back, as a new cache: the context it
+    started from stays as it was (the references decode on a copy)."""
+
+    cache: KVCache
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # sampling's: token k is drawn with a generator seeded by (seed, k)
+    ids: list[int] = field(default_factory=list)  # the token fed first, then the new ones
+    done: bool = False
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.ids) - 1
+
+
+def sample_token(logits: torch.Tensor, d: TextDecode) -> int:
+    """The next token from one row's logits: the argmax at temperature 0, else a draw seeded per token, so a
+    forward run again (a batch retried row by row) draws the same token."""
+    if d.temperature <= 0:
+        return int(torch.argmax(logits))
+    seed = int(np.random.SeedSequence((d.seed, d.new_tokens)).generate_state(1)[0])
+    probs = torch.softmax(logits / d.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch import nn
 from engine_lib.host_copy import to_device
 from engine_lib.pipelines.checkpoint import check_keys
 from engine_lib.pipelines.decoder_parts import (KVCache, PaddedCaches, RMSNorm, apply_rope, attend, first_layer_cache,
-                                                 timestep_embedding)
+                                                 grow, timestep_embedding)
 
 logger = logging.getLogger(__name__)
 
@@ -280,13 +280,6 @@ class BagelModel(nn.Module):
                            layer.gen.post_attention_layernorm)
             hidden = hidden + _by_expert(x, und_at, gen_at, layer.und.mlp, layer.gen.mlp)
         return hidden
-
-def grow(cache: KVCache, new: torch.Tensor) -> KVCache:
-    """`cache` with one row's keys and values of `BagelModel.extend` ([layers, 2, kv_heads, L, d]) appended: a new
-    cache (the one it grew from stays as it was)."""
-    return KVCache([torch.cat([k, n[0]], dim=1) for k, n in zip(cache.keys, new)],
-                   [torch.cat([v, n[1]], dim=1) for v, n in zip(cache.values, new)])
-
 
 def _by_expert(x: torch.Tensor, und_at: torch.Tensor, gen_at: torch.Tensor, und, gen) -> torch.Tensor:
     """`und` on the text tokens, `gen` on the latent tokens, zeros on padding."""

@@ -29,16 +29,15 @@ per forward):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from engine_lib.pipelines.bagel.model import BagelModel, KVCache, QueryRows, grow, load_model
-from engine_lib.pipelines.decoder_parts import shifted_schedule
+from engine_lib.pipelines.decoder_parts import TextDecode, sample_token, shifted_schedule
 from engine_lib.pipelines.bagel.vae import decode as vae_decode, load_vae
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")  # bos, eos, start/end of image
@@ -77,23 +76,6 @@ class Context:
     uncond: KVCache
     grid: tuple[int, int]  # latent patches (h, w)
     img: Optional[KVCache] = None  # the image-CFG context where it differs from `cond`
-
-
-@dataclass
-class TextDecode:
-    """One request's text being decoded. Its context grows by each token fed back, as a new cache: the context it
-    started from stays as it was (the reference decodes on a deep copy)."""
-
-    cache: KVCache
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    seed: int = 0  # sampling's: token k is drawn with a generator seeded by (seed, k)
-    ids: list[int] = field(default_factory=list)  # `<|im_start|>` first, `<|im_end|>` never
-    done: bool = False
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.ids) - 1
 
 
 class BagelPipeline:
@@ -172,7 +154,7 @@ class BagelPipeline:
         last = torch.tensor([[d.ids[-1]] for d in decodes], device=self.device)
         new, hidden = self.model.extend([d.cache for d in decodes], last)
         logits = self.model.lm_head(hidden).float().cpu()
-        return [self.next_token(row, d) for d, row in zip(decodes, logits)], new
+        return [sample_token(row, d) for d, row in zip(decodes, logits)], new
 
     def advance(self, decode: TextDecode, token: int, new: torch.Tensor) -> None:
         """`next_tokens`' result for one decode: its context grows; it ends on `<|im_end|>` (not kept) or once
@@ -183,15 +165,6 @@ class BagelPipeline:
             return
         decode.ids.append(token)
         decode.done = decode.new_tokens >= decode.max_new_tokens
-
-    @staticmethod
-    def next_token(logits: torch.Tensor, d: TextDecode) -> int:
-        if d.temperature <= 0:
-            return int(torch.argmax(logits))
-        # Seeded per token, so a forward run again (a batch retried row by row) draws the same token.
-        seed = int(np.random.SeedSequence((d.seed, d.new_tokens)).generate_state(1)[0])
-        probs = torch.softmax(logits / d.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
 
     def text(self, ids: Sequence[int]) -> str:
         """The reference's text of decoded ids: after the first `<|im_start|>`, up to a later one."""
