@@ -344,7 +344,9 @@ class ModelRunner:
         """Drop the step state of ended or aborted requests."""
         for request_id in request_ids:
             self._paused.discard(request_id)
-            if self.states.pop(request_id, None) is not None and self._input_batch is not None:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self.adapter.release(state)
                 self._input_batch = None
 
     @property

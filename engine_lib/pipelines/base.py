@@ -352,6 +352,10 @@ class PipelineAdapter(ABC):
         """Named float outputs decoded since the last call (a finished video chunk), or None."""
         return None
 
+    def release(self, state: RequestState) -> None:
+        """The runner dropped the request's state (finished, failed, aborted or cancelled): free what it held
+        outside the state (a parallel pipeline's per-request state on its ranks)."""
+
     def counters(self) -> dict[str, float]:
         """Monotone totals the adapter keeps (e.g. prompt cache hits), for the metrics."""
         return {}

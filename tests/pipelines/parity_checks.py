@@ -169,6 +169,7 @@ def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, d
         for state, out in zip(done, adapter.post_decode(done) if done else []):
             image = out["image"]  # float images, as a tensor on the device or numpy
             images[state.request_id] = image.cpu().numpy() if isinstance(image, torch.Tensor) else image
+            adapter.release(state)  # as the runner drops it
         tick += 1
     return {rid: torch.stack(v).numpy() for rid, v in latents.items()}, images
 

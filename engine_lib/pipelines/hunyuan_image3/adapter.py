@@ -27,6 +27,7 @@ from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.pipelines.decoder_parts import decode_by_grid
+from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -78,12 +79,26 @@ class HunyuanImage3Adapter(PipelineAdapter):
     state_class = HunyuanState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
+    supports_tensor_parallel = True  # tensor_parallel.py: heads, MLPs and experts split over the ranks
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
              options: Optional[dict] = None) -> "HunyuanImage3Adapter":
-        return cls(HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device), torch.device(device),
-                   dtype, options)
+        """With tensor_parallel_size > 1 the transformer is the ranks' (`start_workers`): not loaded here."""
+        ranked = (options or {}).get("parallel", {}).get("tensor_parallel_size", 1) > 1
+        model = tensor_parallel.ranked_model(model_path) if ranked else None
+        return cls(HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device, model=model),
+                   torch.device(device), dtype, options)
+
+    def start_workers(self, model_path: str, options: dict):
+        if options["parallel"]["tensor_parallel_size"] > 1:
+            return tensor_parallel.start(self.pipe.model, model_path, self.device, self.dtype, options)
+        return super().start_workers(model_path, options)
+
+    def release(self, state: "HunyuanState") -> None:
+        """The ranks drop the request's KV cache shards (tensor parallel; in one process they go with the state)."""
+        if isinstance(self.pipe.model, tensor_parallel.RankedModel) and state.context is not None:
+            self.pipe.model.free([c for c in (state.context.cond, state.context.uncond) if c is not None])
 
     def __init__(self, pipe: HunyuanImage3Pipeline, device: torch.device, dtype: torch.dtype,
                  options: Optional[dict] = None):
@@ -113,6 +128,8 @@ class HunyuanImage3Adapter(PipelineAdapter):
             near = sorted(self.pipe.sizes(), key=lambda s: abs(s[0] / s[1] - size[0] / size[1]))[:4]
             raise InvalidInputError("height", f"{size[0]}x{size[1]} is not one of this model's sizes; nearest "
                                               "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
+        if self.workers is not None and step_cache.caches(params):  # the ranks run the layers without it
+            raise InvalidInputError("cache", f"{self.name} does not take this input with tensor_parallel_size")
 
     def request_cost(self, params: SamplingParams) -> int:
         tokens = (params.height // self.pipe.token_size) * (params.width // self.pipe.token_size) + 1

@@ -441,8 +441,10 @@ def read_config(model_path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def read_weights(model_path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors shards (`model.safetensors.index.json` names them when present)."""
+def read_weights(model_path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors shards (`model.safetensors.index.json` names them when present);
+    with `prefix`, only those under it (their keys without it), the others left unread."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     folder = Path(model_path)
@@ -453,7 +455,11 @@ def read_weights(model_path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no safetensors files in {folder}")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(folder / name)))
+        if not prefix:
+            state.update(load_file(str(folder / name)))
+            continue
+        with safe_open(str(folder / name), framework="pt") as f:
+            state.update({key[len(prefix):]: f.get_tensor(key) for key in f.keys() if key.startswith(prefix)})
     return state
 
 

@@ -82,13 +82,19 @@ class HunyuanImage3Pipeline:
         self.ratio_tokens = [tokenizer.convert_tokens_to_ids(f"<img_ratio_{i}>") for i in range(len(self.buckets))]
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", model=None):
+        """`model`: what stands in for the transformer (tensor_parallel.RankedModel: the ranks hold it); then only
+        the VAE decoder's weights are read here."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
         config = HunyuanConfig.from_json(read_config(folder))
-        model, vae = HunyuanImage3Model(config), VAE(config.vae)
-        model.load_official(read_weights(folder), vae)
+        vae = VAE(config.vae)
+        if model is None:
+            model = HunyuanImage3Model(config)
+            model.load_official(read_weights(folder), vae)
+        else:
+            vae.decoder.load_state_dict(read_weights(folder, prefix="vae.decoder."), strict=True)
         tokenizer_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         generation_file = folder / "generation_config.json"

@@ -1,0 +1,161 @@
+"""HunyuanImage-3.0 over two CPU ranks (gloo): tensor parallel with the experts spread over the ranks
+(`expert_parallel`) and with each expert split, against the single-process adapter on the tiny model.
+
+One worker group per layout serves the module: `ep` for every check, `tp` for parity and shard sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine_lib.config import EngineConfig
+from engine_lib.engine import DiffusionEngine
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
+from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
+from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, read_config
+from engine_lib.pipelines.registry import load_adapter
+from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
+from engine_lib.runner import ModelRunner
+from engine_lib.tiny_models import ensure_model
+from parity_checks import load_tiny_adapter, parse, run_preempting, step_latents
+
+LATENT_BOUND = 1e-5
+SPLIT = ("self_attn.qkv_proj", "self_attn.o_proj", "shared_mlp", "experts", "model.wte")  # the parts the ranks share
+
+
+def inputs(prompt: str, seed: int, steps: int = 3, size=(64, 64), guidance_scale: float = 5.0) -> dict:
+    return dict(prompt=prompt, seed=seed, num_inference_steps=steps, height=size[0], width=size[1],
+                guidance_scale=guidance_scale, flow_shift=3.0)
+
+
+RUNS = {  # request id -> (tick it joins at, its inputs)
+    "solo": {"solo": (0, inputs("a red cube on a blue floor", 1))},
+    "batch": {"r0": (0, inputs("a cat", 2)),  # guidance_scale 1: one row, one cache
+              "r1": (1, inputs("a green sphere next to a yellow cone", 3, steps=2, size=(48, 80), guidance_scale=1.0)),
+              "r2": (2, inputs("fruit", 4, guidance_scale=3.5))},
+}
+
+
+@pytest.fixture(scope="module")
+def single() -> HunyuanImage3Adapter:
+    return load_tiny_adapter("hunyuan_image3", HunyuanImage3Adapter)
+
+
+@pytest.fixture(scope="module")
+def expected(single) -> dict:
+    """The single-process run of each of RUNS, made once for both layouts."""
+    return {name: step_latents(single, {rid: (at, parse(single, p)) for rid, (at, p) in run.items()})
+            for name, run in RUNS.items()}
+
+
+def load(expert_parallel: bool) -> HunyuanImage3Adapter:
+    return load_adapter(EngineConfig(pipeline="hunyuan_image3", model_path=str(ensure_model("hunyuan_image3", "tiny")),
+                                     device="cpu", dtype="float32", tensor_parallel_size=2,
+                                     expert_parallel=expert_parallel))
+
+
+@pytest.fixture(scope="module")
+def ep() -> HunyuanImage3Adapter:
+    """TP=2 with EP=2: the module's main worker group (the last test closes it)."""
+    adapter = load(True)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def tp() -> HunyuanImage3Adapter:
+    """TP=2, each expert split: checked for parity and shard sizes."""
+    adapter = load(False)
+    yield adapter
+    adapter.close()
+
+
+def held(adapter) -> list[int]:
+    return adapter.workers.call_all("held_states", [()] * adapter.workers.world_size)
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_every_step_equals_the_single_process_run(request, layout, expected, run):
+    """Solo, and three requests joining a step batch at different ticks (with and without CFG, two sizes): every
+    step's latents within LATENT_BOUND, the images within 1 uint8 level; each finished request's caches freed."""
+    parallel = request.getfixturevalue(layout)
+    calls = parallel.workers.calls
+    latents, images = step_latents(parallel, {rid: (at, parse(parallel, p)) for rid, (at, p) in RUNS[run].items()})
+    expected_latents, expected_images = expected[run]
+    for rid in RUNS[run]:
+        assert latents[rid].shape == expected_latents[rid].shape
+        assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
+        levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
+        assert levels.max() <= 1, rid
+    assert parallel.workers.calls > calls and held(parallel) == [0, 0]
+
+
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_a_rank_loads_only_its_shards_and_the_driver_no_transformer(request, layout, single):
+    parallel = request.getfixturevalue(layout)
+    ranks = parallel.workers.call_all("param_bytes", [()] * 2)
+    single_bytes = sum(p.numel() * p.element_size() for m in single.torch_modules() for p in m.parameters())
+    transformer = {name: p.numel() * p.element_size() for name, p in single.pipe.model.named_parameters()}
+    split = sum(n for name, n in transformer.items() if any(part in name for part in SPLIT))
+    print(f"\nparameter bytes: single process {single_bytes} (transformer {sum(transformer.values())}), "
+          f"each rank {ranks} ({max(ranks) / single_bytes:.2f}x)")
+    assert max(ranks) <= 0.6 * single_bytes
+    # every split part exactly halved on each rank, the rest (image in/out, embedders, norms, router) replicated
+    assert ranks == [sum(transformer.values()) - split // 2] * 2
+    assert isinstance(parallel.pipe.model, tensor_parallel.RankedModel)
+    driver = sum(p.numel() * p.element_size() for m in parallel.torch_modules() for p in m.parameters())
+    assert driver == sum(p.numel() * p.element_size() for p in single.pipe.vae.parameters())
+
+
+def test_a_paused_request_keeps_its_caches_on_the_ranks(ep, single):
+    """A request preempted by a more urgent one (one seat) keeps its KV shards while paused and ends as alone."""
+    slow = DiffusionRequest("slow", parse(ep, inputs("a slow boat", 5)), num_steps=3, priority=2)
+    urgent = DiffusionRequest("urgent", parse(ep, inputs("a fast car", 6, steps=2)), num_steps=2, priority=1)
+    seen = []
+    outputs, paused = run_preempting(ModelRunner(ep, float_outputs=True), {0: [slow], 1: [urgent]},
+                                     on_tick=lambda tick: seen.append(held(ep)))
+    assert paused == ["slow"]
+    assert seen[:2] == [[2, 2], [4, 4]] and seen[-1] == [0, 0]  # slow's two caches, then urgent's beside them (slow paused)
+    _, images = step_latents(single, {"slow": (0, slow.params)})
+    levels = np.abs(to_uint8(outputs["slow"]["image"][0]).astype(int) - to_uint8(images["slow"][0]).astype(int))
+    assert levels.max() <= 1
+
+
+def test_a_step_cache_is_refused_and_a_split_must_divide(ep):
+    with pytest.raises(InvalidInputError) as info:
+        parse(ep, dict(inputs("x", 1), cache="first_block"))
+    assert info.value.input_name == "cache" and "tensor_parallel_size" in str(info.value)
+    config = HunyuanConfig.from_json(read_config(ensure_model("hunyuan_image3", "tiny")))
+    with pytest.raises(ConfigError, match="num_key_value_heads=2"):
+        tensor_parallel.check_split(config, 3, False)
+    with pytest.raises(ConfigError, match="num_experts=3"):
+        tensor_parallel.check_split(replace(config, num_experts=3), 2, True)
+
+
+def test_an_aborted_request_frees_every_ranks_caches(ep):
+    """Through the engine (a cancel is an abort); last: closing the engine closes its adapter."""
+    engine = DiffusionEngine(ep, EngineConfig(pipeline="hunyuan_image3", step_execution=True, warmup=False))
+    try:
+        stream = engine.add_request("long", inputs("a long wait", 7, steps=100))
+        assert _wait(lambda: engine.stats().num_runner_states == 1)
+        engine.abort(["long"])
+        assert stream.result(timeout=60).error is not None
+        assert _wait(lambda: engine.stats().num_runner_states == 0)
+        assert held(ep) == [0, 0]
+    finally:
+        engine.close()
+
+
+def _wait(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
