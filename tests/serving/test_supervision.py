@@ -206,11 +206,13 @@ def test_sigterm_with_open_keep_alive_connections_exits_0(launcher):
 def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, request):
     """`kill -9` of the launcher while its stub hangs (stopped here with SIGSTOP, as the deadlocked stubs
     we have seen after a dead server): the server, the stub and their shared memory are gone within
-    seconds (launcher.start_reaper), not left holding memory forever."""
-    launched = Launcher(tmp_path, model_path(request))
+    seconds (launcher.start_reaper), not left holding memory forever. The stub is a small Python model's
+    (GATED_MODEL, its gate open), which loads in a second where the tiny pipeline's takes ten."""
+    write_gated_models(tmp_path, echo=tmp_path)
+    launched = Launcher(tmp_path, model_path(request), env={"MODELS": "echo"})
     try:
-        launched.wait_serving(300)
-        stub_pid, _ = launched.stub()
+        wait_for(launched.ready, 120, launched, "echo ready")
+        [stub_pid] = launched.stubs()
         server_pid = int(proc_stat(stub_pid)[1])
         assert launched.shm_regions()
         os.kill(stub_pid, signal.SIGSTOP)
@@ -253,6 +255,14 @@ GATED_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninstance_group [{ kind: K
                'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\noutput [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n')
 
 
+def write_gated_models(tmp: Path, **gates: Path) -> None:
+    """GATED_MODEL under each name of `gates` in tmp/repository, each loading once its gate path exists."""
+    for name, opens in gates.items():
+        (tmp / "repository" / name / "1").mkdir(parents=True)
+        (tmp / "repository" / name / "1" / "model.py").write_text(GATED_MODEL.format(gate=str(opens)))
+        (tmp / "repository" / name / "config.pbtxt").write_text(GATED_CONFIG)
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, launched: Launcher, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -266,10 +276,7 @@ def test_a_stub_killed_while_another_model_loads_is_noticed(tmp_path, request):
     loads, would leave echo saying ready and never answering. The supervisor, which watches the stubs from the
     server's start, restarts the server; once it is ready, echo answers. Two small Python models: seconds to load."""
     gate = tmp_path / "gate"
-    for name, opens in (("echo", tmp_path), ("slow", gate)):
-        (tmp_path / "repository" / name / "1").mkdir(parents=True)
-        (tmp_path / "repository" / name / "1" / "model.py").write_text(GATED_MODEL.format(gate=str(opens)))
-        (tmp_path / "repository" / name / "config.pbtxt").write_text(GATED_CONFIG)
+    write_gated_models(tmp_path, echo=tmp_path, slow=gate)
     launched = Launcher(tmp_path, model_path(request), env={"MODELS": "echo,slow"})
     body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]}).encode()
     try:
