@@ -11,6 +11,12 @@
 
 `cache=first_block` (`step_cache.py`): each request and CFG branch decides from the first layer's residual of
 its own image tokens, and its residuals stay in its state (`step_cache`).
+
+`bot_task=think` / `recaption` (think.py) writes a text before the image, one token per tick: every request
+in its text phase shares one forward (`Thinker.next_tokens`, each row against its own growing cache) beside
+the tick's denoise forward. Its steps are `max_new_tokens` plus `num_inference_steps`; at an end token it
+jumps to its first denoise step, its image context holding the text. New characters stream as intermediate
+responses; the final response holds the whole text and its `finish_reason`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine_lib import interface
@@ -26,9 +33,11 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import decode_by_grid
+from engine_lib.pipelines.bagel.adapter import FINISH_REASON, TEXT
+from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid
 from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
+from engine_lib.pipelines.hunyuan_image3.think import TASKS, TextHead, Thinker
 from engine_lib.request import InvalidInputError, SamplingParams
 
 HUNYUAN_INPUTS = (
@@ -47,6 +56,13 @@ HUNYUAN_INPUTS = (
               "generation_config.json's)", default=GENERATION_DEFAULTS["flow_shift"], low=0.01, high=100, batch="row",
               pipe_arg="flow_shift"),
     *step_cache.CACHE_INPUTS,
+    InputSpec("bot_task", "BYTES", "image, or first a text (sent as `text`) the image's context holds: think "
+              "(reasoning, then a rewritten prompt) or recaption (a rewritten prompt)", default="image",
+              choices=("image", *TASKS), high=16, batch="row"),
+    InputSpec("max_new_tokens", "INT32", "most tokens of the think / recaption text", default=1024, low=1,
+              high=8192, batch="row"),
+    InputSpec("temperature", "FP32", "text sampling temperature; 0: greedy (the reference's default)", default=0.0,
+              low=0, high=10, batch="row"),
 )
 
 
@@ -60,10 +76,23 @@ class HunyuanState(RequestState):
     device_sigmas: Optional[torch.Tensor] = None  # the model's timesteps
     scale: float = 1.0
     step_cache: dict = field(default_factory=dict)  # "cond" / "uncond" -> its first-block cache (BranchCache)
+    text: Optional[TextDecode] = None  # think / recaption: the text, once its text phase starts
+    text_context: list = field(default_factory=list)  # the text phase's context ids
+    streamed: str = ""  # the text's characters sent so far
+    first_denoise_step: int = 0  # the step index of the first denoise step (after the text's steps)
 
     @property
     def num_rows(self) -> int:
         return 1
+
+    @property
+    def decoding(self) -> bool:
+        """In its text phase: the next step decodes a token (its latents: one zero token standing in)."""
+        return self.text is not None and not self.text.done
+
+    @property
+    def denoise_index(self) -> int:
+        return self.step_index - self.first_denoise_step
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         return {"latents": self.latents.flatten(1).T[None]}  # [1, h*w, C]: gathered right-padded
@@ -75,7 +104,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
     name = "hunyuan_image3"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 5.0}
     inputs = HUNYUAN_INPUTS
-    outputs = (IMAGE,)
+    outputs = (IMAGE, TEXT, FINISH_REASON)
     state_class = HunyuanState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
@@ -87,8 +116,9 @@ class HunyuanImage3Adapter(PipelineAdapter):
         """With tensor_parallel_size > 1 the transformer is the ranks' (`start_workers`): not loaded here."""
         ranked = (options or {}).get("parallel", {}).get("tensor_parallel_size", 1) > 1
         model = tensor_parallel.ranked_model(model_path) if ranked else None
-        return cls(HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device, model=model),
-                   torch.device(device), dtype, options)
+        pipe = HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device, model=model)
+        pipe.text_head = None if ranked else TextHead.load(model_path, pipe.model.config, device, dtype)
+        return cls(pipe, torch.device(device), dtype, options)
 
     def start_workers(self, model_path: str, options: dict):
         if options["parallel"]["tensor_parallel_size"] > 1:
@@ -104,6 +134,8 @@ class HunyuanImage3Adapter(PipelineAdapter):
                  options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
+        head = getattr(pipe, "text_head", None)  # `load` reads it (none under tensor parallelism)
+        self.thinker = Thinker(pipe, head) if head is not None else None
 
     def counters(self) -> dict[str, float]:
         return {**super().counters(), "cache_steps_computed": self.cache_steps["computed"],
@@ -130,6 +162,13 @@ class HunyuanImage3Adapter(PipelineAdapter):
                                               "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
         if self.workers is not None and step_cache.caches(params):  # the ranks run the layers without it
             raise InvalidInputError("cache", f"{self.name} does not take this input with tensor_parallel_size")
+        if params.bot_task != "image" and self.thinker is None:
+            raise InvalidInputError("bot_task", f"{params.bot_task} needs the text head (lm_head, model.ln_f), which "
+                                                "this model folder lacks or tensor parallelism does not run")
+
+    def total_steps(self, params: SamplingParams) -> int:
+        """A think / recaption text's steps come before the image's denoise steps."""
+        return int(params.num_inference_steps) + (int(params.max_new_tokens) if params.bot_task != "image" else 0)
 
     def request_cost(self, params: SamplingParams) -> int:
         tokens = (params.height // self.pipe.token_size) * (params.width // self.pipe.token_size) + 1
@@ -140,24 +179,51 @@ class HunyuanImage3Adapter(PipelineAdapter):
     def prepare_encode(self, state: HunyuanState) -> None:
         p = state.params
         state.scale = float(p.guidance_scale)
+        if p.bot_task != "image":
+            state.text_context = self.thinker.text_ids(p.prompt, p.bot_task)
+            state.text = self.thinker.start(state.text_context, p.max_new_tokens, p.temperature, p.seed)
+            state.latents = torch.zeros(self.pipe.model.config.latent_channels, 1, 1, device=self.device)
+            return
         state.context = self.pipe.encode(p.prompt, p.height, p.width, cfg=state.scale > 1.0)
+        self._start_image(state)
+
+    def _start_image(self, state: HunyuanState) -> None:
+        """The noise and schedule of the image (after its text, if any)."""
+        p = state.params
+        state.first_denoise_step = state.num_steps - p.num_inference_steps
+        state.step_index = max(state.step_index, state.first_denoise_step)
         state.latents = self.pipe.initial_noise(p.seed, state.context)
         state.sigmas = self.pipe.sigmas(p.num_inference_steps, p.flow_shift)
         state.device_sigmas = state.sigmas.to(self.device)  # (admission: a copy here may wait)
 
     @torch.inference_mode()
-    def denoise_step(self, input_batch: InputBatch, *, states: list[HunyuanState]) -> torch.Tensor:
-        """Every request's guided prediction as tokens [B, N_max, C], right-padded like the gathered latents."""
-        contexts = [s.context for s in states]
-        rows = input_batch.cache.get("rows")  # padded caches, masks and RoPE: rebuilt only when the batch changes
+    def denoise_step(self, input_batch: InputBatch, *, states: list[HunyuanState]) -> dict:
+        """One forward for the requests in their text phase (each one's next token and the keys and values of the
+        one fed: `token` [B] and `kv` [B, 1, ...], -1 and zeros elsewhere), one for the denoising ones (each one's
+        guided prediction as tokens, right-padded like the gathered latents: `pred` [B, N_max, C])."""
+        out = {"pred": torch.zeros_like(input_batch["latents"]),
+               "token": torch.full((len(states),), -1, dtype=torch.long)}
+        texts = [i for i, s in enumerate(states) if s.decoding]
+        if texts:
+            tokens, new = self.thinker.next_tokens([states[i].text for i in texts])
+            out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
+            out["kv"][texts, 0] = new
+            out["token"][texts] = torch.tensor(tokens)
+        images = [i for i, s in enumerate(states) if not s.decoding]
+        if not images:
+            return out
+        denoising = [states[i] for i in images]
+        contexts = [s.context for s in denoising]
+        key = ("rows", tuple(images))
+        rows = input_batch.cache.get(key)  # padded caches, masks and RoPE: rebuilt only when the rows change
         if rows is None:
-            rows = input_batch.cache["rows"] = self.pipe.image_rows(contexts)
-        preds = self.pipe.predict(contexts, [s.latents for s in states],
-                                  [s.device_sigmas[s.step_index] for s in states], [s.scale for s in states], rows,
-                                  self._row_groups(states))
-        out = torch.zeros_like(input_batch["latents"])
-        for i, pred in enumerate(preds):
-            out[i, :pred[0].numel()] = pred.flatten(1).T
+            input_batch.cache.clear()
+            rows = input_batch.cache[key] = self.pipe.image_rows(contexts)
+        preds = self.pipe.predict(contexts, [s.latents for s in denoising],
+                                  [s.device_sigmas[s.denoise_index] for s in denoising],
+                                  [s.scale for s in denoising], rows, self._row_groups(denoising))
+        for i, pred in zip(images, preds):
+            out["pred"][i, :pred[0].numel()] = pred.flatten(1).T
         return out
 
     def _row_groups(self, states: list[HunyuanState]) -> Optional[list[step_cache.RowGroup]]:
@@ -172,15 +238,47 @@ class HunyuanImage3Adapter(PipelineAdapter):
                 for r, (s, branch) in enumerate(rows) for on in [step_cache.caches(s.params)]]
 
     @torch.inference_mode()
-    def step_scheduler(self, state: HunyuanState, noise_pred: torch.Tensor) -> None:
-        pred = noise_pred[0].T.reshape(state.latents.shape)
-        i = state.step_index
-        state.latents = state.latents + pred * (state.sigmas[i + 1] - state.sigmas[i])
+    def step_scheduler(self, state: HunyuanState, noise_pred: dict) -> None:
+        if not state.decoding:
+            pred = noise_pred["pred"][0].T.reshape(state.latents.shape)
+            i = state.denoise_index
+            state.latents = state.latents + pred * (state.sigmas[i + 1] - state.sigmas[i])
+            state.step_index += 1
+            return
+        self.thinker.advance(state.text, int(noise_pred["token"][0]), noise_pred["kv"][0, 0])
         state.step_index += 1
+        if not state.text.done:
+            return
+        p = state.params
+        # the text, decoded and re-encoded, in the image's context (the reference's cot_text)
+        state.context = self.thinker.context(p.prompt, self._text(state), p.height, p.width, cfg=state.scale > 1.0)
+        state.text.cache = None  # its keys and values are no longer read
+        self._start_image(state)
+
+    def _text(self, state: HunyuanState) -> str:
+        return self.thinker.thought(state.text_context, state.text)
+
+    def chunk_outputs(self, state: HunyuanState) -> Optional[Outputs]:
+        """The text's characters since the last call (a partial UTF-8 character at the end waits for its bytes)."""
+        if state.text is None:
+            return None
+        text = self._text(state)
+        if not state.text.done:
+            text = text.rstrip("\ufffd")
+        if len(text) <= len(state.streamed) or not text.startswith(state.streamed):
+            return None
+        new, state.streamed = text[len(state.streamed):], text
+        return {"text": np.array([new], dtype=object)}
 
     @torch.inference_mode()
     def post_decode(self, states: list[HunyuanState]) -> list[Outputs]:
-        return decode_by_grid(states, lambda latents, grid: self.pipe.decode(latents))
+        outputs = decode_by_grid(states, lambda latents, grid: self.pipe.decode(latents))
+        for state, named in zip(states, outputs):
+            if state.text is not None:
+                named["text"] = np.array([self._text(state)], dtype=object)
+                stopped = state.text.ids[-1] in self.thinker.stops
+                named["finish_reason"] = np.array(["stop" if stopped else "length"], dtype=object)
+        return outputs
 
 
 ADAPTER = HunyuanImage3Adapter
