@@ -5,10 +5,22 @@
 # (the image of docker/Dockerfile has both). Results: benchmarks/results/gpu/<scenario>.json and .md.
 # step-cache (`bash benchmarks/gpu.sh step-cache`) runs its first_block arm at CACHE_THRESHOLD when set: the
 # threshold that reuses about half the steps differs per preset, and its table counts the steps reused.
+# With more than one GPU it then runs the parallel configurations against one GPU (benchmarks/parallel.py:
+# cfg_parallel and sequence_parallel_size=2 for Qwen-Image, sequence_parallel_size=2 for Flux,
+# tensor_parallel_size for HunyuanImage-3.0): benchmarks/results/gpu/parallel.json and .md; `parallel` as the
+# scenario runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu.sh: torch sees no CUDA device")'
 PRESET=${GPU_PRESET:-$("$PY" -c 'from engine_lib.tiny_models import available; print("gpu" if "gpu" in available()["qwen_image"] else "bench")')}
-exec "$PY" -m benchmarks.run --device cuda --dtype bfloat16 --preset "$PRESET" --out benchmarks/results/gpu \
-  --scenario "${1:-}" ${CACHE_THRESHOLD:+--cache-threshold "$CACHE_THRESHOLD"}
+if [ "${1:-}" != parallel ]; then
+  "$PY" -m benchmarks.run --device cuda --dtype bfloat16 --preset "$PRESET" --out benchmarks/results/gpu \
+    --scenario "${1:-}" ${CACHE_THRESHOLD:+--cache-threshold "$CACHE_THRESHOLD"}
+fi
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$GPUS" -gt 1 ]; then
+  "$PY" -m benchmarks.parallel --device cuda --dtype bfloat16 --preset "$PRESET" --out benchmarks/results/gpu
+else
+  echo "gpu.sh: skipped the parallel configurations (cfg_parallel, sequence_parallel_size, tensor_parallel_size): $GPUS GPU"
+fi
