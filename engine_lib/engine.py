@@ -390,6 +390,8 @@ class DiffusionEngine:
             return
         logger.info("%s's parallel workers restarted", self.adapter.name)
         self._workers_down, self._failed_restarts = None, 0
+        if self._closed:  # close() came during the start and did not wait for it: stop the new workers too
+            self.adapter.close()
 
     # -- output streams --------------------------------------------------------
     def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerOutput) -> None:
