@@ -17,6 +17,7 @@ so nothing is left in /dev/shm.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -158,7 +159,6 @@ class WorkerGroup:
         self.calls += 1
         return [replies[rank] for rank in range(self.world_size)]
 
-    def _check_alive(self) -> None:
     def check(self) -> Optional[str]:
         """Why the group is broken (None: it is not); a worker that died since the last call breaks it now."""
         if not self.broken:
@@ -168,6 +168,7 @@ class WorkerGroup:
                 pass
         return self.broken
 
+    def _check_alive(self) -> None:
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 self._fail(f"rank {rank} (pid {process.pid}) died with exit code {process.exitcode}")
@@ -233,3 +234,31 @@ def _worker_main(rank: int, world_size: int, device: str, threads: int, backend:
                 conn.send_bytes(pickle.dumps(("error", traceback.format_exc(limit=4))))
     finally:
         dist.destroy_process_group()
+
+
+def start_pipeline_ranks(rank_class: type, adapter_cls: type, model_path: str, device: torch.device,
+                         dtype: torch.dtype, options: dict, world_size: int,
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
+    """`world_size` workers, each loading the pipeline (`adapter_cls.load`) on its device and answering calls with
+    `rank_class(adapter, rank, world_size)` (cfg_parallel.py, sequence_parallel.py)."""
+    setup = functools.partial(_load_pipeline_rank, rank_class, adapter_cls, model_path, dtype, options)
+    return WorkerGroup(setup, rank_devices(device, world_size, options.get("parallel", {}).get("devices")), timeout_s)
+
+
+def _load_pipeline_rank(rank_class: type, adapter_cls: type, model_path: str, dtype: torch.dtype, options: dict,
+                        rank: int, world_size: int, device: torch.device) -> Any:
+    return rank_class(adapter_cls.load(model_path, device, dtype, options), rank, world_size)
+
+
+def agree(error: Optional[BaseException], device: torch.device) -> None:
+    """In a rank handler, before it exchanges results: every rank learns whether every rank's part succeeded (an
+    all_reduce), then raises `error`, or a RuntimeError where another rank failed, so none waits in a collective
+    that a failed rank never joins."""
+    import torch.distributed as dist
+
+    ok = torch.tensor([0 if error else 1], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise RuntimeError("another rank's part of this call failed")

@@ -11,12 +11,10 @@ prediction to the driver. Only the transformer runs on the ranks, so the engine'
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
-from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, rank_devices
+from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
 
 SIDES = ("cond", "uncond")  # rank r runs the rows of SIDES[r]
 
@@ -24,8 +22,7 @@ SIDES = ("cond", "uncond")  # rank r runs the rows of SIDES[r]
 def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """Two workers, each loading the pipeline on its device (both CPUs over gloo, or cuda:0 and cuda:1)."""
-    setup = functools.partial(_load_rank, adapter_cls, model_path, dtype, options)
-    return WorkerGroup(setup, rank_devices(device, len(SIDES), options.get("parallel", {}).get("devices")), timeout_s)
+    return start_pipeline_ranks(CfgRank, adapter_cls, model_path, device, dtype, options, len(SIDES), timeout_s)
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
@@ -35,15 +32,10 @@ def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, t
     return group.call("forward", args).to(latents.device)
 
 
-def _load_rank(adapter_cls: type, model_path: str, dtype: torch.dtype, options: dict, rank: int, world_size: int,
-               device: torch.device) -> "CfgRank":
-    return CfgRank(adapter_cls.load(model_path, device, dtype, options), rank)
-
-
 class CfgRank:
     """One rank's handler: the transformer forward of its CFG side."""
 
-    def __init__(self, adapter, rank: int):
+    def __init__(self, adapter, rank: int, world_size: int):
         self.adapter, self.rank = adapter, rank
 
     def held_states(self) -> int:
@@ -59,12 +51,7 @@ class CfgRank:
                 pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, [])
         except Exception as error:
             failed, pred = error, torch.zeros_like(latents)
-        ok = torch.tensor([0 if failed else 1], device=latents.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank learns whether both forwards ran: they stay in step
-        if failed is not None:
-            raise failed
-        if not ok.item():
-            raise RuntimeError("the other rank's forward failed")
+        agree(failed, latents.device)  # every rank learns whether both forwards ran: they stay in step
         preds = [torch.empty_like(pred) for _ in SIDES] if self.rank == 0 else None
         dist.gather(pred.contiguous(), preds, dst=0)
         if self.rank != 0:
