@@ -3,10 +3,12 @@ each, the requests still waiting run once the engine has started a new group by 
 keeps failing requests end UNAVAILABLE instead of hanging.
 
 The tiny Qwen-Image adapter runs in this process; its `workers` is a test double whose "ranks" die on demand
-(a real group's death is tests/pipelines/test_cfg_parallel.py's).
+(a real group's death and restart: tests/serving/test_parallel_serving.py).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -17,7 +19,6 @@ from engine_lib.parallel import WorkerError
 from engine_lib.request import EngineUnavailableError, PipelineError
 from engine_lib.testing import EngineHooks, FileTickBudget
 from tests.conftest import TickBudget
-from tests.engine.test_engine import wait_until
 
 DEATH = "rank 1 (pid 4242) died with exit code -9"
 
@@ -64,6 +65,13 @@ def ranks(tiny_qwen_dir):
     adapter.start_workers = ranks.start  # what the registry's load does for a parallel instance
     adapter.launch_workers(str(tiny_qwen_dir), {})
     return ranks
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
 
 
 def make(ranks, budget, ticks=None):
