@@ -469,6 +469,24 @@ def test_hunyuan_image3_refuses_a_size_it_would_not_generate_as_asked(server):
     assert "input 'height': 64x32 is not one of this model's sizes" in result.error.message()
 
 
+def test_hunyuan_image3_recaptions_before_its_image(server):
+    """The reference's recaption (tests/golden/hunyuan_image3/think.npz) served: the text streamed and whole, with
+    its finish_reason, and the image drawn after it within one level; a bot_task it lacks is refused by name."""
+    golden = np.load(REPO_ROOT / "tests" / "golden" / "hunyuan_image3" / "think.npz")
+    result = run_request(server.grpc_url, model="hunyuan_image3", request_id="recaption", prompt="cat cube old",
+                         bot_task="recaption", max_new_tokens=20, height=48, width=80, num_inference_steps=4, seed=2,
+                         guidance_scale=3.5)
+    assert not result.errors, result.errors
+    text = result.final.as_numpy("text")[0].decode("utf-8")
+    assert text == str(golden["recaption_ends_cot_text"]) and result.final.as_numpy("finish_reason")[0] == b"stop"
+    chunks = [r.as_numpy("text")[0] for r in result.responses if r is not result.final and r.as_numpy("text") is not None]
+    assert chunks and b"".join(chunks).decode("utf-8") == text
+    image = result.final.as_numpy("image")[0].astype(int)
+    assert np.abs(image - golden["recaption_ends_image_u8"].astype(int)).max() <= 1
+    bad = run_request(server.grpc_url, model="hunyuan_image3", request_id="bad-task", prompt="x", bot_task="auto")
+    assert len(bad.errors) == 1 and "bot_task" in bad.error.message()
+
+
 # -- video: Helios, streamed chunk by chunk ------------------------------------------------
 
 def test_helios_streams_each_chunk_as_it_is_decoded_then_the_whole_video(server, model_dirs):
