@@ -35,7 +35,7 @@ from engine_lib import interface
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
-from engine_lib.pipelines import cfg_parallel, taylorseer
+from engine_lib.pipelines import cfg_parallel, sequence_parallel, taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
@@ -125,6 +125,8 @@ class FlowMatchAdapter(DiffusersAdapter):
     # Inputs the step key leaves out, with the `mixed_size_batching` option, because the adapter batches
     # their different values itself (Qwen-Image: height and width, with padded image tokens).
     step_key_skips: ClassVar[tuple[str, ...]] = ()
+    # Inputs of `_row_inputs` the whole batch shares (one value, not one per row: Flux's text and image ids).
+    batch_inputs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
@@ -168,14 +170,31 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def check_inputs(self, params: SamplingParams) -> None:
         self.loras.check(params.lora_name)
-        if self.workers is not None:  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
-            for name in ("lora_name", "cache"):
-                if params.get(name) not in (None, "", "none"):
-                    raise InvalidInputError(name, f"{self.name} does not take this input with cfg_parallel")
+        if self.workers is None:
+            return
+        degree = self.sequence_parallel_size
+        mode = f"sequence_parallel_size={degree}" if degree > 1 else "cfg_parallel"
+        for name in ("lora_name", "cache"):  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
+            if params.get(name) not in (None, "", "none"):
+                raise InvalidInputError(name, f"{self.name} does not take this input with {mode}")
+        if degree > 1:  # every rank takes at least one text and one image token
+            if self.text_length(params) < degree:
+                raise InvalidInputError("max_sequence_length", f"must be at least {degree} with {mode}")
+            if (params.height // self.size_multiple) * (params.width // self.size_multiple) < degree:
+                raise InvalidInputError("height", f"the image must have at least {degree} tokens of "
+                                        f"{self.size_multiple}x{self.size_multiple} pixels with {mode}")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks that split each forward's tokens (the registry's options["parallel"]; 1: none)."""
+        return int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
 
     def start_workers(self, model_path: str, options: dict):
-        if options["parallel"]["cfg_parallel"]:
+        parallel = options["parallel"]
+        if parallel["cfg_parallel"]:
             return cfg_parallel.start(type(self), model_path, self.device, self.dtype, options)
+        if parallel["sequence_parallel_size"] > 1 and self.supports_sequence_parallel:
+            return sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
         return super().start_workers(model_path, options)
 
     @staticmethod
@@ -229,7 +248,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         raise NotImplementedError
 
     def _row_inputs(self, states: list[FlowMatchState]) -> dict:
-        """Per-row transformer inputs other than latents, timestep and text (tensors or lists, or None)."""
+        """Per-row transformer inputs other than latents, timestep and text (tensors or lists, or None; those named
+        in `batch_inputs` are the whole batch's)."""
         return {}
 
     def _transformer(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
@@ -335,20 +355,31 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def _denoise(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
                  states: list[FlowMatchState], do_cfg: bool) -> torch.Tensor:
+        scale = None
+        if do_cfg:
+            scales = {self.cfg_scale(s.params) for s in states}
+            assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
+            scale = scales.pop()
+        if self.workers is not None and self.sequence_parallel_size > 1:  # every rank its tokens
+            return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching)
+        if self.workers is not None and scale is not None:  # cond rows on rank 0, uncond rows on rank 1
+            return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale)
+        return self._predict(latents, timestep, text, rows, states, scale)
+
+    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
+                 states: list[FlowMatchState], scale: Optional[float]) -> torch.Tensor:
+        """The prediction in this process (a sequence-parallel rank runs it too): the cond forward, or with a CFG
+        `scale` both forwards (one of 2B rows, or two of B rows) combined."""
         # "branches": the CFG branch of each half of the forward's rows (a step cache keeps one state per branch)
-        if not do_cfg:
+        if scale is None:
             with self._cache_context("cond"):
                 return self._transformer(latents, timestep, text["cond"], {**rows, "branches": ("cond",)}, states)
-
-        scales = {self.cfg_scale(s.params) for s in states}
-        assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
-        if self.workers is not None:  # cond rows on rank 0, uncond rows on rank 1, combined there
-            return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scales.pop())
         if self.cfg_batching:
             first, second = self.cfg_order
             with self._cache_context(first):
-                both = self._transformer(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                                         text["cfg"], {**_repeat_rows(rows), "branches": self.cfg_order}, states)
+                both = self._transformer(torch.cat([latents, latents]), torch.cat([timestep, timestep]), text["cfg"],
+                                         {**_repeat_rows(rows, self.batch_inputs), "branches": self.cfg_order},
+                                         states)
             pred = dict(zip(self.cfg_order, both.chunk(2)))
         else:
             pred = {}
@@ -356,7 +387,7 @@ class FlowMatchAdapter(DiffusersAdapter):
                 with self._cache_context(side):
                     pred[side] = self._transformer(latents, timestep, text[side], {**rows, "branches": (side,)},
                                                    states)
-        return self._combine_cfg(pred["cond"], pred["uncond"], scales.pop())
+        return self._combine_cfg(pred["cond"], pred["uncond"], scale)
 
     @torch.inference_mode()
     def step_scheduler(self, state: FlowMatchState, noise_pred: torch.Tensor) -> None:
@@ -476,12 +507,13 @@ class FlowMatchAdapter(DiffusersAdapter):
         return self._preview_weights
 
 
-def _repeat_rows(rows: dict) -> dict:
-    """Per-row inputs for a batched CFG forward: every row twice, in the same halves as the latents."""
+def _repeat_rows(rows: dict, shared: tuple[str, ...] = ()) -> dict:
+    """Per-row inputs for a batched CFG forward: every row twice, in the same halves as the latents (the inputs
+    named in `shared`, the whole batch's, once)."""
     doubled = {}
     for name, value in rows.items():
-        if value is None:
-            doubled[name] = None
+        if value is None or name in shared:
+            doubled[name] = value
         elif isinstance(value, torch.Tensor):
             doubled[name] = torch.cat([value, value])
         elif hasattr(value, "repeated"):  # a structure over the rows (a Packing: mixed sizes)

@@ -63,6 +63,8 @@ class FluxAdapter(FlowMatchAdapter):
         *ALL_CACHE_INPUTS,
     )
     state_class = FluxState
+    supports_sequence_parallel = True
+    batch_inputs = ("txt_ids", "img_ids")  # one text length and image size per forward (without packing)
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -108,6 +110,8 @@ class FluxAdapter(FlowMatchAdapter):
         if len({(s.params.height, s.params.width) for s in states}) > 1:  # a ragged batch: image tokens packed
             rows["packing"] = FluxPacking(self.pipe.transformer.pos_embed, states[0].txt_ids,
                                           [s.img_ids for s in states for _ in range(s.num_rows)], self.device)
+        else:
+            rows.update(txt_ids=states[0].txt_ids, img_ids=states[0].img_ids)
         return rows
 
     def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
@@ -122,8 +126,7 @@ class FluxAdapter(FlowMatchAdapter):
                                              text["pooled"], text["embeds"], packing, groups)
         if groups is not None:
             return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                  text["pooled"], text["embeds"], states[0].txt_ids, states[0].img_ids, groups,
-                                  seer)
+                                  text["pooled"], text["embeds"], rows["txt_ids"], rows["img_ids"], groups, seer)
         if packing is not None:
             with self.loras.packed(packing.token_rows):
                 return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],
@@ -134,8 +137,8 @@ class FluxAdapter(FlowMatchAdapter):
             guidance=rows["guidance"],
             pooled_projections=text["pooled"],
             encoder_hidden_states=text["embeds"],
-            txt_ids=states[0].txt_ids,
-            img_ids=states[0].img_ids,
+            txt_ids=rows["txt_ids"],
+            img_ids=rows["img_ids"],
             return_dict=False,
         )[0]
 

@@ -55,6 +55,7 @@ class FluxKontextAdapter(FluxAdapter):
     inputs = tuple(spec for spec in FluxAdapter.inputs if spec.name not in _CACHE_NAMES) + (IMAGE, AUTO_RESIZE)
     state_class = FluxKontextState
     step_key_skips = ()  # one output size per forward: its rows share their ids
+    supports_sequence_parallel = False  # its image's tokens join the sequence, cut off after the forward
 
     @classmethod
     def example_inputs(cls) -> dict:

@@ -58,6 +58,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     state_class = QwenImageState
     pads_text = True
     supports_cfg_parallel = True
+    supports_sequence_parallel = True
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     def __init__(self, pipe, device, dtype, options=None):

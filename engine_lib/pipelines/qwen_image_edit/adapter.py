@@ -58,6 +58,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     inputs = tuple(spec for spec in QwenImageAdapter.inputs if spec.name not in _STEP_CACHE) + (IMAGE,)
     state_class = QwenImageEditState
     step_key_skips = ()
+    supports_sequence_parallel = False  # its image's tokens join the sequence, cut off after the forward
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
 
     @classmethod

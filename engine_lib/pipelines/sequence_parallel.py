@@ -1,0 +1,94 @@
+"""Sequence parallel (Ulysses): each forward's tokens split over the ranks (the `sequence_parallel_size` parameter).
+
+The driver (the engine's process) keeps every request's state, the text encoding, the scheduler
+steps and the decode; each tick it sends every rank the same inputs: the batch's latents,
+timesteps, the text of the forwards it runs, per-row inputs and the CFG scale. Each rank runs
+the adapter's own prediction (`_predict`: the cond forward, or both CFG forwards, batched or not
+as `cfg_batching` says, and their combination) through a transformer with diffusers' context
+parallelism: `ContextParallelConfig(ulysses_degree=n, ulysses_anything=True)` and the model's own
+`_cp_plan` (Qwen-Image, Flux). The plan's hooks give each rank its share of the image and of the
+text tokens (`tensor_split`: any count of at least n, so no padding), and the attention exchanges
+heads for tokens with an all_to_all before and after it, so each rank attends over the whole
+joint sequence with its share of the heads. The plan's final all_gather is left out: rank 0
+alone needs the prediction, so the ranks' token shards are gathered to it (`gather_tokens`).
+
+One shim makes diffusers' context parallel run on CPU ranks over gloo (with the native SDPA
+attention our forwards use): it names a rank's device `rank % torch.accelerator.device_count()`,
+a division by zero on a host without an accelerator, so there the count reads 1 while the
+parallelism is enabled (the device it names is not used; the mesh is ours, on the rank's device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
+
+
+def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
+    """`sequence_parallel_size` workers, each loading the pipeline on its device (CPUs over gloo, or one GPU each)."""
+    degree = options["parallel"]["sequence_parallel_size"]
+    return start_pipeline_ranks(SequenceRank, adapter_cls, model_path, device, dtype, options, degree, timeout_s)
+
+
+def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
+            scale: Optional[float], cfg_batching: bool) -> torch.Tensor:
+    """A tick's prediction (guided with a CFG `scale`), computed on the ranks, on the latents' device."""
+    sides = ("cond",) if scale is None else ("cfg",) if cfg_batching else ("cond", "uncond")
+    args = (latents, timestep, {side: text[side] for side in sides}, rows, scale)
+    return group.call("forward", [args] * group.world_size).to(latents.device)
+
+
+def gather_tokens(shard: torch.Tensor, tokens: int, rank: int, world_size: int) -> Optional[torch.Tensor]:
+    """Rank 0: the ranks' shards of a [B, tokens, C] output joined in rank order, each rank's at the offset
+    `tensor_split` gave it; the other ranks: None. The shards are padded to the first (the longest) for one gather."""
+    sizes = [len(part) for part in torch.arange(tokens).tensor_split(world_size)]
+    padded = F.pad(shard, (0, 0, 0, sizes[0] - shard.shape[1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if rank != 0:
+        return None
+    return torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1)
+
+
+def enable_ulysses(transformer: torch.nn.Module, degree: int, device: torch.device) -> None:
+    """diffusers' Ulysses context parallelism over the process group, its plan without the output's all_gather."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plan = {name: entry for name, entry in transformer._cp_plan.items() if isinstance(entry, dict)}  # the splits
+    mesh = init_device_mesh(device.type, (1, degree), mesh_dim_names=("ring", "ulysses"))
+    config = ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
+    no_accelerator = torch.accelerator.device_count() == 0
+    with mock.patch.object(torch.accelerator, "device_count", return_value=1) if no_accelerator \
+            else contextlib.nullcontext():
+        transformer.enable_parallelism(config=config, cp_plan=plan)
+
+
+class SequenceRank:
+    """One rank's handler: its share of the tokens of a tick's forwards."""
+
+    def __init__(self, adapter, rank: int, world_size: int):
+        self.adapter, self.rank, self.world_size = adapter, rank, world_size
+        enable_ulysses(adapter.pipe.transformer, world_size, adapter.device)
+
+    def held_states(self) -> int:
+        """Request states this rank holds: none (every request's state stays on the driver)."""
+        return 0
+
+    @torch.inference_mode()
+    def forward(self, latents, timestep, text, rows, scale):
+        failed, shard = None, None
+        try:
+            shard = self.adapter._predict(latents, timestep, text, rows, [], scale)
+        except Exception as error:
+            failed = error
+        agree(failed, latents.device)  # every rank learns whether all forwards ran: they stay in step
+        return gather_tokens(shard, latents.shape[1], self.rank, self.world_size)

@@ -1,0 +1,104 @@
+"""Sequence-parallel Qwen-Image (with true CFG) and Flux: each forward's image and text tokens split over two CPU
+worker processes over gloo (Ulysses attention), against the single-process adapter on the tiny models.
+
+One worker group per pipeline serves the module. The ranks attend over the joint sequence in another token order
+(each rank's text then image tokens), so the sums differ from the single-process ones in their last bits: the
+bound is LATENT_BOUND, not equality.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_lib.config import EngineConfig, select_mode
+from engine_lib.interface import to_uint8
+from engine_lib.pipelines.flux.adapter import FluxAdapter
+from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
+from engine_lib.pipelines.registry import get_adapter_class, load_adapter
+from engine_lib.request import ConfigError, InvalidInputError
+from engine_lib.tiny_models import ensure_model
+from parity_checks import load_tiny_adapter, parse, step_latents
+
+LATENT_BOUND = 1e-5
+CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
+
+
+def sequence_parallel(pipeline: str):
+    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
+                                        device="cpu", dtype="float32", sequence_parallel_size=2))
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def qwen() -> QwenImageAdapter:
+    return load_tiny_adapter("qwen_image", QwenImageAdapter)
+
+
+@pytest.fixture(scope="module")
+def qwen_sp():
+    yield from sequence_parallel("qwen_image")
+
+
+@pytest.fixture(scope="module")
+def flux() -> FluxAdapter:
+    return load_tiny_adapter("flux", FluxAdapter)
+
+
+@pytest.fixture(scope="module")
+def flux_sp():
+    yield from sequence_parallel("flux")
+
+
+def assert_same_run(parallel, single, arrivals):
+    """Every step's latents within LATENT_BOUND of the single-process run's, its images within 1 uint8 level; the
+    ranks ran every tick, and hold no request state after it."""
+    calls = parallel.workers.calls
+    latents, images = step_latents(parallel, arrivals)
+    ticks = parallel.workers.calls - calls
+    expected_latents, expected_images = step_latents(single, arrivals)
+    for rid in arrivals:
+        assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
+        levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
+        assert levels.max() <= 1, rid
+    assert ticks == max(at + p.num_inference_steps for at, p in arrivals.values())
+    assert parallel.workers.call_all("held_states", [()] * 2) == [0, 0]
+
+
+def joining_batch(single, **inputs) -> dict:
+    """Three requests joining at ticks 0, 1 and 2, with different prompts (text lengths) and step counts."""
+    return {f"r{i}": (i, parse(single, dict(prompt=prompt, num_inference_steps=steps, seed=i, **inputs)))
+            for i, (prompt, steps) in enumerate([("a cat", 3), ("a red car on a long road", 2), ("fruit", 3)])}
+
+
+def test_qwen_image_with_true_cfg_solo_and_with_an_odd_token_count_equals_the_single_process_run(qwen_sp, qwen):
+    """24x24 pixels: 9 image tokens, 5 on rank 0 and 4 on rank 1."""
+    arrivals = {"solo": (0, parse(qwen, dict(prompt="a red cube", num_inference_steps=2, seed=5, **CFG))),
+                "odd": (0, parse(qwen, dict(prompt="a red cube", num_inference_steps=2, seed=5, height=24, width=24,
+                                            **CFG)))}
+    for rid, arrival in arrivals.items():
+        assert_same_run(qwen_sp, qwen, {rid: arrival})
+
+
+def test_qwen_image_with_true_cfg_in_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(
+        qwen_sp, qwen):
+    assert_same_run(qwen_sp, qwen, joining_batch(qwen, **CFG))
+
+
+def test_flux_solo_and_in_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(flux_sp, flux):
+    assert_same_run(flux_sp, flux, {"solo": (0, parse(flux, dict(prompt="a red cube", num_inference_steps=2,
+                                                                  seed=5)))})
+    assert_same_run(flux_sp, flux, joining_batch(flux, max_sequence_length=7))  # 7 text tokens: 4 and 3
+
+
+def test_what_the_ranks_cannot_run_is_refused_naming_the_input(qwen_sp):
+    refused = {"cache": dict(cache="first_block"), "lora_name": dict(lora_name="toy_a"),
+               "max_sequence_length": dict(max_sequence_length=1), "height": dict(height=8, width=8)}
+    for name, inputs in refused.items():
+        with pytest.raises(InvalidInputError) as info:
+            parse(qwen_sp, dict(prompt="x", num_inference_steps=2, **inputs))
+        assert info.value.input_name == name and "sequence_parallel_size=2" in str(info.value)
+    for pipeline in ("sd3", "qwen_image_edit", "flux_kontext"):
+        with pytest.raises(ConfigError, match="does not support sequence_parallel_size"):
+            select_mode(EngineConfig(pipeline=pipeline, sequence_parallel_size=2), get_adapter_class(pipeline))
