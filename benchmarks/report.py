@@ -233,9 +233,36 @@ def cache_tables(result: dict) -> list[str]:
                    "measured / ideal", "goal (>= 70 %) met"])]
 
 
+def think_tables(result: dict) -> list[str]:
+    """Each system's counted work over every round, side by side, and the first system's ratios to each other's."""
+    from benchmarks.think import totals
+
+    sc, rounds = result["scenario"], result["rounds"]
+    names = [s["name"] for s in sc["systems"]]
+    labels = {s["name"]: s["label"] for s in sc["systems"]}
+    t = {name: totals(rounds, name) for name in names}
+    rows = [[labels[name], f"{t[name]['text_forwards']}", num(t[name]["text_rows_per_forward"], 2),
+             f"{t[name]['denoise_forwards']}", num(t[name]["denoise_rows_per_forward"], 2),
+             spread(of([r["systems"][name] for r in rounds], "requests_per_s")),
+             num(median(of([r["systems"][name] for r in rounds], "latency_p50_s", "think")), 2),
+             num(median(of([r["systems"][name] for r in rounds], "latency_p50_s", "plain")), 2),
+             "yes" if all(of([r["systems"][name] for r in rounds], "texts_equal")) else "no",
+             str(max(of([r["systems"][name] for r in rounds], "image_max_level")))] for name in names]
+    base = t[names[0]]
+    ratios = [[labels[name], num(t[name]["text_forwards"] / base["text_forwards"], 2, "x"),
+               num(t[name]["denoise_forwards"] / base["denoise_forwards"], 2, "x"),
+               spread([r["systems"][names[0]]["requests_per_s"] / r["systems"][name]["requests_per_s"]
+                       for r in rounds], 2, suffix="x")] for name in names[1:]]
+    return [table(rows, ["system", "text forwards", "rows per text forward", "denoise forwards",
+                         "rows per denoise forward", "req/s", "p50 s think", "p50 s plain",
+                         f"texts = {names[0]}'s", f"image levels from {names[0]}'s (max)"]),
+            table(ratios, ["system", f"text forwards / {names[0]}'s", f"denoise forwards / {names[0]}'s",
+                           f"{names[0]} req/s / its, per round"])]
+
+
 TABLES = {"closed": closed_tables, "poisson": poisson_tables, "priority": priority_tables,
           "perf_analyzer": perf_analyzer_tables, "profile": profile_tables, "packing": packing_tables,
-          "cache": cache_tables}
+          "cache": cache_tables, "think": think_tables}
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:

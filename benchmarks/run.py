@@ -316,8 +316,19 @@ def run_packing(sc: Scenario, log_dir: Path) -> dict:
     return packing.run(sc.repeats, device, dtype, scale=4 if device == "cuda" else 1)
 
 
+def run_think(sc: Scenario, log_dir: Path) -> dict:
+    """Think and plain BAGEL requests through each system's engine in-process, the work counted (benchmarks/think.py)."""
+    from benchmarks import think
+
+    size, steps, c = sc.sizes[0], sc.steps[0], sc.concurrency[0]
+    return think.run(sc.systems, lambda r: think.requests(max(sc.per_client * c, sc.min_requests), size, steps,
+                                                          sc.max_new_tokens, seed=100 + r),
+                     c, sc.repeats, model_path(sc, sc.systems[0].pipeline))
+
+
 RUNNERS = {"closed": run_closed, "poisson": run_poisson, "priority": run_priority,
-           "perf_analyzer": run_perf_analyzer, "profile": run_profile, "packing": run_packing, "cache": run_cache}
+           "perf_analyzer": run_perf_analyzer, "profile": run_profile, "packing": run_packing, "cache": run_cache,
+           "think": run_think}
 
 
 def run_scenario(sc: Scenario, out_dir: Path, img_dir: Path, command: str, log_dir: Path) -> dict:

@@ -13,7 +13,9 @@ it is sent (`kind`):
 * perf_analyzer: Triton's perf_analyzer against the first system, next to the load generator;
 * cache: closed loop on the first system, the same requests with the step cache off and at `cache_threshold`,
   the two arms interleaved round by round;
-* profile, packing: in-process measurements of the pipeline itself, no server (that is their point).
+* profile, packing: in-process measurements of the pipeline itself, no server (that is their point);
+* think: in-process, BAGEL requests thinking before their image mixed with plain ones in a closed loop, each
+  system the same engine (its parameters) with its `adapter` settings, the text and denoise forwards counted.
 
 `QUICK` is `make bench-quick`: a few scenarios with fewer requests and repeats.
 """
@@ -52,6 +54,7 @@ class Scenario:
     edit_strength: float = 0.0  # > 0: image-to-image edits, each request its own input image at this strength
     compare_images: bool = False  # closed: each image against the same request's on its pipeline's first system
     rows_per_request: int = 1  # rows a request puts in a forward (2: classifier-free guidance), for the tables
+    max_new_tokens: int = 0  # think: the cap of each thinking request's thought
 
 
 def modes(n: int = 8, wait_ms: int = 20) -> dict[str, System]:
@@ -138,6 +141,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         "helios", "helios: one request at a time, streamed by chunk", "helios",
         engine(step_execution="true", max_num_seqs=1)),), preset="tiny", sizes=(64,), steps=(4,), num_frames=97,
              concurrency=(1,), per_client=6),
+    # Every other request thinks (a thought of up to 24 tokens, then 8 denoise steps); the baseline is the same
+    # engine with at most one request decoding per tick (BagelAdapter.max_text_rows, a benchmark-only setting).
+    Scenario("think", "BAGEL think and plain requests at concurrency 8: one loop vs text phases one at a time "
+             "(in-process)", "think", (
+                 System("one_loop", "bagel: STEP_BATCH x8, every text phase in one text forward per tick", "bagel",
+                        engine(step_execution="true", max_num_seqs=8)),
+                 System("text_one_at_a_time", "bagel: STEP_BATCH x8, max_text_rows=1 (one request decodes per tick)",
+                        "bagel", engine(step_execution="true", max_num_seqs=8), adapter={"max_text_rows": 1})),
+             preset="tiny", sizes=(64,), steps=(8,), concurrency=(8,), per_client=3, repeats=3, max_new_tokens=24),
 ]}
 
 QUICK: dict[str, Mapping] = {
@@ -148,6 +160,7 @@ QUICK: dict[str, Mapping] = {
     "priority": dict(requests=10, background=4),
     "step-cache": dict(per_client=2, repeats=2),
     "edits": dict(per_client=4),
+    "think": dict(per_client=2, repeats=1, max_new_tokens=12),
 }
 
 

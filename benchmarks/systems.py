@@ -42,6 +42,7 @@ class System:
     model: str = ""  # the Triton model name; "" = the pipeline's
     streaming: bool = True
     deadlines: bool = False
+    adapter: Mapping[str, object] = field(default_factory=dict)  # in-process: attributes set on the adapter
 
     @property
     def model_name(self) -> str:

@@ -208,6 +208,19 @@ def test_requests_decoding_together_give_the_references_answers_thought_and_imag
     assert text_forwards == [4] * 9 + [3] * 2 + [2] * 4 + [1] * 15
 
 
+def test_max_text_rows_decodes_one_request_per_tick_and_the_others_wait(adapter, golden, monkeypatch, text_forwards):
+    """The `think` benchmark's baseline: with max_text_rows=1 the four golden cases' text phases run one row per
+    forward (the 9 + 11 + 15 + 30 rows the shared run puts into 30 forwards), while the think image's denoise
+    steps go on beside them; every text and the image are still the reference's."""
+    monkeypatch.setattr(adapter, "max_text_rows", 1)
+    outputs, _ = run_ticks(adapter, {case: golden_request(adapter, golden, case) for case in SYSTEM})
+    for case in SYSTEM:
+        assert outputs[case]["text"][0] == str(golden[f"{case}_text"]), case
+    image = (outputs["think_image"]["image"][0] * 255).round().astype(int)
+    assert np.abs(image - golden["think_image_image_u8"].astype(int)).max() <= 1
+    assert text_forwards == [1] * (9 + 11 + 15 + 30)
+
+
 def test_a_plain_image_beside_decoding_requests_equals_its_solo_run(adapter, golden):
     plain = golden_request(adapter, golden, "think_image", think=False, seed=3)
     together, _ = run_ticks(adapter, {"plain": plain, "answer": golden_request(adapter, golden, "answer_capped"),

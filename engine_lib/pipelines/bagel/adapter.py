@@ -133,6 +133,9 @@ class BagelAdapter(PipelineAdapter):
     state_class = BagelState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
+    # Most requests that decode a token in one tick (None: every one in its text phase); the others in their text
+    # phase wait, seated. Not a served parameter: the `think` benchmark's baseline sets 1.
+    max_text_rows: Optional[int] = None
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
@@ -201,11 +204,12 @@ class BagelAdapter(PipelineAdapter):
     @torch.inference_mode()
     def denoise_step(self, input_batch: InputBatch, *, states: list[BagelState]) -> dict:
         """One forward for the requests decoding text (each one's next token and the keys and values of the one
-        fed, `token` [B] and `kv` [B, 1, ...], -1 and zeros elsewhere), one for the denoising ones (each one's
-        guided velocity, right-padded like the gathered latents: `velocity` [B, N_max, 64])."""
+        fed, `token` [B] and `kv` [B, 1, ...], -1 and zeros elsewhere and for those `max_text_rows` leaves
+        waiting), one for the denoising ones (each one's guided velocity, right-padded like the gathered latents:
+        `velocity` [B, N_max, 64])."""
         latents = input_batch["latents"]
         out = {"velocity": torch.zeros_like(latents), "token": torch.full((len(states),), -1, dtype=torch.long)}
-        texts = [i for i, s in enumerate(states) if s.decoding]
+        texts = [i for i, s in enumerate(states) if s.decoding][:self.max_text_rows]
         if texts:
             tokens, new = self.pipe.next_tokens([states[i].text for i in texts])
             out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
@@ -250,7 +254,10 @@ class BagelAdapter(PipelineAdapter):
             state.latents = state.latents - noise_pred["velocity"][0] * state.dts[state.denoise_index]
             state.step_index += 1
             return
-        self.pipe.advance(state.text, int(noise_pred["token"][0]), noise_pred["kv"][0, 0])
+        token = int(noise_pred["token"][0])
+        if token < 0:  # not decoded this tick (max_text_rows)
+            return
+        self.pipe.advance(state.text, token, noise_pred["kv"][0, 0])
         state.step_index += 1
         if not state.text.done:
             return
