@@ -70,6 +70,18 @@ class TickBudget:
         return EngineHooks(tick_gate=FileTickBudget(str(self.path)))
 
 
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, request):
+    """The shipped qwen_image configuration on the tiny model behind a real tritonserver, shared by the session's
+    served tests (tests/serving, tests/client): one server start instead of one per module."""
+    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, model_path, start_server
+
+    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT,
+                       nan_prompt=NAN_PROMPT)
+    yield srv
+    srv.cleanup()
+
+
 @pytest.fixture
 def tick_budget(tmp_path):
     budget = TickBudget(tmp_path / "tick_budget")

@@ -261,14 +261,10 @@ def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory, request):
-    """One server for this module: the shipped qwen_image configuration on the tiny model."""
-    from tests.serving.conftest import model_path, start_server
-
-    server = start_server(tmp_path_factory.mktemp("client-server"), model_path(request))
-    yield server
-    server.cleanup()
+@pytest.fixture
+def triton(server):
+    """The session's shared server (tests/conftest.py): the shipped qwen_image configuration on the tiny model."""
+    return server
 
 
 def test_cli_grpc_saves_the_image_and_previews(triton, tmp_path):

@@ -1,9 +1,9 @@
 """Real tritonserver fixtures: the repository's qwen_image model, copied to a tmp dir with
 parameters adjusted per test module, served on free loopback ports.
 
-`server` is shared by the whole session (the shipped configuration, plus the engine's test
-hooks: a tick budget file, `server.budget`, a prompt that fails, FAIL_PROMPT, and one whose latents turn
-NaN, NAN_PROMPT); modules
+`server` (tests/conftest.py, so that tests/client shares it too) is shared by the whole session (the shipped
+configuration, plus the engine's test hooks: a tick budget file, `server.budget`, a prompt that fails,
+FAIL_PROMPT, and one whose latents turn NaN, NAN_PROMPT); modules
 that need other parameters or that kill their server start their own with `start_server`.
 Every server started here is checked for leaks when it stops (`LeakProbe`).
 """
@@ -134,15 +134,6 @@ def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra
     )
     server.budget = budget
     return server.start(timeout_s=300)
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory, request):
-    """The shipped qwen_image configuration on the tiny model, shared by the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT,
-                       nan_prompt=NAN_PROMPT)
-    yield srv
-    srv.cleanup()
 
 
 @pytest.fixture
