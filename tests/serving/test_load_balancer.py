@@ -1,7 +1,8 @@
-"""deploy/nginx/nginx.conf in front of two real tritonservers on this machine: requests are spread
-over both, gRPC streams (with previews) and HTTP generate_stream complete through the balancer, and
-a client's cancel reaches the engine that runs the request. Order-based: both engines are held by
-their tick budgets while the test looks."""
+"""deploy/nginx/nginx.conf in front of two real tritonservers on this machine (the session's shared
+server and one of this module's, both the shipped configuration): requests are spread over both,
+gRPC streams (with previews) and HTTP generate_stream complete through the balancer, and a client's
+cancel reaches the engine that runs the request. Order-based: both engines are held by their tick
+budgets while the test looks."""
 
 from __future__ import annotations
 
@@ -57,16 +58,14 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, request):
-    servers = []
+def replicas(tmp_path_factory, request, server):
+    """The session's server (the shipped configuration) and a second one like it: one server start fewer."""
+    second = start_server(tmp_path_factory.mktemp("replica1"), model_path(request), step_execution="true",
+                          max_num_seqs="4")
     try:
-        for i in range(2):
-            servers.append(start_server(tmp_path_factory.mktemp(f"replica{i}"), model_path(request),
-                                        step_execution="true", max_num_seqs="4"))
-        yield servers
+        yield [server, second]
     finally:
-        for server in servers:
-            server.cleanup()
+        second.cleanup()
 
 
 @pytest.fixture(scope="module")
