@@ -63,6 +63,13 @@ def test_the_text_and_the_image_context_are_the_references(adapter, golden, case
         assert ids == golden[f"{case}_image_input_ids"][row, :len(ids)].tolist()
 
 
+def test_sampled_text_is_reproducible_per_seed(adapter):
+    thinker = adapter.thinker
+    context = thinker.text_ids("the red house !", "think")
+    runs = [thinker.generate(context, 8, temperature=1.0, seed=seed).ids for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] != runs[2] and runs[0] != thinker.generate(context, 8).ids
+
+
 def test_the_served_inputs(adapter):
     p = parse(adapter, {"prompt": "a cat"})
     assert (p.bot_task, p.max_new_tokens, p.temperature) == ("image", 1024, 0.0)
