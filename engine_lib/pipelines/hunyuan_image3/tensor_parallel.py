@@ -173,11 +173,15 @@ def rank_model(folder: Path, rank: int, world: int, expert_parallel: bool, devic
             o_proj = layer.self_attn.o_proj
             layer.self_attn.o_proj = RowParallelLinear(o_proj.in_features, o_proj.out_features, bias=False)
             layer.mlp = RankMoE(config, world, range(owned.start, owned.stop), inner)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     checkpoint = Checkpoint(folder)
-    state = {key: shard(checkpoint, key, tensor.shape, config, rank, world, expert_parallel, owned.start, vocab)
-             for key, tensor in model.state_dict().items()}
-    model.load_state_dict(state, strict=True)
+    with torch.no_grad():  # one tensor at a time through the host: the rank's shard is all it ever holds
+        for key, tensor in model.state_dict().items():
+            part = shard(checkpoint, key, tensor.shape, config, rank, world, expert_parallel, owned.start, vocab)
+            if part.shape != tensor.shape:
+                raise ValueError(f"model weights: {key} has shape {tuple(part.shape)}, rank {rank} of {world} "
+                                 f"expects {tuple(tensor.shape)}")
+            tensor.copy_(part)
     return model.eval()
 
 
