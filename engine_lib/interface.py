@@ -222,6 +222,11 @@ VIDEO = OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "videos [N, F, H, W, 3
 FRAME_RATE = OutputSpec("frame_rate", "FP32", (1,), "frames per second the video plays at (and its mp4 is encoded at)")
 FRAME_OFFSET = OutputSpec("frame_offset", "INT32", (1,), "chunk responses: the index of the chunk's first frame")
 
+# What a pipeline that writes text (BAGEL, HunyuanImage-3.0) sends besides its image.
+TEXT = OutputSpec("text", "BYTES", (1,), "the answer or thought (UTF-8); intermediate responses: its new characters")
+FINISH_REASON = OutputSpec("finish_reason", "BYTES", (1,), "with the whole text: stop (it ended on its end token) "
+                           "or length (it reached max_new_tokens)")
+
 
 def encoded_outputs(outputs: Sequence[OutputSpec]) -> tuple[OutputSpec, ...]:
     """The BYTES outputs that declared encodings add: `<name>_<format>` [N], base64 text of one file per item."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +64,18 @@ class TextDecode:
     @property
     def new_tokens(self) -> int:
         return len(self.ids) - 1
+
+
+def text_chunk(state, text: str) -> Optional[dict]:
+    """A text phase's intermediate output: the characters of `text` (the whole text so far) after `state.streamed`
+    (those sent), as `text`; None when there are none. While `state.text` decodes, a partial UTF-8 character at
+    the end (decoded as U+FFFD) waits for its bytes."""
+    if not state.text.done:
+        text = text.rstrip("\ufffd")
+    if len(text) <= len(state.streamed) or not text.startswith(state.streamed):
+        return None
+    new, state.streamed = text[len(state.streamed):], text
+    return {"text": np.array([new], dtype=object)}
 
 
 def sample_token(logits: torch.Tensor, d: TextDecode) -> int:

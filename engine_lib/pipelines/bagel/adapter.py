@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from engine_lib import interface
-from engine_lib.interface import InputSpec, OutputSpec, replace_spec
+from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM_TYPES, VLM_THINK_SYSTEM_PROMPT,
                                                  BagelPipeline, Context, Guidance, TextDecode, with_img)
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import decode_by_grid
+from engine_lib.pipelines.decoder_parts import decode_by_grid, text_chunk
 from engine_lib.request import InvalidInputError, SamplingParams
 
 # The official inferencer's text-to-image settings are the defaults.
@@ -78,10 +78,6 @@ BAGEL_INPUTS = (
     InputSpec("temperature", "FP32", "text sampling temperature; 0: greedy (the reference's default)", default=0.0,
               low=0, high=10, batch="row"),
 )
-TEXT = OutputSpec("text", "BYTES", (1,), "the answer or thought (UTF-8); intermediate responses: its new characters")
-FINISH_REASON = OutputSpec("finish_reason", "BYTES", (1,), "with the whole text: stop (it ended on its end token) "
-                           "or length (it reached max_new_tokens)")
-
 
 @dataclass
 class BagelState(RequestState):
@@ -129,7 +125,7 @@ class BagelAdapter(PipelineAdapter):
     name = "bagel"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 4.0}  # the official example's
     inputs = BAGEL_INPUTS
-    outputs = (IMAGE, TEXT, FINISH_REASON)
+    outputs = (IMAGE, interface.TEXT, interface.FINISH_REASON)
     state_class = BagelState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
@@ -270,15 +266,7 @@ class BagelAdapter(PipelineAdapter):
 
     def chunk_outputs(self, state: BagelState) -> Optional[Outputs]:
         """The text's characters since the last call (a partial UTF-8 character at the end waits for its bytes)."""
-        if state.text is None:
-            return None
-        text = self.pipe.text(state.text.ids)
-        if not state.text.done:
-            text = text.rstrip("\ufffd")
-        if len(text) <= len(state.streamed) or not text.startswith(state.streamed):
-            return None
-        new, state.streamed = text[len(state.streamed):], text
-        return {"text": np.array([new], dtype=object)}
+        return text_chunk(state, self.pipe.text(state.text.ids)) if state.text is not None else None
 
     @torch.inference_mode()
     def post_decode(self, states: list[BagelState]) -> list[Outputs]:

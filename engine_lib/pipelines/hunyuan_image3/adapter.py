@@ -33,8 +33,7 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.bagel.adapter import FINISH_REASON, TEXT
-from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid
+from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid, text_chunk
 from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.pipelines.hunyuan_image3.think import TASKS, TextHead, Thinker
@@ -104,7 +103,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
     name = "hunyuan_image3"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 5.0}
     inputs = HUNYUAN_INPUTS
-    outputs = (IMAGE, TEXT, FINISH_REASON)
+    outputs = (IMAGE, interface.TEXT, interface.FINISH_REASON)
     state_class = HunyuanState
     supports_request_batch = False  # served with step execution only
     supports_step_execution = True
@@ -260,15 +259,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
 
     def chunk_outputs(self, state: HunyuanState) -> Optional[Outputs]:
         """The text's characters since the last call (a partial UTF-8 character at the end waits for its bytes)."""
-        if state.text is None:
-            return None
-        text = self._text(state)
-        if not state.text.done:
-            text = text.rstrip("\ufffd")
-        if len(text) <= len(state.streamed) or not text.startswith(state.streamed):
-            return None
-        new, state.streamed = text[len(state.streamed):], text
-        return {"text": np.array([new], dtype=object)}
+        return text_chunk(state, self._text(state)) if state.text is not None else None
 
     @torch.inference_mode()
     def post_decode(self, states: list[HunyuanState]) -> list[Outputs]:
