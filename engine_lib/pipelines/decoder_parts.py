@@ -7,7 +7,8 @@ that hides the padding), the small pieces of math their reference code shares
 (Qwen/Hunyuan RMSNorm, rotate-half RoPE, DiT's sinusoidal timestep embedding),
 the shifted flow-matching schedule both step with Euler, the first-block cache around their
 layer stacks (`first_layer_cache`), and a text phase's growing context and token choice
-(`TextDecode`, `grow`, `sample_token`: BAGEL's think and answers, Hunyuan's think and recaption).
+and streaming (`TextDecode`, `grow`, `sample_token`, `text_chunk`: BAGEL's think and answers, Hunyuan's
+think and recaption).
 """
 
 from __future__ import annotations
