@@ -6,8 +6,8 @@ many such caches of different lengths padded into one forward (with the mask
 that hides the padding), the small pieces of math their reference code shares
 (Qwen/Hunyuan RMSNorm, rotate-half RoPE, DiT's sinusoidal timestep embedding),
 the shifted flow-matching schedule both step with Euler, the first-block cache around their
-layer stacks (`first_layer_cache`), and a text phase's growing context and token choice
-and streaming (`TextDecode`, `grow`, `sample_token`, `text_chunk`: BAGEL's think and answers, Hunyuan's
+layer stacks (`first_layer_cache`), and a text phase's growing context, token choice and
+streamed chunks (`TextDecode`, `grow`, `sample_token`, `text_chunk`: BAGEL's think and answers, Hunyuan's
 think and recaption).
 """
 
