@@ -317,7 +317,8 @@ def run_packing(sc: Scenario, log_dir: Path) -> dict:
 
 
 def run_think(sc: Scenario, log_dir: Path) -> dict:
-    """Think and plain BAGEL requests through each system's engine in-process, the work counted (benchmarks/think.py)."""
+    """Think and plain BAGEL requests through each system's engine in-process, the work counted
+    (benchmarks/think.py)."""
     from benchmarks import think
 
     size, steps, c = sc.sizes[0], sc.steps[0], sc.concurrency[0]

@@ -142,7 +142,8 @@ def test_sampled_text_is_reproducible_per_seed(pipe):
 def golden_request(adapter, golden, case: str, **changes):
     inputs = {"prompt": str(golden[f"{case}_prompt"]), "max_new_tokens": max_new_tokens(golden, case),
               "think": case.startswith("think"),
-              "output_modality": "image" if case.startswith("think_image") else "text", "height": 64, "width": 64, "num_inference_steps": 5, "guidance_scale": 4.0, "seed": 1}
+              "output_modality": "image" if case.startswith("think_image") else "text",
+              "height": 64, "width": 64, "num_inference_steps": 5, "guidance_scale": 4.0, "seed": 1}
     return parse(adapter, {**inputs, **changes})
 
 
