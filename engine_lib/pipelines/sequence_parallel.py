@@ -42,7 +42,7 @@ def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, t
             scale: Optional[float], cfg_batching: bool) -> torch.Tensor:
     """A tick's prediction (guided with a CFG `scale`), computed on the ranks, on the latents' device."""
     sides = ("cond",) if scale is None else ("cfg",) if cfg_batching else ("cond", "uncond")
-    args = (latents, timestep, {side: text[side] for side in sides}, rows, scale)
+    args = (latents, timestep, {side: text[side] for side in sides}, rows, scale, cfg_batching)
     return group.call("forward", [args] * group.world_size).to(latents.device)
 
 
@@ -84,8 +84,9 @@ class SequenceRank:
         return 0
 
     @torch.inference_mode()
-    def forward(self, latents, timestep, text, rows, scale):
+    def forward(self, latents, timestep, text, rows, scale, cfg_batching):
         failed, shard = None, None
+        self.adapter.cfg_batching = cfg_batching  # the driver's: it sent the text of those forwards
         try:
             shard = self.adapter._predict(latents, timestep, text, rows, [], scale)
         except Exception as error:

@@ -18,7 +18,7 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.registry import get_adapter_class, load_adapter
 from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents
+from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 
 LATENT_BOUND = 1e-5
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
@@ -84,6 +84,16 @@ def test_qwen_image_with_true_cfg_solo_and_with_an_odd_token_count_equals_the_si
 def test_qwen_image_with_true_cfg_in_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(
         qwen_sp, qwen):
     assert_same_run(qwen_sp, qwen, joining_batch(qwen, **CFG))
+
+
+def test_qwen_image_with_true_cfg_as_two_forwards_equals_the_single_process_run(qwen_sp, qwen):
+    """cfg_batching off: the ranks run the cond and the uncond forward one after the other, as the driver would."""
+    p = parse(qwen, dict(prompt="a red cube", num_inference_steps=2, seed=5, **CFG))
+    qwen_sp.cfg_batching = False
+    try:
+        assert_same_run(qwen_sp, with_cfg_batching(qwen, False), {"solo": (0, p)})
+    finally:
+        qwen_sp.cfg_batching = True
 
 
 def test_flux_solo_and_in_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(flux_sp, flux):
