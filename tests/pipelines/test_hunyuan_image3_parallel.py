@@ -26,7 +26,7 @@ from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, run_preempting, step_latents
 
 LATENT_BOUND = 1e-5
-SPLIT = ("self_attn.qkv_proj", "self_attn.o_proj", "shared_mlp", "experts", "model.wte")  # the parts the ranks share
+SPLIT = ("self_attn.qkv_proj", "self_attn.o_proj", "shared_mlp", "experts", "model.wte")  # the parts split over the ranks
 
 
 def inputs(prompt: str, seed: int, steps: int = 3, size=(64, 64), guidance_scale: float = 5.0) -> dict:
@@ -36,7 +36,8 @@ def inputs(prompt: str, seed: int, steps: int = 3, size=(64, 64), guidance_scale
 
 RUNS = {  # request id -> (tick it joins at, its inputs)
     "solo": {"solo": (0, inputs("a red cube on a blue floor", 1))},
-    "batch": {"r0": (0, inputs("a cat", 2)),  # guidance_scale 1: one row, one cache
+    "batch": {"r0": (0, inputs("a cat", 2)),
+              # guidance_scale 1: one row, one cache; another size
               "r1": (1, inputs("a green sphere next to a yellow cone", 3, steps=2, size=(48, 80), guidance_scale=1.0)),
               "r2": (2, inputs("fruit", 4, guidance_scale=3.5))},
 }
@@ -62,7 +63,7 @@ def load(expert_parallel: bool) -> HunyuanImage3Adapter:
 
 @pytest.fixture(scope="module")
 def ep() -> HunyuanImage3Adapter:
-    """TP=2 with EP=2: the module's main worker group (the last test closes it)."""
+    """TP=2 with EP=2: every check runs on it."""
     adapter = load(True)
     yield adapter
     adapter.close()
@@ -121,7 +122,7 @@ def test_a_paused_request_keeps_its_caches_on_the_ranks(ep, single):
     outputs, paused = run_preempting(ModelRunner(ep, float_outputs=True), {0: [slow], 1: [urgent]},
                                      on_tick=lambda tick: seen.append(held(ep)))
     assert paused == ["slow"]
-    assert seen[:2] == [[2, 2], [4, 4]] and seen[-1] == [0, 0]  # slow's two caches, then urgent's beside them (slow paused)
+    assert seen[:2] == [[2, 2], [4, 4]] and seen[-1] == [0, 0]  # slow's two caches, then urgent's beside them
     _, images = step_latents(single, {"slow": (0, slow.params)})
     levels = np.abs(to_uint8(outputs["slow"]["image"][0]).astype(int) - to_uint8(images["slow"][0]).astype(int))
     assert levels.max() <= 1
