@@ -40,7 +40,7 @@ from torch import nn
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerError, WorkerGroup, rank_devices
 from engine_lib.pipelines.decoder_parts import KVCache
-from engine_lib.pipelines.hunyuan_image3.model import (MoE, Gate, HunyuanConfig, HunyuanImage3Model, SwiGLU,
+from engine_lib.pipelines.hunyuan_image3.model import (Gate, HunyuanConfig, HunyuanImage3Model, MoE, SwiGLU,
                                                       read_config)
 from engine_lib.request import ConfigError
 
