@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig, EngineMode, select_mode
+from engine_lib.parallel import WorkerError
 from engine_lib.phases import PhaseClock
 from engine_lib.request import (
     DiffusionOutput,
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[DiffusionOutput], None]
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # the waits before each next try to restart a broken worker group
+RANK_STATES_EVERY_S = 1.0  # while the engine runs, the parallel workers' request states are counted this often
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class EngineStats:
     num_preempted: int = 0  # pauses so far
     phase_seconds: Optional[Mapping[str, float]] = None  # seconds per phase so far (engine_lib/phases.py)
     counters: Optional[Mapping[str, float]] = None  # the adapter's monotone totals (prompt cache hits, ...)
+    num_rank_states: int = 0  # request states the parallel workers hold, all ranks (counted: _count_rank_states)
 
 
 class OutputStream:
@@ -124,6 +127,7 @@ class DiffusionEngine:
         self._workers_down: Optional[str] = None
         self._restart_at = 0.0
         self._failed_restarts = 0
+        self._rank_states, self._rank_states_at = 0, 0.0
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
         self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
@@ -278,7 +282,8 @@ class DiffusionEngine:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
                                self.scheduler.num_preempted, self.clock.totals(),
-                               {**self.adapter.counters(), "frames_generated": self.runner.frames_generated})
+                               {**self.adapter.counters(), "frames_generated": self.runner.frames_generated},
+                               self._rank_states)
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
@@ -303,6 +308,7 @@ class DiffusionEngine:
             self._check_workers()  # (a worker that died since the last tick breaks the group here)
             if self._restart_due():
                 self._restart_workers()
+            self._count_rank_states(idle=not has_work)
             if has_work and self._tick_gate is not None and not self._tick_gate():
                 with self._cond:
                     self._cond.wait(timeout=0.01)
@@ -312,6 +318,7 @@ class DiffusionEngine:
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
             self._check_workers()
+            self._count_rank_states(idle=not self.scheduler.has_requests)
 
     def _tick(self) -> None:
         with self._cond:
@@ -373,6 +380,19 @@ class DiffusionEngine:
         logger.error("%s's parallel workers failed (%s): %d request(s) lost; restarting them", self.adapter.name,
                      workers.broken, len(lost))
         self._workers_down, self._restart_at = workers.broken, time.monotonic()
+
+    def _count_rank_states(self, idle: bool) -> None:
+        """The request states the parallel workers hold (`held_states` of every rank), for the metrics: whenever the
+        engine goes idle (0 unless one leaked) and every RANK_STATES_EVERY_S while it runs: one call to the ranks."""
+        workers = getattr(self.adapter, "workers", None)
+        now = time.monotonic()
+        if workers is None or workers.broken or not (idle or now - self._rank_states_at >= RANK_STATES_EVERY_S):
+            return
+        self._rank_states_at = now
+        try:
+            self._rank_states = sum(workers.call_all("held_states", [()] * workers.world_size))
+        except WorkerError:  # (a dead worker: _check_workers acts on it)
+            pass
 
     def _restart_due(self) -> bool:
         return self._workers_down is not None and time.monotonic() >= self._restart_at

@@ -33,6 +33,8 @@ GAUGES = {
     "num_running": ("diffusion_requests_running", "Requests the engine is running"),
     "num_runner_states": ("diffusion_runner_states", "Per-request step states the runner holds"),
     "num_streams": ("diffusion_open_streams", "Engine output streams still open"),
+    "num_rank_states": ("diffusion_rank_states", "Request states the parallel workers hold, all ranks (counted when the "
+                        "engine goes idle and every second while it runs; 0 without workers)"),
 }
 HISTOGRAMS = {
     "batch_size": ("diffusion_batch_size", "Requests per engine tick in its denoise forward (requests only "

@@ -1,39 +1,76 @@
-"""A parallel instance served by tritonserver: qwen_image with cfg_parallel=true, its two ranks CPU worker processes
-of the model's stub (gloo), on one server for the module.
+"""Parallel instances served by tritonserver, on one server for the module: qwen_image with cfg_parallel=true and
+hunyuan_image3 with tensor_parallel_size=2 and expert_parallel=true, each with two ranks: CPU worker processes of
+the model's stub (gloo).
 
-Requests stream their previews and one final; a cancel frees the request's state (the CFG ranks hold none, the
-driver's runner states are the gauge); a worker killed with SIGKILL ends the request in flight with one final error
-and the instance restarts its workers by itself; SIGTERM to tritonserver leaves no worker behind (the last test).
+Requests stream their previews and one final; a cancel frees the request's state, on the driver (the runner's
+states) and on every rank (`diffusion_rank_states`: the CFG ranks hold none, Hunyuan's hold the prompt's KV cache
+shards); a worker killed with SIGKILL ends the request in flight with one final error and the instance restarts
+its workers by itself; SIGTERM to tritonserver leaves no worker behind (the last test).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.launcher import proc_stat
+from engine_lib.serving.launcher import REPO_ROOT, free_port, proc_stat
+from engine_lib.testing import hooks_environment
+from engine_lib.tiny_models import ensure_model
+from tests.conftest import TickBudget
 
-from .conftest import model_path, running, start_server
+from .conftest import SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter, write_repository
 from .streaming import RequestStream, close_all, run_request, wait_for_metric
 
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32)  # the two forwards run on the ranks
 
 
+HUNYUAN = "hunyuan_image3"
+TP = {"tensor_parallel_size": "2", "expert_parallel": "true"}
+
+
 @pytest.fixture(scope="module")
 def parallel_server(tmp_path_factory, request):
-    srv = start_server(tmp_path_factory.mktemp("parallel"), model_path(request), cfg_parallel="true")
+    """conftest.start_server's server, its repository holding the Hunyuan instance too; `hunyuan_budget` holds
+    that engine."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    repo = write_repository(tmp / "repository", model_path=model_path(request), cfg_parallel="true")
+    hunyuan = repo / HUNYUAN
+    shutil.copytree(REPO_ROOT / "model_repository" / HUNYUAN, hunyuan, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (hunyuan / "config.pbtxt").read_text()
+    for key, value in {"model_path": str(ensure_model(HUNYUAN, "tiny")), **TP}.items():
+        text = set_parameter(text, key, value)
+    (hunyuan / "config.pbtxt").write_text(text)
+    budgets = {name: TickBudget(tmp / f"{name}_budget") for name in ("qwen_image", HUNYUAN)}
+    srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                       address="127.0.0.1", log_path=tmp / "tritonserver.log",
+                       env={**hooks_environment(**{name: {"tick_budget_path": str(budget.path)}
+                                                   for name, budget in budgets.items()}),
+                            "DIFFUSION_PRIORITY_KEY": SERVER_PRIORITY_KEY})
+    srv.budget, srv.hunyuan_budget = budgets["qwen_image"], budgets[HUNYUAN]
+    srv.start(timeout_s=300)
     yield srv
+    srv.hunyuan_budget.release()
     srv.cleanup()
 
 
-def workers(server) -> list[int]:
-    """The pids of the qwen_image stub's worker processes (multiprocessing's spawned children; its resource
-    tracker, also a child, is not one), lowest first: rank 0 before rank 1 (started in rank order)."""
-    model_py = str(Path(server.model_repository) / "qwen_image" / "1" / "model.py")
+def workers(server, model: str = "qwen_image", timeout_s: float = 30.0) -> list[int]:
+    """The pids of the model's stub's two worker processes, lowest first: rank 0 before rank 1 (started in rank
+    order); waits for them (a restart starts them anew)."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := stub_children(server, model)) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def stub_children(server, model: str) -> list[int]:
+    """The model's stub's worker processes: multiprocessing's spawned children (its resource tracker, also a
+    child, is not one)."""
+    model_py = str(Path(server.model_repository) / model / "1" / "model.py")
     argv = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -61,19 +98,27 @@ def test_a_request_streams_its_previews_and_one_final_from_the_ranks(parallel_se
     assert result.final.as_numpy("image").shape == (1, 32, 32, 3)
 
 
-def test_a_cancel_mid_request_ends_its_stream_once_and_frees_its_state(parallel_server):
-    budget = parallel_server.budget
+@pytest.mark.parametrize("model, inputs, rank_states", [
+    ("qwen_image", dict(preview_interval=1, **CFG), 0),  # the CFG ranks hold nothing between ticks
+    (HUNYUAN, dict(height=64, width=64), 2 * 2),  # the cond and uncond prompt KV cache shards, on each rank
+])
+def test_a_cancel_mid_request_ends_its_stream_once_and_frees_its_state_on_every_rank(parallel_server, model, inputs,
+                                                                                   rank_states):
+    assert len(workers(parallel_server, model)) == 2
+    budget = parallel_server.budget if model == "qwen_image" else parallel_server.hunyuan_budget
     budget.allow(1)  # one step, then the engine waits: the request is mid-denoise when the cancel arrives
-    stream = RequestStream(parallel_server.grpc_url).send("to-cancel", prompt="long", num_inference_steps=20,
-                                                          preview_interval=1, **CFG)
+    stream = RequestStream(parallel_server.grpc_url).send("to-cancel", model=model, prompt="a long request",
+                                                          num_inference_steps=20, **inputs)
+    metrics = parallel_server.metrics_url
     try:
-        assert not stream.wait_first(timeout=60).errors
-        assert wait_for_metric(parallel_server.metrics_url, "diffusion_runner_states", 1.0, model="qwen_image") == 1
+        assert wait_for_metric(metrics, "diffusion_runner_states", 1.0, model=model, timeout=60) == 1
+        assert wait_for_metric(metrics, "diffusion_rank_states", rank_states, model=model) == rank_states
         stream.cancel()
         ended = stream.collect(timeout=5)
         assert ended.num_final == 1 and ended.error.status() == "StatusCode.CANCELLED"
-        for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams"):
-            assert wait_for_metric(parallel_server.metrics_url, gauge, 0.0, model="qwen_image") == 0.0, gauge
+        for gauge in ("diffusion_requests_running", "diffusion_runner_states", "diffusion_open_streams",
+                      "diffusion_rank_states"):
+            assert wait_for_metric(metrics, gauge, 0.0, model=model) == 0.0, gauge
     finally:
         close_all([stream], budget)
 
@@ -102,7 +147,8 @@ def test_a_killed_worker_ends_the_request_in_flight_and_the_model_serves_again_b
 
 
 def test_sigterm_to_tritonserver_exits_cleanly_and_leaves_no_worker(parallel_server):
-    pids = workers(parallel_server)
-    assert len(pids) == 2
+    pids = workers(parallel_server) + workers(parallel_server, HUNYUAN)
+    assert len(pids) == 4
     assert parallel_server.stop() == 0  # SIGTERM: every model unloads, the stub closes its workers
     assert not [pid for pid in pids if running(pid)]
+    assert not stub_children(parallel_server, "qwen_image") + stub_children(parallel_server, HUNYUAN)
