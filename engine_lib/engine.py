@@ -380,6 +380,7 @@ class DiffusionEngine:
         logger.error("%s's parallel workers failed (%s): %d request(s) lost; restarting them", self.adapter.name,
                      workers.broken, len(lost))
         self._workers_down, self._restart_at = workers.broken, time.monotonic()
+        self._rank_states = 0  # (gone with the workers)
 
     def _count_rank_states(self, idle: bool) -> None:
         """The request states the parallel workers hold (`held_states` of every rank), for the metrics: whenever the
