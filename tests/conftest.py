@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.early_servers import start_marked, starts_early, stop_untaken, take_early
+
 # One torch thread per process: the tests run pytest and tritonserver's stub side by
 # side on 2 cores, where 2 threads each oversubscribe the CPU (measured: a tiny Flux
 # call 2.8 s with 2 threads under load, 0.05 s with 1). Set before torch is imported;
@@ -70,16 +72,35 @@ class TickBudget:
         return EngineHooks(tick_gate=FileTickBudget(str(self.path)))
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory, request):
-    """The shipped qwen_image configuration on the tiny model behind a real tritonserver, shared by the session's
-    served tests (tests/serving, tests/client): one server start instead of one per module."""
-    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, model_path, start_server
+def pytest_collection_finish(session):
+    start_marked(session)  # tests/early_servers.py
 
-    srv = start_server(tmp_path_factory.mktemp("server"), model_path(request), fail_prompt=FAIL_PROMPT,
-                       nan_prompt=NAN_PROMPT)
-    yield srv
-    srv.cleanup()
+
+def pytest_sessionfinish(session):
+    stop_untaken()
+
+
+def _start_shared_server(tmp_path_factory):
+    """The session's `server`, not waiting until it is ready."""
+    from engine_lib.tiny_models import ensure_model
+    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, start_server
+
+    model = os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
+    return start_server(tmp_path_factory.mktemp("server"), model, fail_prompt=FAIL_PROMPT, nan_prompt=NAN_PROMPT,
+                        wait=False)
+
+
+@pytest.fixture(scope="session")
+@starts_early(_start_shared_server)
+def server(tmp_path_factory):
+    """The shipped qwen_image configuration on the tiny model behind a real tritonserver, shared by the session's
+    served tests (tests/serving, tests/client), started early (tests/early_servers.py)."""
+    srv = take_early(_start_shared_server, tmp_path_factory)
+    try:
+        srv.wait_ready(600)
+        yield srv
+    finally:
+        srv.cleanup()
 
 
 @pytest.fixture

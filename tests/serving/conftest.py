@@ -23,6 +23,7 @@ import pytest
 from engine_lib.serving.launcher import REPO_ROOT, TritonServer, free_port, proc_stat
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
+from tests.early_servers import starts_early, take_early
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
 FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
@@ -104,8 +105,8 @@ class ProbedServer(TritonServer):
 
     budget = None
 
-    def start(self, timeout_s: float = 300.0) -> "ProbedServer":
-        super().start(timeout_s)
+    def start(self, timeout_s: float = 300.0, wait: bool = True) -> "ProbedServer":
+        super().start(timeout_s, wait)
         self.probe = LeakProbe(self)
         return self
 
@@ -119,7 +120,7 @@ class ProbedServer(TritonServer):
 
 
 def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra_args=(), instance_group: str = "",
-                 fail_prompt: str = "", nan_prompt: str = "", **parameters: str) -> ProbedServer:
+                 fail_prompt: str = "", nan_prompt: str = "", wait: bool = True, **parameters: str) -> ProbedServer:
     """Serve the qwen_image entry with `parameters` overridden; its tick budget file is `server.budget`
     (absent until a test holds the engine); a batch holding `fail_prompt` fails its forward, and a request
     with `nan_prompt` gets NaN latents before each of its steps."""
@@ -133,7 +134,7 @@ def start_server(tmp_dir: Path, model_path: str, exit_timeout_s: int = 30, extra
         env={**hooks_environment(qwen_image=hooks), "DIFFUSION_PRIORITY_KEY": SERVER_PRIORITY_KEY},
     )
     server.budget = budget
-    return server.start(timeout_s=300)
+    return server.start(timeout_s=300, wait=wait)
 
 
 @pytest.fixture
@@ -143,11 +144,22 @@ def held(server):
     server.budget.release()
 
 
-@pytest.fixture(scope="session")
-def secured(tmp_path_factory, request):
-    """`make serve`'s launcher with every key it takes set (tests/serving/launched.py, SECURED_ENV),
-    shared by the session's security tests. Tests must leave it serving."""
-    from .launched import SECURED_ENV, serving  # noqa: PLC0415 (launched imports this module)
+def _start_secured(tmp_path_factory):
+    """The session's `secured` launcher, not waiting until it serves."""
+    from engine_lib.tiny_models import ensure_model  # noqa: PLC0415
 
-    with serving(tmp_path_factory.mktemp("secured"), model_path(request), env=SECURED_ENV) as launched:
+    from .launched import SECURED_ENV, Launcher  # noqa: PLC0415 (launched imports this module)
+
+    model = os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
+    return Launcher(tmp_path_factory.mktemp("secured"), model, env=SECURED_ENV)
+
+
+@pytest.fixture(scope="session")
+@starts_early(_start_secured)
+def secured(tmp_path_factory):
+    """`make serve`'s launcher with every key it takes set (tests/serving/launched.py, SECURED_ENV),
+    shared by the session's security tests, started early (tests/early_servers.py). Tests must leave it serving."""
+    from .launched import served  # noqa: PLC0415
+
+    with served(take_early(_start_secured, tmp_path_factory)) as launched:
         yield launched

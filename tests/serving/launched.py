@@ -119,8 +119,14 @@ class Launcher:
 
 @contextlib.contextmanager
 def serving(tmp: Path, model_dir: str, env: Optional[dict[str, str]] = None):
-    """A Launcher, serving once this is entered (its first request succeeded), killed on exit."""
-    launched = Launcher(tmp, model_dir, env=env)
+    """A new Launcher, serving once this is entered (its first request succeeded), killed on exit."""
+    with served(Launcher(tmp, model_dir, env=env)) as launched:
+        yield launched
+
+
+@contextlib.contextmanager
+def served(launched: Launcher):
+    """A started Launcher, serving once this is entered (its first request succeeded), killed on exit."""
     try:
         launched.wait_serving(300)
         yield launched

@@ -26,6 +26,7 @@ from engine_lib.pipelines import registry
 from engine_lib.serving.launcher import REPO_ROOT
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
+from tests.early_servers import starts_early, take_early
 
 from .conftest import ProbedServer, free_port, set_parameter
 from .streaming import (RequestStream, close_all, metric, post_json, run_concurrently, run_request, scrape, sse_events,
@@ -40,15 +41,18 @@ SLOW_PROMPT = "a slow river"  # an ltx2 request with it sleeps 1 s at each block
 
 @pytest.fixture(scope="module")
 def model_dirs():
+    return tiny_model_dirs()
+
+
+def tiny_model_dirs() -> dict:
     from engine_lib.tiny_models import ensure_model
 
     return {name: ensure_model(name, "tiny") for name in MODELS}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dirs):
-    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
-    SD3 with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`)."""
+def start_models_server(tmp_path_factory) -> ProbedServer:
+    """The module's server, not waiting until it is ready."""
+    model_dirs = tiny_model_dirs()
     tmp = tmp_path_factory.mktemp("other_pipelines")
     repo = tmp / "repository"
     budgets = {name: TickBudget(tmp / f"{name}_tick_budget") for name in HELD}
@@ -66,9 +70,21 @@ def server(tmp_path_factory, model_dirs):
                             **hooks_environment(ltx2={"slow_prompt": SLOW_PROMPT, "slow_block_s": 1.0},
                                                 **{name: {"tick_budget_path": str(b.path)} for name, b in budgets.items()})})
     srv.budgets = budgets
-    srv.start(timeout_s=300)
-    yield srv
-    srv.cleanup()
+    return srv.start(timeout_s=300, wait=False)
+
+
+@pytest.fixture(scope="module")
+@starts_early(start_models_server)
+def server(tmp_path_factory):
+    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
+    SD3 with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`). Started early
+    (tests/early_servers.py): its ten stubs load while the tests before this module run."""
+    srv = take_early(start_models_server, tmp_path_factory)
+    try:
+        srv.wait_ready(600)
+        yield srv
+    finally:
+        srv.cleanup()
 
 
 def run_together(server, model: str, cases: dict[str, dict]) -> tuple[dict, float]:
