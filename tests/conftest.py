@@ -82,12 +82,10 @@ def pytest_sessionfinish(session):
 
 def _start_shared_server(tmp_path_factory):
     """The session's `server`, not waiting until it is ready."""
-    from engine_lib.tiny_models import ensure_model
-    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, start_server
+    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, default_model_path, start_server
 
-    model = os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
-    return start_server(tmp_path_factory.mktemp("server"), model, fail_prompt=FAIL_PROMPT, nan_prompt=NAN_PROMPT,
-                        wait=False)
+    return start_server(tmp_path_factory.mktemp("server"), default_model_path(), fail_prompt=FAIL_PROMPT,
+                        nan_prompt=NAN_PROMPT, wait=False)
 
 
 @pytest.fixture(scope="session")

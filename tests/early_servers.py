@@ -1,12 +1,14 @@
 """Servers started early: right after collection, in the background, at a low CPU priority.
 
 A server's start is mostly its stub importing torch and diffusers and loading a pipeline on one core while
-pytest waits, and most tests before the served ones run in-process on one core (OMP_NUM_THREADS=1). A fixture
-marked with `starts_early(start)` has its server started after collection (tests/conftest.py:
-pytest_collection_finish) by `start(tmp_path_factory)`, which returns without waiting for readiness, so that
-the start overlaps those tests on the other core; the low priority keeps it from slowing them. The fixture
-takes it with `take_early` (its priority back to normal) and waits until it is ready. Servers nobody took are
-stopped with the session.
+pytest waits, and most tests run on one core (OMP_NUM_THREADS=1; a served test mostly waits for its server's
+single-threaded engine). A fixture marked with `starts_early(start)` has its server started after collection
+(tests/conftest.py: pytest_collection_finish) by `start(tmp_path_factory)`, which returns without waiting for
+readiness, so that the start overlaps the tests before it on the other core; the low priority keeps it from
+slowing them. With `ahead=True` (a module's own server) it starts only once it is among the next AHEAD such
+servers the tests will need, so that few idle servers hold memory at once. The fixture takes it with
+`take_early` (its priority back to normal) and waits until it is ready. Servers nobody took are stopped with
+the session.
 
 One module, imported as tests.early_servers everywhere: pytest imports tests/conftest.py a second time under
 another name, and both must see one registry.
@@ -18,14 +20,20 @@ import os
 from pathlib import Path
 
 EARLY_NICENESS = 10
+AHEAD = 2  # servers marked `ahead` that are started and not yet taken, at most
 _starters: dict = {}  # a marked fixture function -> its start
-_early: dict = {}  # a start -> its server, started after collection and not yet taken
+_early: dict = {}  # a start -> its server, started early and not yet taken
+_pending: list = []  # the starts marked `ahead` not started yet, in the order the tests need them
+_ahead: set = set()  # every start marked `ahead`
+_factory = None  # the session's tmp_path_factory
 
 
-def starts_early(start):
+def starts_early(start, ahead: bool = False):
     """Mark a fixture function (under @pytest.fixture) whose server `start(tmp_path_factory)` starts early."""
     def mark(fixture_function):
         _starters[fixture_function] = start
+        if ahead:
+            _ahead.add(start)
         return fixture_function
     return mark
 
@@ -50,21 +58,40 @@ def renice_tree(pid: int, niceness: int) -> None:
 
 def start_marked(session) -> None:
     """Start the server of every marked fixture that a selected test uses, in the order the tests need them."""
+    global _factory
     if session.config.option.collectonly:
         return
+    _factory = session.config._tmp_path_factory
     for item in session.items:
         info = getattr(item, "_fixtureinfo", None)
         for definitions in (info.name2fixturedefs.values() if info else ()):
             start = _starters.get(definitions[-1].func)
-            if start is not None and start not in _early:
-                _early[start] = started = start(session.config._tmp_path_factory)
-                renice_tree(started.process.pid, EARLY_NICENESS)
+            if start is None or start in _early or start in _pending:
+                continue
+            if start in _ahead:
+                _pending.append(start)
+            else:
+                _start(start)
+    _start_ahead()
+
+
+def _start(start) -> None:
+    _early[start] = started = start(_factory)
+    renice_tree(started.process.pid, EARLY_NICENESS)
+
+
+def _start_ahead() -> None:
+    while _pending and len(_ahead & set(_early)) < AHEAD:
+        _start(_pending.pop(0))
 
 
 def take_early(start, tmp_path_factory):
     """The server of `start`, the one a marked fixture gave starts_early: the one started early (its priority
     back to normal), else one started now. The caller waits until it is ready."""
     started = _early.pop(start, None)
+    if start in _pending:
+        _pending.remove(start)
+    _start_ahead()
     if started is None:
         return start(tmp_path_factory)
     renice_tree(started.process.pid, 0)

@@ -4,7 +4,8 @@ parameters adjusted per test module, served on free loopback ports.
 `server` (tests/conftest.py, so that tests/client shares it too) is shared by the whole session (the shipped
 configuration, plus the engine's test hooks: a tick budget file, `server.budget`, a prompt that fails,
 FAIL_PROMPT, and one whose latents turn NaN, NAN_PROMPT); modules
-that need other parameters or that kill their server start their own with `start_server`.
+that need other parameters or that kill their server start their own with `module_server` (a fixture
+whose `start_server` runs while the modules before it do) or `start_server`.
 Every server started here is checked for leaks when it stops (`LeakProbe`).
 """
 
@@ -67,6 +68,13 @@ def write_repository(root: Path, instance_group: str = "", **parameters: str) ->
 
 def model_path(request) -> str:
     return os.environ.get("DIFFUSION_MODEL_PATH") or str(request.getfixturevalue("tiny_qwen_dir"))
+
+
+def default_model_path() -> str:
+    """model_path's answer without a fixture (for a server started before its first test)."""
+    from engine_lib.tiny_models import ensure_model  # noqa: PLC0415
+
+    return os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
 
 
 def client_threads() -> set:
@@ -144,14 +152,47 @@ def held(server):
     server.budget.release()
 
 
+def module_server(directory: str, **options):
+    """A module-scoped fixture: `start_server(<a new tmp directory>, the tiny model, **options)`, started while the
+    tests before its module run (tests/early_servers.py), stopped after its module."""
+    def start(tmp_path_factory):
+        return start_server(tmp_path_factory.mktemp(directory), default_model_path(), wait=False, **options)
+
+    @pytest.fixture(scope="module")
+    @starts_early(start, ahead=True)
+    def fixture(tmp_path_factory):
+        srv = take_early(start, tmp_path_factory)
+        try:
+            srv.wait_ready(600)
+            yield srv
+        finally:
+            srv.cleanup()
+    return fixture
+
+
+def module_launcher(directory: str, env=None):
+    """A module-scoped fixture: tests/serving/launched.py's `serving` with `env`, started while the tests before
+    its module run (tests/early_servers.py), killed after its module."""
+    def start(tmp_path_factory):
+        from .launched import Launcher  # noqa: PLC0415 (launched imports this module)
+
+        return Launcher(tmp_path_factory.mktemp(directory), default_model_path(), env=env)
+
+    @pytest.fixture(scope="module")
+    @starts_early(start, ahead=True)
+    def fixture(tmp_path_factory):
+        from .launched import served  # noqa: PLC0415
+
+        with served(take_early(start, tmp_path_factory)) as launched:
+            yield launched
+    return fixture
+
+
 def _start_secured(tmp_path_factory):
     """The session's `secured` launcher, not waiting until it serves."""
-    from engine_lib.tiny_models import ensure_model  # noqa: PLC0415
-
     from .launched import SECURED_ENV, Launcher  # noqa: PLC0415 (launched imports this module)
 
-    model = os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
-    return Launcher(tmp_path_factory.mktemp("secured"), model, env=SECURED_ENV)
+    return Launcher(tmp_path_factory.mktemp("secured"), default_model_path(), env=SECURED_ENV)
 
 
 @pytest.fixture(scope="session")

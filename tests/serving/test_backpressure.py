@@ -11,21 +11,14 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
-from .conftest import model_path, start_server
+from .conftest import module_server
 from .streaming import RequestStream, close_all, metric, post_json, run_held, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image", outcome="unavailable")
 
 
-@pytest.fixture(scope="module")
-def small_queue_server(tmp_path_factory, request):
-    # One request runs at a time and two may wait: a fourth in flight is over the limit.
-    srv = start_server(tmp_path_factory.mktemp("backpressure"), model_path(request),
-                       step_execution="true", max_num_seqs="1", max_queue="2")
-    yield srv
-    srv.cleanup()
+# One request runs at a time and two may wait: a fourth in flight is over the limit.
+small_queue_server = module_server("backpressure", step_execution="true", max_num_seqs="1", max_queue="2")
 
 
 def test_over_max_queue_is_unavailable_and_admitted_requests_finish(small_queue_server):

@@ -6,21 +6,14 @@ is many times its deadline."""
 
 from __future__ import annotations
 
-import pytest
-
-from .conftest import model_path, start_server
+from .conftest import module_server
 from .streaming import RequestStream, close_all, run_request, wait_for_metric
 
 LABELS = dict(model="qwen_image")
 
 
-@pytest.fixture(scope="module")
-def deadline_server(tmp_path_factory, request):
-    server = start_server(tmp_path_factory.mktemp("deadlines"), model_path(request), step_execution="true",
-                          max_num_seqs="1", max_preemptions="0", scheduling_policy="deadline",
-                          max_num_inference_steps="1000")
-    yield server
-    server.cleanup()
+deadline_server = module_server("deadlines", step_execution="true", max_num_seqs="1", max_preemptions="0",
+                                scheduling_policy="deadline", max_num_inference_steps="1000")
 
 
 def test_a_request_that_can_make_its_deadline_goes_before_one_that_cannot(deadline_server):

@@ -18,14 +18,13 @@ import threading
 import time
 
 import grpc
-import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S
 
-from .conftest import model_path
-from .launched import MODEL, command_lines, raw_post, rss_bytes, serving
+from .conftest import module_launcher
+from .launched import MODEL, command_lines, raw_post, rss_bytes
 from .streaming import RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape, wait_for_metric
 
 MAX_UNSENT = 256 * 1024  # GRPC_MAX_UNSENT_BYTES of this launcher's gate
@@ -38,11 +37,8 @@ DRAIN_S = EXIT_TIMEOUT_S - GATE_DRAIN_MARGIN_S
 RSS_SLACK = 64 * 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, request):
-    env = {"GRPC_MAX_UNSENT_BYTES": str(MAX_UNSENT), "EXIT_TIMEOUT_SECS": str(EXIT_TIMEOUT_S)}
-    with serving(tmp_path_factory.mktemp("streams"), model_path(request), env=env) as launched:
-        yield launched
+launcher = module_launcher("streams", env={"GRPC_MAX_UNSENT_BYTES": str(MAX_UNSENT),
+                                           "EXIT_TIMEOUT_SECS": str(EXIT_TIMEOUT_S)})
 
 
 def _pids(launcher) -> dict[str, int]:

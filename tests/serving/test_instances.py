@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
-from .conftest import model_path, start_server
+from .conftest import module_server
 from .streaming import RequestStream, close_all, metric, scrape, wait_for_metric
 
 INSTANCES = ("qwen_image_0_0", "qwen_image_0_1")
 
 
-@pytest.fixture(scope="module")
-def two_instances(tmp_path_factory, request):
-    server = start_server(tmp_path_factory.mktemp("instances"), model_path(request),
-                          instance_group="instance_group [ { count: 2, kind: KIND_CPU } ]",
-                          step_execution="true", max_num_seqs="1")
-    yield server
-    server.cleanup()
+two_instances = module_server("instances", instance_group="instance_group [ { count: 2, kind: KIND_CPU } ]",
+                              step_execution="true", max_num_seqs="1")
 
 
 def test_each_instance_loads_its_own_engine_on_the_cpu(two_instances):

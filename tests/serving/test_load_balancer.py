@@ -19,7 +19,7 @@ import pytest
 
 from engine_lib.serving.launcher import REPO_ROOT
 
-from .conftest import free_port, model_path, start_server
+from .conftest import free_port, module_server
 from .streaming import RequestStream, close_all, metric, post_json, scrape, sse_events
 
 RECIPE = REPO_ROOT / "deploy" / "nginx" / "nginx.conf"
@@ -57,15 +57,13 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"nginx did not listen on {port}")
 
 
+second_replica = module_server("replica1", step_execution="true", max_num_seqs="4")
+
+
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, request, server):
+def replicas(server, second_replica):
     """The session's server (the shipped configuration) and a second one like it: one server start fewer."""
-    second = start_server(tmp_path_factory.mktemp("replica1"), model_path(request), step_execution="true",
-                          max_num_seqs="4")
-    try:
-        yield [server, second]
-    finally:
-        second.cleanup()
+    return [server, second_replica]
 
 
 @pytest.fixture(scope="module")

@@ -23,18 +23,13 @@ from PIL import Image
 
 from engine_lib.serving.launcher import OpenAIFrontDoor
 
-from .conftest import free_port, model_path, start_server
+from .conftest import free_port, module_server
 from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
 
 MODEL = "qwen_image"
 
 
-@pytest.fixture(scope="module")
-def triton(tmp_path_factory, request):
-    srv = start_server(tmp_path_factory.mktemp("openai"), model_path(request), step_execution="true",
-                       max_num_seqs="1", max_queue="1")
-    yield srv
-    srv.cleanup()
+triton = module_server("openai", step_execution="true", max_num_seqs="1", max_queue="1")
 
 
 def front_door(triton_url: str, tmp_path, **env) -> OpenAIFrontDoor:

@@ -7,22 +7,16 @@ no timing in the asserts."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from .conftest import URGENT, model_path, start_server
+from .conftest import URGENT, module_server
 from .streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image")
 FIRST = dict(priority=1, parameters=URGENT)  # the most urgent level, with the key that may ask for it
 
 
-@pytest.fixture(scope="module")
-def prio_server(tmp_path_factory, request):
-    server = start_server(tmp_path_factory.mktemp("priorities"), model_path(request), step_execution="true",
-                          max_num_seqs="2", max_batch_tokens="128", max_preemptions="1",
-                          scheduling_policy="shortest_remaining")
-    yield server
-    server.cleanup()
+prio_server = module_server("priorities", step_execution="true", max_num_seqs="2", max_batch_tokens="128",
+                            max_preemptions="1", scheduling_policy="shortest_remaining")
 
 
 def waiting(server, count: int) -> None:

@@ -4,18 +4,11 @@ waiting behind it. Order-based, held by the tick budget."""
 
 from __future__ import annotations
 
-import pytest
-
-from .conftest import model_path, start_server
+from .conftest import module_server
 from .streaming import RequestStream, close_all, run_held, wait_for_metric
 
 
-@pytest.fixture(scope="module")
-def step_server(tmp_path_factory, request):
-    server = start_server(tmp_path_factory.mktemp("scheduling"), model_path(request), step_execution="true",
-                          max_num_seqs="2", mixed_size_batching="true")
-    yield server
-    server.cleanup()
+step_server = module_server("scheduling", step_execution="true", max_num_seqs="2", mixed_size_batching="true")
 
 
 def final_order(streams: list[RequestStream]) -> list[str]:

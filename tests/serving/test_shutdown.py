@@ -14,17 +14,11 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
-from .conftest import model_path, start_server
+from .conftest import module_server
 from .streaming import RequestStream, close_all, run_held
 
 
-@pytest.fixture(scope="module")
-def doomed_server(tmp_path_factory, request):
-    srv = start_server(tmp_path_factory.mktemp("shutdown"), model_path(request), exit_timeout_s=30)
-    yield srv
-    srv.cleanup()
+doomed_server = module_server("shutdown", exit_timeout_s=30)
 
 
 def test_sigterm_during_four_running_requests(doomed_server):

@@ -26,17 +26,14 @@ from engine_lib.serving import supervisor
 from engine_lib.serving.launcher import proc_stat
 from engine_lib.serving.supervisor import Supervisor, in_flight
 
-from .conftest import model_path, running
-from .launched import MODEL, Launcher, raw_post, serving
+from .conftest import model_path, module_launcher, running
+from .launched import MODEL, Launcher, raw_post
 from .streaming import RequestStream, metric, post_json, run_request, scrape, sse_events, wait_for_metric
 
 LABELS = {"model": MODEL}
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, request):
-    with serving(tmp_path_factory.mktemp("launcher"), model_path(request)) as launched:
-        yield launched
+launcher = module_launcher("launcher")
 
 
 def test_ports_listen_on_loopback_only(launcher):
