@@ -155,9 +155,12 @@ def held(server):
 def module_server(directory: str, **options):
     """A module-scoped fixture: `start_server(<a new tmp directory>, the tiny model, **options)`, started while the
     tests before its module run (tests/early_servers.py), stopped after its module."""
-    def start(tmp_path_factory):
-        return start_server(tmp_path_factory.mktemp(directory), default_model_path(), wait=False, **options)
+    return module_server_of(lambda tmp_path_factory: start_server(
+        tmp_path_factory.mktemp(directory), default_model_path(), wait=False, **options))
 
+
+def module_server_of(start):
+    """module_server for a server that `start(tmp_path_factory)` starts (start_server with wait=False)."""
     @pytest.fixture(scope="module")
     @starts_early(start, ahead=True)
     def fixture(tmp_path_factory):

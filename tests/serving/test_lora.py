@@ -14,23 +14,24 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.tiny_models import ensure_loras
 
-from .conftest import model_path, start_server
+from .conftest import default_model_path, module_server_of, start_server
 from .streaming import RequestStream, close_all, run_held, run_request
 
 BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}
 
 
-@pytest.fixture(scope="module")
-def lora_server(tmp_path_factory, request):
-    path = model_path(request)
+def start_lora_server(tmp_path_factory):
+    path = default_model_path()
     lora_dir = tmp_path_factory.mktemp("loras")
     for name in ("toy_a", "toy_b"):
         shutil.copy(ensure_loras("qwen_image", path) / f"{name}.safetensors", lora_dir)
     server = start_server(tmp_path_factory.mktemp("lora-server"), path, step_execution="true", max_num_seqs="4",
-                          lora_dir=str(lora_dir), max_loras="2")
+                          lora_dir=str(lora_dir), max_loras="2", wait=False)
     server.lora_dir, server.model_dir = lora_dir, path
-    yield server
-    server.cleanup()
+    return server
+
+
+lora_server = module_server_of(start_lora_server)
 
 
 def image(server, **inputs) -> np.ndarray:
