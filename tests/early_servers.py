@@ -2,7 +2,8 @@
 
 A server's start is mostly its stub importing torch and diffusers and loading a pipeline on one core while
 pytest waits, and most tests run on one core (OMP_NUM_THREADS=1; a served test mostly waits for its server's
-single-threaded engine). A fixture marked with `starts_early(start)` has its server started after collection
+single-threaded engine). A fixture marked with `starts_early(start)` has its server (or any object with a
+subprocess `process` and a `stop()`) started after collection
 (tests/conftest.py: pytest_collection_finish) by `start(tmp_path_factory)`, which returns without waiting for
 readiness, so that the start overlaps the tests before it on the other core; the low priority keeps it from
 slowing them. With `ahead=True` (a module's own server) it starts only once it is among the next AHEAD such

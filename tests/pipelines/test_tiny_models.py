@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from engine_lib import tiny_models
+from tests.early_servers import starts_early, take_early
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
 CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33},  # 33 frames: as one Helios chunk
@@ -33,17 +34,35 @@ def _files(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+class OtherProcessBuild:
+    """Every tiny pipeline built into `root` by a fresh process: tokenizer trainers use per-process hash seeds."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        code = (
+            "import sys\nfrom engine_lib.tiny_models import ensure_model\n"
+            "for name in sys.argv[2:]:\n    ensure_model(name, out_dir=sys.argv[1] + '/' + name)\n"
+        )
+        repo_root = Path(tiny_models.__file__).resolve().parent.parent
+        self.process = subprocess.Popen([sys.executable, "-c", code, str(root), *TINY_PIPELINES], cwd=repo_root)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def start_other_process_build(tmp_path_factory) -> OtherProcessBuild:
+    return OtherProcessBuild(tmp_path_factory.mktemp("other_process"))
+
+
 @pytest.fixture(scope="module")
+@starts_early(start_other_process_build)
 def other_process_builds(tmp_path_factory) -> Path:
-    """Every tiny pipeline built in a fresh process: tokenizer trainers use per-process hash seeds."""
-    root = tmp_path_factory.mktemp("other_process")
-    code = (
-        "import sys\nfrom engine_lib.tiny_models import ensure_model\n"
-        "for name in sys.argv[2:]:\n    ensure_model(name, out_dir=sys.argv[1] + '/' + name)\n"
-    )
-    repo_root = Path(tiny_models.__file__).resolve().parent.parent
-    subprocess.run([sys.executable, "-c", code, str(root), *TINY_PIPELINES], check=True, cwd=repo_root)
-    return root
+    """The other process's builds, started right after collection (tests/early_servers.py): they run on the
+    core the tests before this module leave idle."""
+    build = take_early(start_other_process_build, tmp_path_factory)
+    assert build.process.wait() == 0, "the other process's build failed"
+    return build.root
 
 
 @pytest.fixture(scope="module")
