@@ -79,6 +79,18 @@ def text_chunk(state, text: str) -> Optional[dict]:
     return {"text": np.array([new], dtype=object)}
 
 
+def decode_text_rows(next_tokens: Callable, states: Sequence, rows: list[int]) -> dict:
+    """One text forward for `rows`, the requests in their text phase: `token` [B], each one's next token (-1 for
+    the others), and `kv` [B, 1, ...], the keys and values of the token it fed (zeros for the others)."""
+    out = {"token": torch.full((len(states),), -1, dtype=torch.long)}
+    if rows:
+        tokens, new = next_tokens([states[i].text for i in rows])
+        out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
+        out["kv"][rows, 0] = new
+        out["token"][rows] = torch.tensor(tokens)
+    return out
+
+
 def sample_token(logits: torch.Tensor, d: TextDecode) -> int:
     """The next token from one row's logits: the argmax at temperature 0, else a draw seeded per token, so a
     forward run again (a batch retried row by row) draws the same token."""

@@ -43,7 +43,7 @@ from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import decode_by_grid, text_chunk
+from engine_lib.pipelines.decoder_parts import decode_by_grid, decode_text_rows, text_chunk
 from engine_lib.request import InvalidInputError, SamplingParams
 
 # The official inferencer's text-to-image settings are the defaults.
@@ -204,13 +204,8 @@ class BagelAdapter(PipelineAdapter):
         waiting), one for the denoising ones (each one's guided velocity, right-padded like the gathered latents:
         `velocity` [B, N_max, 64])."""
         latents = input_batch["latents"]
-        out = {"velocity": torch.zeros_like(latents), "token": torch.full((len(states),), -1, dtype=torch.long)}
         texts = [i for i, s in enumerate(states) if s.decoding][:self.max_text_rows]
-        if texts:
-            tokens, new = self.pipe.next_tokens([states[i].text for i in texts])
-            out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
-            out["kv"][texts, 0] = new
-            out["token"][texts] = torch.tensor(tokens)
+        out = {"velocity": torch.zeros_like(latents), **decode_text_rows(self.pipe.next_tokens, states, texts)}
         images = [i for i, s in enumerate(states) if not s.decoding]
         if not images:
             return out

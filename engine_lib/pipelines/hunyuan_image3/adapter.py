@@ -33,7 +33,7 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid, text_chunk
+from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid, decode_text_rows, text_chunk
 from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.pipelines.hunyuan_image3.think import TASKS, TextHead, Thinker
@@ -200,14 +200,9 @@ class HunyuanImage3Adapter(PipelineAdapter):
         """One forward for the requests in their text phase (each one's next token and the keys and values of the
         one fed: `token` [B] and `kv` [B, 1, ...], -1 and zeros elsewhere), one for the denoising ones (each one's
         guided prediction as tokens, right-padded like the gathered latents: `pred` [B, N_max, C])."""
-        out = {"pred": torch.zeros_like(input_batch["latents"]),
-               "token": torch.full((len(states),), -1, dtype=torch.long)}
         texts = [i for i, s in enumerate(states) if s.decoding]
-        if texts:
-            tokens, new = self.thinker.next_tokens([states[i].text for i in texts])
-            out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
-            out["kv"][texts, 0] = new
-            out["token"][texts] = torch.tensor(tokens)
+        out = {"pred": torch.zeros_like(input_batch["latents"]),
+               **decode_text_rows(self.thinker.next_tokens, states, texts)}
         images = [i for i, s in enumerate(states) if not s.decoding]
         if not images:
             return out
