@@ -134,7 +134,7 @@ def test_a_step_cache_and_a_think_are_refused_and_a_split_must_divide(ep):
     assert info.value.input_name == "cache" and "tensor_parallel_size" in str(info.value)
     with pytest.raises(InvalidInputError) as info:  # the text head is not loaded, the driver has no layers
         parse(ep, dict(inputs("x", 1), bot_task="think"))
-    assert info.value.input_name == "bot_task"
+    assert info.value.input_name == "bot_task" and "tensor_parallel_size" in str(info.value)
     config = HunyuanConfig.from_json(read_config(ensure_model("hunyuan_image3", "tiny")))
     with pytest.raises(ConfigError, match="num_key_value_heads=2"):
         tensor_parallel.check_split(config, 3, False)

@@ -161,9 +161,11 @@ class HunyuanImage3Adapter(PipelineAdapter):
                                               "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
         if self.workers is not None and step_cache.caches(params):  # the ranks run the layers without it
             raise InvalidInputError("cache", f"{self.name} does not take this input with tensor_parallel_size")
+        if params.bot_task != "image" and isinstance(self.pipe.model, tensor_parallel.RankedModel):
+            raise InvalidInputError("bot_task", f"{params.bot_task} does not run with tensor_parallel_size > 1 yet")
         if params.bot_task != "image" and self.thinker is None:
             raise InvalidInputError("bot_task", f"{params.bot_task} needs the text head (lm_head, model.ln_f), which "
-                                                "this model folder lacks or tensor parallelism does not run")
+                                                "this model folder lacks")
 
     def total_steps(self, params: SamplingParams) -> int:
         """A think / recaption text's steps come before the image's denoise steps."""
