@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-EARLY_NICENESS = 10
+EARLY_NICENESS = 19  # the lowest: an early start takes only what the tests leave idle
 AHEAD = 2  # servers marked `ahead` that are started and not yet taken, at most
 _starters: dict = {}  # a marked fixture function -> its start
 _early: dict = {}  # a start -> its server, started early and not yet taken

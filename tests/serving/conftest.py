@@ -115,8 +115,13 @@ class ProbedServer(TritonServer):
 
     def start(self, timeout_s: float = 300.0, wait: bool = True) -> "ProbedServer":
         super().start(timeout_s, wait)
-        self.probe = LeakProbe(self)
         return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until it is ready; the probe's baseline is taken then, when its tests begin (a server started
+        early, tests/early_servers.py, is ready long after its start, while other modules' tests run)."""
+        super().wait_ready(timeout_s)
+        self.probe = LeakProbe(self)
 
     def cleanup(self) -> None:
         if self.budget is not None:
