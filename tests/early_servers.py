@@ -78,7 +78,20 @@ def start_marked(session) -> None:
 
 def _start(start) -> None:
     _early[start] = started = start(_factory)
-    renice_tree(started.process.pid, EARLY_NICENESS)
+    if may_restore_priority():
+        renice_tree(started.process.pid, EARLY_NICENESS)
+
+
+def may_restore_priority() -> bool:
+    """Whether this process may give a process its normal priority back (RLIMIT_NICE, or CAP_SYS_NICE): if not,
+    servers start early at the normal priority, lest their tests run at the lowest."""
+    import resource  # noqa: PLC0415
+
+    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
+        return True
+    status = Path("/proc/self/status").read_text()
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(effective, 16) >> 23 & 1)  # bit 23: CAP_SYS_NICE
 
 
 def _start_ahead() -> None:
