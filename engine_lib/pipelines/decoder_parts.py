@@ -79,12 +79,13 @@ def text_chunk(state, text: str) -> Optional[dict]:
     return {"text": np.array([new], dtype=object)}
 
 
-def decode_text_rows(next_tokens: Callable, states: Sequence, rows: list[int]) -> dict:
-    """One text forward for `rows`, the requests in their text phase: `token` [B], each one's next token (-1 for
-    the others), and `kv` [B, 1, ...], the keys and values of the token it fed (zeros for the others)."""
+def decode_text_rows(model, states: Sequence, rows: list[int]) -> dict:
+    """One text forward of `model.next_tokens` for `rows`, the requests in their text phase (none: no forward, and
+    `model` may be None): `token` [B], each one's next token (-1 for the others), and `kv` [B, 1, ...], the keys
+    and values of the token it fed (zeros for the others)."""
     out = {"token": torch.full((len(states),), -1, dtype=torch.long)}
     if rows:
-        tokens, new = next_tokens([states[i].text for i in rows])
+        tokens, new = model.next_tokens([states[i].text for i in rows])
         out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
         out["kv"][rows, 0] = new
         out["token"][rows] = torch.tensor(tokens)

@@ -205,7 +205,7 @@ class BagelAdapter(PipelineAdapter):
         `velocity` [B, N_max, 64])."""
         latents = input_batch["latents"]
         texts = [i for i, s in enumerate(states) if s.decoding][:self.max_text_rows]
-        out = {"velocity": torch.zeros_like(latents), **decode_text_rows(self.pipe.next_tokens, states, texts)}
+        out = {"velocity": torch.zeros_like(latents), **decode_text_rows(self.pipe, states, texts)}
         images = [i for i, s in enumerate(states) if not s.decoding]
         if not images:
             return out

@@ -204,7 +204,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
         guided prediction as tokens, right-padded like the gathered latents: `pred` [B, N_max, C])."""
         texts = [i for i, s in enumerate(states) if s.decoding]
         out = {"pred": torch.zeros_like(input_batch["latents"]),
-               **decode_text_rows(self.thinker.next_tokens, states, texts)}
+               **decode_text_rows(self.thinker, states, texts)}
         images = [i for i, s in enumerate(states) if not s.decoding]
         if not images:
             return out
