@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.early_servers import start_marked, starts_early, stop_untaken, take_early
+from tests.early_servers import serve_early, start_marked, starts_early, stop_untaken
 
 # One torch thread per process: the tests run pytest and tritonserver's stub side by
 # side on 2 cores, where 2 threads each oversubscribe the CPU (measured: a tiny Flux
@@ -93,12 +93,7 @@ def _start_shared_server(tmp_path_factory):
 def server(tmp_path_factory):
     """The shipped qwen_image configuration on the tiny model behind a real tritonserver, shared by the session's
     served tests (tests/serving, tests/client), started early (tests/early_servers.py)."""
-    srv = take_early(_start_shared_server, tmp_path_factory)
-    try:
-        srv.wait_ready(600)
-        yield srv
-    finally:
-        srv.cleanup()
+    yield from serve_early(_start_shared_server, tmp_path_factory)
 
 
 @pytest.fixture

@@ -112,6 +112,16 @@ def take_early(start, tmp_path_factory):
     return started
 
 
+def serve_early(start, tmp_path_factory):
+    """A fixture's body for the server of `start`: taken (take_early), ready, yielded, cleaned up after."""
+    srv = take_early(start, tmp_path_factory)
+    try:
+        srv.wait_ready(600)
+        yield srv
+    finally:
+        srv.cleanup()
+
+
 def stop_untaken() -> None:
     while _early:
         started = _early.popitem()[1]

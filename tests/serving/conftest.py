@@ -24,7 +24,7 @@ import pytest
 from engine_lib.serving.launcher import REPO_ROOT, TritonServer, free_port, proc_stat
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
-from tests.early_servers import starts_early, take_early
+from tests.early_servers import serve_early, starts_early, take_early
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
 FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
@@ -169,12 +169,7 @@ def module_server_of(start):
     @pytest.fixture(scope="module")
     @starts_early(start, ahead=True)
     def fixture(tmp_path_factory):
-        srv = take_early(start, tmp_path_factory)
-        try:
-            srv.wait_ready(600)
-            yield srv
-        finally:
-            srv.cleanup()
+        yield from serve_early(start, tmp_path_factory)
     return fixture
 
 

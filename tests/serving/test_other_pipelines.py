@@ -26,7 +26,7 @@ from engine_lib.pipelines import registry
 from engine_lib.serving.launcher import REPO_ROOT
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
-from tests.early_servers import starts_early, take_early
+from tests.early_servers import serve_early, starts_early
 
 from .conftest import ProbedServer, free_port, set_parameter
 from .streaming import (RequestStream, close_all, metric, post_json, run_concurrently, run_request, scrape, sse_events,
@@ -79,12 +79,7 @@ def server(tmp_path_factory):
     """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
     SD3 with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`). Started early
     (tests/early_servers.py): its ten stubs load while the tests before this module run."""
-    srv = take_early(start_models_server, tmp_path_factory)
-    try:
-        srv.wait_ready(600)
-        yield srv
-    finally:
-        srv.cleanup()
+    yield from serve_early(start_models_server, tmp_path_factory)
 
 
 def run_together(server, model: str, cases: dict[str, dict]) -> tuple[dict, float]:
