@@ -79,6 +79,20 @@ def text_chunk(state, text: str) -> Optional[dict]:
     return {"text": np.array([new], dtype=object)}
 
 
+class TextPhase:
+    """A request state that may write text before its image: its dataclass has `text` (a TextDecode once the
+    text phase starts) and `first_denoise_step` (the step index after the text's steps)."""
+
+    @property
+    def decoding(self) -> bool:
+        """In its text phase: the next step decodes a token (one zero latent token stands in)."""
+        return self.text is not None and not self.text.done
+
+    @property
+    def denoise_index(self) -> int:
+        return self.step_index - self.first_denoise_step
+
+
 def decode_text_rows(model, states: Sequence, rows: list[int]) -> dict:
     """One text forward of `model.next_tokens` for `rows`, the requests in their text phase (none: no forward, and
     `model` may be None): `token` [B], each one's next token (-1 for the others), and `kv` [B, 1, ...], the keys

@@ -43,7 +43,7 @@ from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import decode_by_grid, decode_text_rows, text_chunk
+from engine_lib.pipelines.decoder_parts import TextPhase, decode_by_grid, decode_text_rows, text_chunk
 from engine_lib.request import InvalidInputError, SamplingParams
 
 # The official inferencer's text-to-image settings are the defaults.
@@ -80,7 +80,7 @@ BAGEL_INPUTS = (
 )
 
 @dataclass
-class BagelState(RequestState):
+class BagelState(TextPhase, RequestState):
     """One request between steps: its contexts, packed latents [N, 64], schedule and CFG settings."""
 
     context: Optional[Context] = None
@@ -97,15 +97,6 @@ class BagelState(RequestState):
     @property
     def num_rows(self) -> int:
         return 1
-
-    @property
-    def decoding(self) -> bool:
-        """In its text phase: the next step decodes a token."""
-        return self.text is not None and not self.text.done
-
-    @property
-    def denoise_index(self) -> int:
-        return self.step_index - self.first_denoise_step
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         if self.decoding:  # one all-zero latent token stands in; its next token comes from the text forward

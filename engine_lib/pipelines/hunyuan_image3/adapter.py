@@ -33,7 +33,7 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
-from engine_lib.pipelines.decoder_parts import TextDecode, decode_by_grid, decode_text_rows, text_chunk
+from engine_lib.pipelines.decoder_parts import TextDecode, TextPhase, decode_by_grid, decode_text_rows, text_chunk
 from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.pipeline import GENERATION_DEFAULTS, Context, HunyuanImage3Pipeline
 from engine_lib.pipelines.hunyuan_image3.think import TASKS, TextHead, Thinker
@@ -66,7 +66,7 @@ HUNYUAN_INPUTS = (
 
 
 @dataclass
-class HunyuanState(RequestState):
+class HunyuanState(TextPhase, RequestState):
     """One request between steps: its contexts, latents [C, h, w], sigmas and CFG scale."""
 
     context: Optional[Context] = None
@@ -83,15 +83,6 @@ class HunyuanState(RequestState):
     @property
     def num_rows(self) -> int:
         return 1
-
-    @property
-    def decoding(self) -> bool:
-        """In its text phase: the next step decodes a token (its latents: one zero token standing in)."""
-        return self.text is not None and not self.text.done
-
-    @property
-    def denoise_index(self) -> int:
-        return self.step_index - self.first_denoise_step
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         return {"latents": self.latents.flatten(1).T[None]}  # [1, h*w, C]: gathered right-padded
