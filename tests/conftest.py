@@ -25,6 +25,14 @@ def tiny_qwen_dir() -> Path:
     return ensure_model("qwen_image", "tiny")
 
 
+def wait_until(predicate, timeout: float) -> bool:
+    """Whether `predicate()` holds within `timeout` seconds (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
 class TickBudget:
     """An engine's tick budget (engine_lib/testing.py's `FileTickBudget`), seen from a test.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from engine_lib.sched import scheduler
 from engine_lib.testing import EngineHooks, FailPrompt
 from engine_lib.request import (ConfigError, EngineUnavailableError, InvalidInputError, PipelineError,
                                 RequestCancelledError)
+from tests import conftest
 
 MODES = [
     pytest.param(False, 1, id="request-serial"),
@@ -56,13 +58,7 @@ def drain(stream, timeout=120):
             return outputs
 
 
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+wait_until = functools.partial(conftest.wait_until, timeout=10.0)
 
 
 def assert_idle(engine):

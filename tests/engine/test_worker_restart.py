@@ -8,7 +8,7 @@ The tiny Qwen-Image adapter runs in this process; its `workers` is a test double
 
 from __future__ import annotations
 
-import time
+import functools
 
 import pytest
 
@@ -18,6 +18,7 @@ from engine_lib.engine import DiffusionEngine
 from engine_lib.parallel import WorkerError
 from engine_lib.request import EngineUnavailableError, PipelineError
 from engine_lib.testing import EngineHooks, FileTickBudget
+from tests import conftest
 from tests.conftest import TickBudget
 
 DEATH = "rank 1 (pid 4242) died with exit code -9"
@@ -73,11 +74,7 @@ def ranks(tiny_qwen_dir):
     return ranks
 
 
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
+wait_until = functools.partial(conftest.wait_until, timeout=30.0)
 
 
 def make(ranks, budget, ticks=None):

@@ -7,7 +7,7 @@ slices they load) for the step batch's parity and the shard sizes.
 
 from __future__ import annotations
 
-import time
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +23,7 @@ from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.tiny_models import ensure_model
+from tests import conftest
 from parity_checks import load_tiny_adapter, parse, run_preempting, step_latents
 
 LATENT_BOUND = 1e-5
@@ -169,10 +170,4 @@ def test_an_aborted_request_frees_every_ranks_caches(ep):
     assert held(ep) == [0, 0]
 
 
-def _wait(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+_wait = functools.partial(conftest.wait_until, timeout=60.0)
