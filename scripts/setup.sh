@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent install of everything the project needs: nginx from Debian (the load-balancer
-# test), and into .venv the pinned Python packages (requirements.txt) and a working perf_analyzer.
+# Idempotent install of everything the project needs: nginx and postgresql from Debian (the
+# load-balancer test; the shared job store's tests start a throwaway PostgreSQL with its initdb and
+# pg_ctl, which Debian 12 and 13 keep in /usr/lib/postgresql/<version>/bin), and into .venv the
+# pinned Python packages (requirements.txt) and a working perf_analyzer.
 # Reruns are a no-op unless requirements.txt changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,10 +10,16 @@ PY=${PYTHON:-python3}
 VENV=.venv
 STAMP="$VENV/.installed-$(sha256sum requirements.txt | cut -c1-16)"
 
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+MISSING=()
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then MISSING+=(nginx); fi
+if ! command -v pg_ctl >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+  MISSING+=(postgresql)
+fi
+if [ ${#MISSING[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
   export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get install -y -q nginx >/dev/null 2>&1 || { $SUDO apt-get update -q && $SUDO apt-get install -y -q nginx; }
+  $SUDO apt-get install -y -q "${MISSING[@]}" >/dev/null 2>&1 ||
+    { $SUDO apt-get update -q && $SUDO apt-get install -y -q "${MISSING[@]}"; }
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +18,11 @@ from tests.early_servers import serve_early, start_marked, starts_early, stop_un
 # call 2.8 s with 2 threads under load, 0.05 s with 1). Set before torch is imported;
 # servers started by the tests inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The front doors the tests start (in-process and as servers' children) keep their jobs and stored images in a
+# data dir of the session's own, not in the repository's `data/`.
+if "DIFFUSION_DATA_DIR" not in os.environ:
+    os.environ["DIFFUSION_DATA_DIR"] = tempfile.mkdtemp(prefix="diffusion-test-data-")
+    atexit.register(shutil.rmtree, os.environ["DIFFUSION_DATA_DIR"], True)
 
 
 @pytest.fixture(scope="session")

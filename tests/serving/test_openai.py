@@ -85,7 +85,11 @@ def test_streaming_yields_partial_images_then_the_completed_image(door, triton):
     (dict(size="64"), "size"),
     (dict(size="65x64"), "size"),  # the model's own check: a multiple of its size multiple
     (dict(n=0), "n"),
-    (dict(response_format="url"), "response_format"),
+    (dict(response_format="file"), "response_format"),
+    (dict(response_format="url", stream=True), "response_format"),
+    (dict(response_format="url", extra_body={"url_ttl": 0}), "url_ttl"),
+    (dict(response_format="url", extra_body={"url_ttl": 7 * 24 * 3600 + 1}), "url_ttl"),
+    (dict(extra_body={"url_ttl": 60}), "url_ttl"),  # only with url
     (dict(output_format="jpeg"), "output_format"),
     (dict(quality="high"), "quality"),
     (dict(extra_body={"strength": 0.5}), "strength"),

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine_lib.serving.openai_api import app as app_module
-from engine_lib.serving.openai_api import videos
+from engine_lib.serving.openai_api.store import RESULT_TTL_S, SQLiteStore
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
 from engine_lib.serving.openai_api.keys import FrontDoorKeys
 
@@ -70,15 +70,22 @@ class VideoGateway(OneModelGateway):
             raise
 
 
-def start(monkeypatch, keys=FrontDoorKeys()):
+def start(monkeypatch, store, keys=FrontDoorKeys()):
     monkeypatch.setattr(app_module, "TritonGateway", VideoGateway)
     VideoGateway.sent, VideoGateway.cancelled = [], []
-    return TestClient(app_module.create_app("fake:1", keys), raise_server_exceptions=False)
+    return TestClient(app_module.create_app("fake:1", keys, store), raise_server_exceptions=False)
 
 
 @pytest.fixture
-def http(monkeypatch):
-    with start(monkeypatch) as test_client:
+def store(tmp_path):
+    store = SQLiteStore(tmp_path)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def http(monkeypatch, store):
+    with start(monkeypatch, store) as test_client:
         yield test_client
 
 
@@ -105,7 +112,7 @@ def test_a_job_is_created_completed_downloaded_listed_and_deleted(http):
                                   "seed": 3, "output_format": b"mp4", "preview_interval": 1}]
     done = finished(client, video.id)
     assert done.status == "completed" and done.progress == 100 and done.completed_at >= done.created_at
-    assert done.expires_at == pytest.approx(done.completed_at + videos.RESULT_TTL_S, abs=1)
+    assert done.expires_at == pytest.approx(done.completed_at + RESULT_TTL_S, abs=1)
     assert client.videos.download_content(video.id).content == b"mp4:rain"
     assert [v.id for v in client.videos.list()] == [video.id]
     assert client.videos.delete(video.id).deleted
@@ -137,14 +144,16 @@ def test_deleting_a_running_job_cancels_its_request_and_its_content_is_a_409_unt
         client.videos.download_content(video.id)
 
 
-def test_shutdown_cancels_the_running_jobs(monkeypatch):
-    with start(monkeypatch) as http:
+def test_shutdown_cancels_the_running_jobs_which_fail_as_restarted(monkeypatch, store):
+    with start(monkeypatch, store) as http:
         video = sdk(http).videos.create(model="v", prompt=HOLD, seconds="1", extra_body={"frame_rate": 8})
     assert VideoGateway.cancelled == [video.id]
+    job = store.job("", video.id)
+    assert job.status == "failed" and job.error["message"] == "server restarted"
 
 
-def test_one_key_can_neither_read_nor_delete_anothers_job(monkeypatch):
-    with start(monkeypatch, FrontDoorKeys(api_key="alice", priority_keys={"bob": 1})) as http:
+def test_one_key_can_neither_read_nor_delete_anothers_job(monkeypatch, store):
+    with start(monkeypatch, store, FrontDoorKeys(api_key="alice", priority_keys={"bob": 1})) as http:
         alice, bob = sdk(http, "alice"), sdk(http, "bob")
         video = alice.videos.create(model="v", prompt=HOLD, seconds="1", extra_body={"frame_rate": 8})
         for call in (bob.videos.retrieve, bob.videos.download_content, bob.videos.delete):
@@ -155,27 +164,35 @@ def test_one_key_can_neither_read_nor_delete_anothers_job(monkeypatch):
         assert [v.id for v in alice.videos.list()] == [video.id]
 
 
-def test_jobs_per_key_finished_bytes_and_expiry_are_capped(http):
+def test_jobs_per_key_stored_bytes_and_expiry_are_capped(monkeypatch, tmp_path):
+    """A key's own jobs count against its cap; a store at DIFFUSION_DATA_MAX_BYTES (after expiry) refuses new jobs
+    with 507; an expired job is gone with its file."""
     now = [1000.0]
-    http.app.state.videos = videos.VideoJobs(max_jobs_per_caller=3, max_result_bytes=2 * len(b"mp4:a"),
-                                             result_ttl_s=60, clock=lambda: now[0])
-    client = sdk(http)
-    held = [client.videos.create(model="v", prompt=HOLD, seconds="1", extra_body={"frame_rate": 8}) for _ in range(3)]
-    with pytest.raises(openai.RateLimitError) as info:
-        client.videos.create(model="v", prompt="a", seconds="1", extra_body={"frame_rate": 8})
-    assert info.value.code == "too_many_jobs"
-    assert [v.id for v in client.videos.list(limit=2)] == [v.id for v in held[::-1]]  # two pages, newest first
-    assert [v.id for v in client.videos.list(order="asc")] == [v.id for v in held]
-    for video in held:
-        client.videos.delete(video.id)
-    done = [finished(client, client.videos.create(model="v", prompt=p, seconds="1", extra_body={"frame_rate": 8}).id)
-            for p in "abc"]
-    with pytest.raises(openai.NotFoundError):  # the oldest video made room for the third
-        client.videos.retrieve(done[0].id)
-    assert client.videos.download_content(done[2].id).content == b"mp4:c"
-    assert http.app.state.videos.result_bytes == 2 * len(b"mp4:a")
-    now[0] += 61
-    assert list(client.videos.list()) == []
+    store = SQLiteStore(tmp_path, max_bytes=2 * len(b"mp4:a"), result_ttl_s=60, clock=lambda: now[0])
+    with start(monkeypatch, store, FrontDoorKeys(api_key="alice", priority_keys={"bob": 1})) as http:
+        http.app.state.videos.max_jobs_per_caller = 3
+        client, bob = sdk(http, "alice"), sdk(http, "bob")
+        held = [client.videos.create(model="v", prompt=HOLD, seconds="1", extra_body={"frame_rate": 8})
+                for _ in range(3)]
+        with pytest.raises(openai.RateLimitError) as info:
+            client.videos.create(model="v", prompt="a", seconds="1", extra_body={"frame_rate": 8})
+        assert info.value.code == "too_many_jobs"
+        assert finished(bob, bob.videos.create(model="v", prompt="b", seconds="1",  # alice's jobs are not bob's
+                                               extra_body={"frame_rate": 8}).id).status == "completed"
+        assert [v.id for v in client.videos.list(limit=2)] == [v.id for v in held[::-1]]  # two pages, newest first
+        assert [v.id for v in client.videos.list(order="asc")] == [v.id for v in held]
+        for video in held:
+            client.videos.delete(video.id)
+        done = finished(client, client.videos.create(model="v", prompt="a", seconds="1",
+                                                     extra_body={"frame_rate": 8}).id)
+        assert store.used_bytes() == 2 * len(b"mp4:a") and len(list((tmp_path / "artifacts").iterdir())) == 2
+        with pytest.raises(openai.APIStatusError) as info:  # full: nothing has expired yet
+            client.videos.create(model="v", prompt="c", seconds="1", extra_body={"frame_rate": 8})
+        assert info.value.status_code == 507 and "DIFFUSION_DATA_MAX_BYTES" in info.value.message
+        assert client.videos.download_content(done.id).content == b"mp4:a"
+        now[0] += 61
+        assert list(client.videos.list()) == [] and list((tmp_path / "artifacts").iterdir()) == []
+        assert client.videos.create(model="v", prompt="c", seconds="1", extra_body={"frame_rate": 8}).id
 
 
 @pytest.mark.parametrize("kwargs, param", [

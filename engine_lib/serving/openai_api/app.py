@@ -28,8 +28,10 @@ rights: keys.py. `/openapi.json` needs a key like the API (it lists every input 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
@@ -50,7 +52,8 @@ from engine_lib.serving.openai_api.requests import (ImageRequest, OpenAIError, b
                                                     lone_surrogate_field, openai_param, parse_edit_request,
                                                     parse_image_request)
 from engine_lib.serving.openai_api.generate import make_router
-from engine_lib.serving.openai_api import chat, videos
+from engine_lib.serving.openai_api import chat, files, videos
+from engine_lib.serving.openai_api.store import Store, open_store
 from engine_lib.serving.openai_api.watch import next_response, until_final
 from engine_lib.serving.tensors import encode_png_base64
 
@@ -83,17 +86,23 @@ def partial_steps(num_steps: int, partial_images: int) -> list[int]:
     return sorted(s for s in steps if s < num_steps)
 
 
-def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAPI:
-    """The app, talking gRPC to the tritonserver at `triton_url`; with `keys`, requests need one of them."""
+def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys(), store: Optional[Store] = None) -> FastAPI:
+    """The app, talking gRPC to the tritonserver at `triton_url`; with `keys`, requests need one of them. Jobs and
+    stored images go to `store` (default: the one the environment names, store.open_store)."""
     request_ids = itertools.count(1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.gateway = TritonGateway(triton_url)  # the asyncio client belongs to the server's loop
-        app.state.videos = videos.VideoJobs()
+        app.state.store = store or open_store(os.environ)
+        app.state.videos = videos.VideoJobs(app.state.store)
+        heartbeat = asyncio.create_task(app.state.videos.heartbeat())
         yield
+        heartbeat.cancel()
         await app.state.videos.close()  # cancels the running jobs' Triton requests
         await app.state.gateway.close()
+        if store is None:
+            app.state.store.close()
 
     app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # served below, behind the key
@@ -119,8 +128,12 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
         return app.openapi()
 
     @app.get("/health")
-    async def health() -> dict:
-        """The front door itself is up (whether Triton is: /v1/models answers 503 when it is not)."""
+    async def health(request: Request) -> dict:
+        """Ready: the front door serves and so does Triton through it (the gate, every model loaded); else 503,
+        as /v1/models answers then. The probes' readiness (launcher `ready`) asks this."""
+        if not await request.app.state.gateway.server_ready():
+            raise OpenAIError(503, f"Triton at {request.app.state.gateway.url} is not ready", code="unavailable",
+                              type_="server_error")
         return {"status": "ok"}
 
     @v1.get("/models")
@@ -175,26 +188,34 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys()) -> FastAP
         images = await run_in_threadpool(png_base64, final.images)
         thought = final.outputs.get("text")  # a model that thought before drawing (BAGEL's think) sends it
         extra = {"revised_prompt": thought.ravel()[0].decode("utf-8", errors="replace")} if thought is not None else {}
-        return {"created": int(time.time()), "data": [{"b64_json": image, **extra} for image in images],
-                "output_format": "png", "size": image_request.size, "usage": NO_USAGE}
+        if image_request.url_ttl is None:
+            data = [{"b64_json": image, **extra} for image in images]
+        else:  # kept as files of the store, served by /v1/files/{id}/content
+            pngs = [base64.b64decode(image) for image in images]
+            urls = await files.store_images(request.app.state.store, caller.owner, pngs, image_request.url_ttl, request)
+            data = [{"url": url, **extra} for url in urls]
+        return {"created": int(time.time()), "data": data, "output_format": "png", "size": image_request.size,
+                "usage": NO_USAGE}
 
     app.include_router(v1)
     app.include_router(make_router(read_json, authorize, keys))
     app.include_router(chat.make_router(read_json, authorize, keys))
     app.include_router(videos.make_router(read_json, read_form, authorize, keys))
+    app.include_router(files.make_router(authorize))
     return app
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 past `max_bytes` (read and dropped up to twice that, at least MAX_DISCARD_BYTES,
-    first, so the client reads the answer; at once when Content-Length says more) and 408 when it takes over
-    `timeout_s`. A client gone meanwhile ends the request quietly: its answer goes nowhere, and Starlette's
+    """The body, refused with 413 past `max_bytes` (at once when Content-Length says more: uvicorn drops the rest
+    of the body as it comes, within the header timeout, so a client still sending reads the answer; a body without
+    a length is read and dropped up to twice `max_bytes`, at least MAX_DISCARD_BYTES, first) and 408 when it takes
+    over `timeout_s`. A client gone meanwhile ends the request quietly: its answer goes nowhere, and Starlette's
     ClientDisconnect would log a traceback per client."""
     too_large = OpenAIError(413, f"the request body is over {max_bytes} bytes", code="body_too_large")
     discard = max(MAX_DISCARD_BYTES, 2 * max_bytes)
     length = request.headers.get("content-length", "")
     declared = int(length) if length.isdecimal() else 0
-    if declared > discard:
+    if declared > max_bytes:
         raise too_large
     data, received = bytearray(), 0
     try:

@@ -1,7 +1,8 @@
 """The OpenAI Images request body -> one Triton request, and errors in OpenAI's shape.
 
 What the body may hold: OpenAI's own fields (`model`, `prompt`, `n`, `size`,
-`response_format`, `output_format`, `stream`, `partial_images`, `user`; `quality` and
+`response_format` (`b64_json`, or `url` with `url_ttl` seconds, default an hour), `output_format`,
+`stream`, `partial_images`, `user`; `quality` and
 `background` only at their no-op values), and any input the model declares in its Triton
 config (`seed`, `num_inference_steps`, `negative_prompt`, `guidance_scale`, ...), sent as
 that input. Anything else is refused naming it. Values are checked by the model itself
@@ -23,10 +24,12 @@ from typing import Any, Mapping, Optional
 MANAGED_INPUTS = {"prompt": "prompt", "num_images": "n", "height": "size", "width": "size",
                   "output_format": "output_format", "preview_interval": "partial_images", "mask_image": "mask"}
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "stream", "partial_images",
-                 "user", "quality", "background")
+                 "user", "quality", "background", "url_ttl")
 TEXT_FIELDS = ("model", "prompt", "size", "response_format", "output_format", "user", "quality", "background")
 NO_OP_VALUES = {"quality": ("auto",), "background": ("auto", "opaque")}
 MAX_PARTIAL_IMAGES = 3
+URL_TTL_S = 3600  # how long a response_format "url" image stays, as OpenAI's URLs (url_ttl changes it)
+MAX_URL_TTL_S = 7 * 24 * 3600
 SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only as a lone surrogate: JSON's "\ud800" makes one
 
 
@@ -55,6 +58,7 @@ class ImageRequest:
     size: str = "auto"  # echoed in the events, as OpenAI does
     stream: bool = False
     partial_images: int = 0
+    url_ttl: Optional[int] = None  # response_format "url": seconds each image's URL stays valid; None: b64_json
 
 
 def parse_size(size: Any) -> tuple[Optional[int], Optional[int]]:
@@ -93,9 +97,7 @@ def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model
     for name, allowed in NO_OP_VALUES.items():
         if name in body and body[name] not in allowed:
             raise bad_request(f"{name} {body[name]!r} is not supported here (only {', '.join(allowed)})", name)
-    if body.get("response_format", "b64_json") != "b64_json":
-        raise bad_request("response_format 'url' is not supported: images come back inline as b64_json",
-                          "response_format")
+    request.url_ttl = parse_url_ttl(body)
     if body.get("output_format", "png") != "png":
         raise bad_request(f"output_format {body['output_format']!r} is not supported (only png)", "output_format")
     if "n" in body:
@@ -114,11 +116,27 @@ def parse_image_request(body: Any, input_types: Mapping[str, Any], default_model
     if isinstance(partial, bool) or not isinstance(partial, int) or not 0 <= partial <= MAX_PARTIAL_IMAGES:
         raise bad_request(f"partial_images must be an integer in [0, {MAX_PARTIAL_IMAGES}]", "partial_images")
     request.stream, request.partial_images = stream, partial if stream else 0
+    if stream and request.url_ttl is not None:
+        raise bad_request("response_format 'url' is not offered with stream: streamed images come as b64_json",
+                          "response_format")
     if request.partial_images:
         request.inputs["preview_interval"] = 1  # every step; the front door forwards the ones it needs
 
     request.inputs.update(extra_inputs(body, OPENAI_FIELDS, MANAGED_INPUTS, input_types, model))
     return request
+
+
+def parse_url_ttl(body: Mapping[str, Any]) -> Optional[int]:
+    """The seconds a "url" image stays (url_ttl, default URL_TTL_S); None for b64_json."""
+    response_format = body.get("response_format", "b64_json")
+    if response_format not in ("b64_json", "url"):
+        raise bad_request(f"response_format {response_format!r} is not b64_json or url", "response_format")
+    ttl = body.get("url_ttl", URL_TTL_S)
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_URL_TTL_S:
+        raise bad_request(f"url_ttl {ttl!r} is not an integer number of seconds in [1, {MAX_URL_TTL_S}]", "url_ttl")
+    if "url_ttl" in body and response_format != "url":
+        raise bad_request("url_ttl is for response_format 'url' only", "url_ttl")
+    return ttl if response_format == "url" else None
 
 
 def extra_inputs(body: Mapping[str, Any], own_fields, managed: Mapping[str, Any], input_types: Mapping[str, Any],

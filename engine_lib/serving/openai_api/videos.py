@@ -22,11 +22,14 @@ A refusal that comes back within REFUSAL_WAIT_S of the request (the model checks
 the request arrives; a full queue) is the HTTP error itself, and no job is kept; one that comes
 later makes the job `failed` with the same error.
 
-Jobs belong to the bearer key that created them (an open door's callers share them): another key's
-job is a 404. A key holds at most MAX_JOBS_PER_CALLER jobs (429 past it). A finished job expires
-RESULT_TTL_S after it finished (`expires_at`), and the finished videos held are at most
-MAX_RESULT_BYTES in all (the oldest expire first to make room); an expired job is forgotten (404).
-Shutdown cancels every running job's Triton request.
+Jobs and their mp4s are kept in the store (store.py: SQLite in DIFFUSION_DATA_DIR, or PostgreSQL for
+replicas), so they outlive the front door: any front door on the same store lists, retrieves, downloads
+and deletes them. Jobs belong to the bearer key that created them (an open door's callers share them):
+another key's job is a 404. A key holds at most MAX_JOBS_PER_CALLER jobs of its own (429 past it). A
+finished job expires an hour after it finished (`expires_at`); an expired job is forgotten (404). When the
+stored results reach DIFFUSION_DATA_MAX_BYTES (expired ones removed first), new jobs are refused with 507;
+a video that cannot be written (a full disk) fails its job. Shutdown cancels every running job's Triton
+request and fails the job with "server restarted", as a restart after a crash does.
 """
 
 from __future__ import annotations
@@ -35,29 +38,26 @@ import asyncio
 import base64
 import logging
 import re
-import secrets
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, AsyncIterator, Callable, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Coroutine, Mapping, Optional
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response as HTTPResponse
 from starlette.concurrency import run_in_threadpool
 
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonGateway, TritonRequestError
+from engine_lib.serving.openai_api.files import artifact_response
 from engine_lib.serving.openai_api.keys import Caller, FrontDoorKeys
 from engine_lib.serving.openai_api.requests import (OpenAIError, bad_request, error_from_triton, extra_inputs,
                                                     form_body, lone_surrogate_field, model_and_prompt, parse_size)
+from engine_lib.serving.openai_api.store import HEARTBEAT_S, Job, Store, StoreFull, restarted_error
 
 log = logging.getLogger(__name__)
 
 FRAME_RATE = 24  # frames per second `seconds` counts in, unless the request gives the model a `frame_rate`
 DEFAULT_SECONDS = "4"  # OpenAI's default
 MAX_JOBS_PER_CALLER = 32
-MAX_RESULT_BYTES = 1 << 30  # finished videos held in memory, all callers together
-RESULT_TTL_S = 3600.0
 REFUSAL_WAIT_S = 0.5
 MAX_LIST_LIMIT = 100
 VIDEO_FIELDS = ("model", "prompt", "size", "seconds", "input_reference", "user")
@@ -76,114 +76,121 @@ class VideoRequest:
     seconds: str
     frame_rate: float
 
-
-@dataclass
-class VideoJob:
-    id: str
-    owner: str
-    request: VideoRequest
-    created_at: int
-    status: str = "queued"
-    progress: int = 0
-    completed_at: Optional[int] = None
-    expires_at: Optional[float] = None
-    error: Optional[OpenAIError] = None
-    content: Optional[bytes] = None
-    task: Optional[asyncio.Task] = None
-    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the first response (or the end) came
-
-    @property
-    def finished(self) -> bool:
-        return self.status in ("completed", "failed")
-
-    def body(self) -> dict:
-        error = None if self.error is None else {"code": self.error.code or "error", "message": self.error.message,
-                                                  "param": self.error.param, "type": self.error.type}
-        return {"id": self.id, "object": "video", "model": self.request.model, "status": self.status,
-                "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
-                "expires_at": None if self.expires_at is None else int(self.expires_at),
-                "prompt": self.request.inputs.get("prompt"), "size": self.request.size,
-                "seconds": self.request.seconds, "remixed_from_video_id": None, "error": error}
+    def echo(self) -> dict:
+        """What the job's body echoes of its request (kept in the store)."""
+        return {"model": self.model, "prompt": self.inputs.get("prompt"), "size": self.size, "seconds": self.seconds}
 
 
 class VideoJobs:
-    """Every caller's jobs, in creation order, within the caps (module docstring)."""
+    """Every caller's jobs, kept in the store (store.py), within the caps (module docstring). The jobs this front
+    door runs also have their task here (owned by the event loop's thread)."""
 
-    def __init__(self, max_jobs_per_caller: int = MAX_JOBS_PER_CALLER, max_result_bytes: int = MAX_RESULT_BYTES,
-                 result_ttl_s: float = RESULT_TTL_S, clock: Callable[[], float] = time.time):
-        self.max_jobs_per_caller, self.max_result_bytes, self.result_ttl_s = (max_jobs_per_caller, max_result_bytes,
-                                                                              result_ttl_s)
-        self.clock = clock
-        self._jobs: dict[str, VideoJob] = {}
+    def __init__(self, store: Store, max_jobs_per_caller: int = MAX_JOBS_PER_CALLER):
+        self.store, self.max_jobs_per_caller = store, max_jobs_per_caller
+        self._tasks: dict[str, asyncio.Task] = {}
+        # Set at the first response (None) or an error before it (the error), for the create request to answer.
+        self._first: dict[str, asyncio.Future] = {}
 
-    @property
-    def result_bytes(self) -> int:
-        return sum(len(job.content) for job in self._jobs.values() if job.content is not None)
+    def owned(self, owner: str) -> list[Job]:
+        self.store.sweep()
+        return self.store.jobs(owner)
 
-    def expire(self) -> None:
-        """Forget the finished jobs past their `expires_at`."""
-        now = self.clock()
-        for job in [j for j in self._jobs.values() if j.expires_at is not None and j.expires_at <= now]:
-            del self._jobs[job.id]
-
-    def owned(self, owner: str) -> list[VideoJob]:
-        self.expire()
-        return [job for job in self._jobs.values() if job.owner == owner]
-
-    def get(self, owner: str, video_id: str) -> VideoJob:
+    def get(self, owner: str, video_id: str) -> Job:
         """The caller's job; 404 for one that is not (or no longer) there, or is another caller's."""
-        self.expire()
-        job = self._jobs.get(video_id)
-        if job is None or job.owner != owner:
-            raise OpenAIError(404, f"no video job {video_id!r} (finished jobs expire {self.result_ttl_s:g} s after "
-                                   f"they finish)", param="video_id", code="video_not_found")
+        self.store.sweep()
+        job = self.store.job(owner, video_id)
+        if job is None:
+            raise OpenAIError(404, f"no video job {video_id!r} (finished jobs expire {self.store.result_ttl_s:g} s "
+                                   f"after they finish)", param="video_id", code="video_not_found")
         return job
 
-    def add(self, owner: str, request: VideoRequest) -> VideoJob:
-        if len(self.owned(owner)) >= self.max_jobs_per_caller:
+    def add(self, owner: str, request: VideoRequest, run: Callable[[Job], Coroutine]) -> Job:
+        """A new job of `owner`, run as the task `run(job)`: 429 past the key's own job cap, 507 when the store
+        is full."""
+        self.store.sweep()
+        try:
+            self.store.check_room()
+        except StoreFull as exc:
+            raise OpenAIError(507, str(exc), code="insufficient_storage", type_="server_error") from None
+        job = self.store.add_job(owner, request.echo(), self.max_jobs_per_caller)
+        if job is None:
             raise OpenAIError(429, f"this key holds {self.max_jobs_per_caller} video jobs, the most it may: delete "
                                    f"finished ones (DELETE /v1/videos/{{id}}) or wait for them to expire",
                               code="too_many_jobs", type_="requests")
-        job = VideoJob(f"video_{secrets.token_hex(16)}", owner, request, int(self.clock()))
-        self._jobs[job.id] = job
+        self._first[job.id] = asyncio.get_running_loop().create_future()
+        self._tasks[job.id] = asyncio.create_task(run(job))
         return job
 
-    def complete(self, job: VideoJob, content: bytes) -> None:
-        """Hold the job's video, making room within max_result_bytes by expiring the oldest finished videos."""
-        if len(content) > self.max_result_bytes:
-            return self.fail(job, OpenAIError(500, f"the video is {len(content)} bytes, over the "
-                                                   f"{self.max_result_bytes} this front door holds",
-                                              code="result_too_large", type_="server_error"))
-        job.content, job.status, job.progress = content, "completed", 100
-        self._finish(job)
-        oldest = sorted((j for j in self._jobs.values() if j.content is not None and j is not job),
-                        key=lambda j: j.completed_at)
-        while self.result_bytes > self.max_result_bytes:
-            del self._jobs[oldest.pop(0).id]
+    async def refusal(self, job: Job, timeout_s: float) -> Optional[OpenAIError]:
+        """The error that ended the job before its model's first response within `timeout_s`, if one did."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._first[job.id]), timeout_s)
+        except TimeoutError:
+            return None
 
-    def fail(self, job: VideoJob, error: OpenAIError) -> None:
-        job.status, job.error = "failed", error
-        self._finish(job)
+    def progress(self, job: Job, progress: int) -> None:
+        self.store.progress(job.id, progress)
+        self._answer(job, None)
 
-    def _finish(self, job: VideoJob) -> None:
-        now = self.clock()
-        job.completed_at, job.expires_at = int(now), now + self.result_ttl_s
-        job.answered.set()
+    async def complete(self, job: Job, content: bytes) -> None:
+        """Keep the job's video (written on a worker thread: a file, flushed to disk)."""
+        await run_in_threadpool(self.store.complete, job.id, content, "video/mp4")
 
-    async def remove(self, job: VideoJob) -> None:
-        """Forget the job; one still running has its Triton request cancelled first."""
-        self._jobs.pop(job.id, None)
-        if job.task is not None and not job.task.done():
-            job.task.cancel()
-            await asyncio.wait({job.task})
+    def fail(self, job: Job, error: OpenAIError) -> None:
+        self.store.fail(job.id, error_object(error))
+        self._answer(job, error)
+
+    def ended(self, job: Job) -> None:
+        self._answer(job, None)
+        self._first.pop(job.id, None)
+        self._tasks.pop(job.id, None)
+
+    def _answer(self, job: Job, error: Optional[OpenAIError]) -> None:
+        first = self._first.get(job.id)
+        if first is not None and not first.done():
+            first.set_result(error)
+
+    async def remove(self, job: Job) -> None:
+        """Forget the job and its video; one this front door still runs has its Triton request cancelled first."""
+        await self._cancel(job.id)
+        self.store.delete_job(job.owner, job.id)
+
+    async def heartbeat(self) -> None:
+        """Tell the other front doors on the store, every HEARTBEAT_S, that this one still runs its jobs."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self._tasks:
+                self.store.heartbeat(list(self._tasks))
 
     async def close(self) -> None:
-        """Shutdown: cancel every running job's Triton request."""
-        running = [job for job in self._jobs.values() if not job.finished]
-        for job in running:
-            await self.remove(job)
+        """Shutdown: cancel every running job's Triton request; the jobs fail as after a restart."""
+        running = list(self._tasks)
+        for job_id in running:
+            await self._cancel(job_id)
+            self.store.fail(job_id, restarted_error())
         if running:
             log.warning("front door shutting down: cancelled %d running video job(s)", len(running))
+
+    async def _cancel(self, job_id: str) -> None:
+        task = self._tasks.pop(job_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+
+def error_object(error: OpenAIError) -> dict:
+    return {"code": error.code or "error", "message": error.message, "param": error.param, "type": error.type}
+
+
+def job_body(job: Job) -> dict:
+    """The job as OpenAI's video object."""
+    request = job.request
+    return {"id": job.id, "object": "video", "model": request["model"], "status": job.status,
+            "progress": job.progress, "created_at": int(job.created_at),
+            "completed_at": None if job.completed_at is None else int(job.completed_at),
+            "expires_at": None if job.expires_at is None else int(job.expires_at), "prompt": request["prompt"],
+            "size": request["size"], "seconds": request["seconds"], "remixed_from_video_id": None,
+            "error": job.error}
 
 
 def parse_seconds(value: Any, frame_rate: float) -> tuple[str, int]:
@@ -250,7 +257,7 @@ def video_error(message: str, request: VideoRequest) -> OpenAIError:
     return error
 
 
-async def run_job(job: VideoJob, responses: AsyncIterator[Response], jobs: VideoJobs) -> None:
+async def run_job(job: Job, request: VideoRequest, responses: AsyncIterator[Response], jobs: VideoJobs) -> None:
     """Follow the job's Triton request to its end; cancelling this task cancels the request."""
     try:
         async for response in responses:
@@ -258,16 +265,14 @@ async def run_job(job: VideoJob, responses: AsyncIterator[Response], jobs: Video
                 encoded = response.outputs.get("video_mp4")
                 if encoded is None or len(encoded) != 1:
                     raise TritonRequestError("INTERNAL: the final response holds no video_mp4")
-                jobs.complete(job, await run_in_threadpool(base64.b64decode, encoded[0]))
+                await jobs.complete(job, await run_in_threadpool(base64.b64decode, encoded[0]))
                 return
-            job.status = "in_progress"
-            job.progress = min(99, 100 * response.step // response.num_steps) if response.num_steps else 0
-            job.answered.set()
+            jobs.progress(job, min(99, 100 * response.step // response.num_steps) if response.num_steps else 0)
         raise TritonRequestError("INTERNAL: the model ended the request without a final response")
     except TritonRequestError as exc:
-        jobs.fail(job, video_error(str(exc), job.request))
+        jobs.fail(job, video_error(str(exc), request))
     finally:
-        job.answered.set()
+        jobs.ended(job)
         await responses.aclose()  # cancels the Triton request if it still runs
 
 
@@ -316,16 +321,13 @@ def make_router(read_json, read_form, authorize, keys: FrontDoorKeys) -> APIRout
             raise bad_request(str(exc), VIDEO_INPUTS.get(exc.input_name, exc.input_name)) from None
         parameters = keys.priority_parameters(caller, video.inputs.get("priority"),
                                               await gateway.default_priority(video.model))
-        job = jobs.add(caller.owner, video)
-        job.task = asyncio.create_task(run_job(job, gateway.stream(video.model, tensors, job.id, parameters), jobs))
-        try:
-            await asyncio.wait_for(job.answered.wait(), REFUSAL_WAIT_S)
-        except TimeoutError:
-            pass
-        if job.status == "failed":  # refused on arrival: the answer, and no job
+        job = jobs.add(caller.owner, video, lambda job: run_job(
+            job, video, gateway.stream(video.model, tensors, job.id, parameters), jobs))
+        refusal = await jobs.refusal(job, REFUSAL_WAIT_S)
+        if refusal is not None:  # refused on arrival: the answer, and no job
             await jobs.remove(job)
-            raise job.error
-        return job.body()
+            raise refusal
+        return job_body(jobs.get(caller.owner, job.id))
 
     @router.get("")
     async def listing(request: Request, after: Optional[str] = None, limit: str = "20", order: str = "desc",
@@ -342,23 +344,23 @@ def make_router(read_json, read_form, authorize, keys: FrontDoorKeys) -> APIRout
             if after not in ids:
                 raise bad_request(f"after {after!r} is no video job of this key", "after")
             jobs = jobs[ids.index(after) + 1:]
-        page = [job.body() for job in jobs[:limit]]
+        page = [job_body(job) for job in jobs[:limit]]
         return {"object": "list", "data": page, "has_more": len(jobs) > limit,
                 "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
 
     @router.get("/{video_id}")
     async def retrieve(video_id: str, request: Request, caller: Caller = Depends(authorize)) -> dict:
-        return request.app.state.videos.get(caller.owner, video_id).body()
+        return job_body(request.app.state.videos.get(caller.owner, video_id))
 
     @router.get("/{video_id}/content")
     async def content(video_id: str, request: Request, variant: str = "video", caller: Caller = Depends(authorize)):
         job = request.app.state.videos.get(caller.owner, video_id)
         if variant != "video":
             raise bad_request(f"variant {variant!r} is not offered here (only video)", "variant")
-        if job.content is None:
+        if job.artifact is None:
             raise OpenAIError(409, f"video job {video_id} is {job.status}, not completed: no content", param="video_id",
                               code="video_not_ready")
-        return HTTPResponse(job.content, media_type="video/mp4")
+        return artifact_response(request.app.state.videos.store, job.owner, job.artifact)
 
     @router.delete("/{video_id}")
     async def delete(video_id: str, request: Request, caller: Caller = Depends(authorize)) -> dict:
