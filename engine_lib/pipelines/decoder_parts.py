@@ -13,6 +13,7 @@ think and recaption).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -96,14 +97,38 @@ class TextPhase:
 def decode_text_rows(model, states: Sequence, rows: list[int]) -> dict:
     """One text forward of `model.next_tokens` for `rows`, the requests in their text phase (none: no forward, and
     `model` may be None): `token` [B], each one's next token (-1 for the others), and `kv` [B, 1, ...], the keys
-    and values of the token it fed (zeros for the others)."""
+    and values of the token it fed (zeros for the others; absent when the model grew its caches itself)."""
     out = {"token": torch.full((len(states),), -1, dtype=torch.long)}
     if rows:
         tokens, new = model.next_tokens([states[i].text for i in rows])
-        out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
-        out["kv"][rows, 0] = new
+        if new is not None:  # None: the caches grew where they live (tensor-parallel ranks)
+            out["kv"] = new.new_zeros(len(states), 1, *new.shape[1:])
+            out["kv"][rows, 0] = new
         out["token"][rows] = torch.tensor(tokens)
     return out
+
+
+def held_bytes(*held) -> int:
+    """The bytes of the tensor storages reachable from `held` (through dataclasses, dicts, lists and tuples), each
+    storage counted once: what a state or a rank's caches keep alive, views included."""
+    storages, seen, todo = {}, set(), list(held)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool)):
+            continue
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            todo += value.values()
+        elif isinstance(value, (list, tuple, set)):
+            seen.add(id(value))
+            todo += value
+        elif dataclasses.is_dataclass(value):
+            seen.add(id(value))
+            todo += [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return sum(storages.values())
 
 
 def sample_token(logits: torch.Tensor, d: TextDecode) -> int:

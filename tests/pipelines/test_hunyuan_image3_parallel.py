@@ -3,6 +3,10 @@
 
 One worker group per layout serves the module: `ep` for every check, `tp` (whose ranks differ only in the expert
 slices they load) for the step batch's parity and the shard sizes.
+
+A think / recaption text phase runs on the ranks too (its KV cache split by head like a prompt's, the logits
+from the vocabulary-split text head): the same text as one process, greedy and sampled, and the image within
+1 level; the bytes each rank holds are half the single process's KV caches at every tick.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
+from engine_lib.pipelines.decoder_parts import held_bytes
 from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, read_config
@@ -78,8 +84,9 @@ def tp() -> HunyuanImage3Adapter:
     adapter.close()
 
 
-def held(adapter) -> list[int]:
-    return adapter.workers.call_all("held_states", [()] * adapter.workers.world_size)
+def held(adapter, what: str = "held_states") -> list[int]:
+    """Each rank's count of KV caches held (`held_bytes`: their bytes)."""
+    return adapter.workers.call_all(what, [()] * adapter.workers.world_size)
 
 
 @pytest.mark.parametrize("layout,run", [("ep", "solo"), ("ep", "batch"), ("tp", "batch")])
@@ -129,13 +136,7 @@ def test_a_paused_request_keeps_its_caches_on_the_ranks(ep, single):
     assert levels.max() <= 1
 
 
-def test_a_step_cache_and_a_think_are_refused_and_a_split_must_divide(ep):
-    with pytest.raises(InvalidInputError) as info:
-        parse(ep, dict(inputs("x", 1), cache="first_block"))
-    assert info.value.input_name == "cache" and "tensor_parallel_size" in str(info.value)
-    with pytest.raises(InvalidInputError) as info:  # the text head is not loaded, the driver has no layers
-        parse(ep, dict(inputs("x", 1), bot_task="think"))
-    assert info.value.input_name == "bot_task" and "tensor_parallel_size" in str(info.value)
+def test_a_split_must_divide():
     config = HunyuanConfig.from_json(read_config(ensure_model("hunyuan_image3", "tiny")))
     with pytest.raises(ConfigError, match="num_key_value_heads=2"):
         tensor_parallel.check_split(config, 3, False)
@@ -171,3 +172,111 @@ def test_an_aborted_request_frees_every_ranks_caches(ep):
 
 
 _wait = functools.partial(conftest.wait_until, timeout=60.0)
+
+
+# -- think and recaption on the ranks -------------------------------------------------------------------------
+
+def text_inputs(task: str, prompt: str, seed: int, max_new_tokens: int, temperature: float = 0.0, **changes) -> dict:
+    return dict(inputs(prompt, seed, **changes), bot_task=task, max_new_tokens=max_new_tokens, temperature=temperature)
+
+
+TEXT_RUNS = {  # request id -> (tick it joins at, its inputs)
+    "solo": {"think": (0, text_inputs("think", "the red house !", 3, 12))},
+    # a sampled recaption joins while the think decodes; a plain image (no CFG) while both do
+    "batch": {"think": (0, text_inputs("think", "the red house !", 3, 12)),
+              "recaption": (2, text_inputs("recaption", "cat cube old", 8, 10, temperature=0.7, size=(48, 80),
+                                           guidance_scale=3.5)),
+              "image": (4, inputs("fruit", 4, guidance_scale=1.0))},
+}
+
+
+def kv_bytes(runner: ModelRunner) -> int:
+    """The bytes of the KV caches a single-process runner's states hold (prompt contexts and texts)."""
+    return held_bytes([(s.context, s.text and s.text.cache) for s in runner.states.values()])
+
+
+def run_ticks(adapter, arrivals: dict, measure) -> tuple[dict, dict, list]:
+    """`arrivals` through the runner, each request joining at its tick: the final outputs, each request's streamed
+    text chunks, and `measure(runner)` after every tick."""
+    runner = ModelRunner(adapter, float_outputs=True)
+    running, outputs, chunks, seen, tick = [], {}, {}, [], 0
+    while len(outputs) < len(arrivals):
+        new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p))
+               for rid, (at, raw) in arrivals.items() if at == tick for p in [parse(adapter, raw)]]
+        out = runner.execute_step(new, running)
+        assert not out.errors, out.errors
+        for rid, chunk in out.chunks.items():
+            chunks.setdefault(rid, []).append(chunk["text"][0])
+        outputs.update(out.outputs)
+        runner.free(list(out.finished))
+        running = [r for r in new + running if r.request_id not in out.finished]
+        seen.append(measure(runner))
+        tick += 1
+    return outputs, chunks, seen
+
+
+@pytest.fixture(scope="module")
+def expected_texts(single) -> dict:
+    return {name: run_ticks(single, run, kv_bytes) for name, run in TEXT_RUNS.items()}
+
+
+def assert_same_outputs(outputs: dict, chunks: dict, expected_outputs: dict, expected_chunks: dict) -> None:
+    for rid, named in expected_outputs.items():
+        if "text" in named:
+            assert outputs[rid]["text"][0] == named["text"][0] and chunks[rid] == expected_chunks[rid], rid
+            assert outputs[rid]["finish_reason"][0] == named["finish_reason"][0], rid
+        levels = np.abs(to_uint8(outputs[rid]["image"][0]).astype(int) - to_uint8(named["image"][0]).astype(int))
+        assert levels.max() <= 1, rid
+
+
+@pytest.mark.parametrize("run", TEXT_RUNS)
+def test_think_and_recaption_on_the_ranks_equal_the_single_process(ep, expected_texts, run):
+    """Solo, and a greedy think, a recaption sampled at temperature 0.7 and a plain image joining at ticks 0, 2 and
+    4: the same texts (streamed in the same chunks) and finish reasons, each image within 1 level. At every tick
+    each rank holds exactly half the bytes of the single process's KV caches (its heads' share: the text's cache
+    while it decodes, then the image's contexts), and nothing once they end."""
+    outputs, chunks, ranks = run_ticks(ep, TEXT_RUNS[run], lambda runner: held(ep, "held_bytes"))
+    expected_outputs, expected_chunks, single_bytes = expected_texts[run]
+    assert_same_outputs(outputs, chunks, expected_outputs, expected_chunks)
+    assert ranks == [[n // 2] * 2 for n in single_bytes] and single_bytes[0] > 0
+    assert held(ep) == [0, 0]
+
+
+def test_the_vocabulary_split_head_gives_the_single_process_logits(ep, single):
+    """Every logit, those on both sides of the ranks' vocabulary boundary included, within 1e-5 of one process's."""
+    context = single.thinker.text_ids("a boundary", "think")
+    local = single.thinker.start(context, 4)
+    remote = ep.thinker.start(context, 4)
+    try:
+        [expected], _ = single.thinker.head.logits(single.pipe.model, [local.cache], torch.tensor([[context[-1]]]))
+        [logits] = ep.pipe.model.text_logits([remote.cache], torch.tensor([[context[-1]]]))
+    finally:
+        ep.pipe.model.free([remote.cache])
+    boundary = tensor_parallel.block(single.pipe.model.config.vocab_size, 1, 2).start
+    assert logits.shape == expected.shape and 0 < boundary < len(expected)
+    assert (logits - expected).abs().max() <= LATENT_BOUND
+    assert held(ep) == [0, 0]
+
+
+def test_a_text_phase_preempted_on_the_ranks_resumes_and_a_cancelled_one_frees_every_shard(ep, expected_texts):
+    """One seat: the think decoding is preempted at tick 2 by an urgent sampled recaption; both give the texts of
+    one process, the paused one keeping its text's shards. A request cancelled while decoding frees them on
+    every rank."""
+    solo, batch = (expected_texts[run][0] for run in ("solo", "batch"))
+    slow_p, urgent_p = (parse(ep, TEXT_RUNS["batch"][rid][1]) for rid in ("think", "recaption"))
+    slow = DiffusionRequest("slow", slow_p, num_steps=ep.total_steps(slow_p), priority=2)
+    urgent = DiffusionRequest("urgent", urgent_p, num_steps=ep.total_steps(urgent_p), priority=1)
+    seen = []
+    outputs, paused = run_preempting(ModelRunner(ep, float_outputs=True), {0: [slow], 2: [urgent]},
+                                     on_tick=lambda tick: seen.append(held(ep, "held_bytes")))
+    assert paused == ["slow"] and seen[2][0] > seen[1][0] > 0 and seen[-1] == [0, 0]
+    assert outputs["slow"]["text"][0] == solo["think"]["text"][0]
+    assert outputs["urgent"]["text"][0] == batch["recaption"]["text"][0]
+
+    runner = ModelRunner(ep, float_outputs=True)
+    cancelled = DiffusionRequest("cancelled", slow_p, num_steps=ep.total_steps(slow_p))
+    runner.execute_step([cancelled], [])
+    runner.execute_step([], [cancelled])
+    assert runner.states["cancelled"].decoding and held(ep) == [1, 1]
+    runner.free(["cancelled"])
+    assert held(ep, "held_bytes") == [0, 0]

@@ -107,7 +107,8 @@ class HunyuanImage3Adapter(PipelineAdapter):
         ranked = (options or {}).get("parallel", {}).get("tensor_parallel_size", 1) > 1
         model = tensor_parallel.ranked_model(model_path) if ranked else None
         pipe = HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device, model=model)
-        pipe.text_head = None if ranked else TextHead.load(model_path, pipe.model.config, device, dtype)
+        pipe.text_head = (tensor_parallel.ranked_text_head(model_path) if ranked
+                          else TextHead.load(model_path, pipe.model.config, device, dtype))
         return cls(pipe, torch.device(device), dtype, options)
 
     def start_workers(self, model_path: str, options: dict):
@@ -116,15 +117,16 @@ class HunyuanImage3Adapter(PipelineAdapter):
         return super().start_workers(model_path, options)
 
     def release(self, state: "HunyuanState") -> None:
-        """The ranks drop the request's KV cache shards (tensor parallel; in one process they go with the state)."""
-        if isinstance(self.pipe.model, tensor_parallel.RankedModel) and state.context is not None:
-            self.pipe.model.free([c for c in (state.context.cond, state.context.uncond) if c is not None])
+        """The ranks drop the request's KV cache shards, its text's included (tensor parallel; in one process they
+        go with the state)."""
+        caches = [state.context.cond, state.context.uncond] if state.context is not None else []
+        self.pipe.model.free([c for c in caches + [state.text and state.text.cache] if c is not None])
 
     def __init__(self, pipe: HunyuanImage3Pipeline, device: torch.device, dtype: torch.dtype,
                  options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
-        head = getattr(pipe, "text_head", None)  # `load` reads it (none under tensor parallelism)
+        head = getattr(pipe, "text_head", None)  # `load` reads it (the ranks' under tensor parallelism)
         self.thinker = Thinker(pipe, head) if head is not None else None
 
     def counters(self) -> dict[str, float]:
@@ -152,8 +154,6 @@ class HunyuanImage3Adapter(PipelineAdapter):
                                               "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
         if self.workers is not None and step_cache.caches(params):  # the ranks run the layers without it
             raise InvalidInputError("cache", f"{self.name} does not take this input with tensor_parallel_size")
-        if params.bot_task != "image" and isinstance(self.pipe.model, tensor_parallel.RankedModel):
-            raise InvalidInputError("bot_task", f"{params.bot_task} does not run with tensor_parallel_size > 1 yet")
         if params.bot_task != "image" and self.thinker is None:
             raise InvalidInputError("bot_task", f"{params.bot_task} needs the text head (lm_head, model.ln_f), which "
                                                 "this model folder lacks")
@@ -232,14 +232,16 @@ class HunyuanImage3Adapter(PipelineAdapter):
             state.latents = state.latents + pred * (state.sigmas[i + 1] - state.sigmas[i])
             state.step_index += 1
             return
-        self.thinker.advance(state.text, int(noise_pred["token"][0]), noise_pred["kv"][0, 0])
+        kv = noise_pred.get("kv")  # none under tensor parallelism: the ranks grew the cache
+        self.thinker.advance(state.text, int(noise_pred["token"][0]), None if kv is None else kv[0, 0])
         state.step_index += 1
         if not state.text.done:
             return
         p = state.params
         # the text, decoded and re-encoded, in the image's context (the reference's cot_text)
         state.context = self.thinker.context(p.prompt, self._text(state), p.height, p.width, cfg=state.scale > 1.0)
-        state.text.cache = None  # its keys and values are no longer read
+        self.pipe.model.free([state.text.cache])  # its keys and values are no longer read
+        state.text.cache = None
         self._start_image(state)
 
     def _text(self, state: HunyuanState) -> str:

@@ -333,6 +333,9 @@ class HunyuanImage3Model(nn.Module):
     def image_rows(self, caches: list[KVCache], grids: list[tuple[int, int]]) -> "ImageRows":
         return ImageRows.build(self, caches, grids)
 
+    def free(self, caches: list[KVCache]) -> None:
+        """Nothing to do: in one process a cache goes with its last reference (tensor parallel ranks drop theirs)."""
+
     @torch.no_grad()
     def predict(self, rows: "ImageRows", latents: list[torch.Tensor], timesteps: torch.Tensor,
                 groups: Optional[list] = None) -> list[torch.Tensor]:

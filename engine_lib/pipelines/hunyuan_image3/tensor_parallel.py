@@ -22,6 +22,13 @@ values under a key the driver holds in the request's state: it stays there while
 and is freed when the request's state is dropped (`HunyuanImage3Adapter.release`: finished, failed,
 aborted or cancelled). Rank 0 returns each row's prediction; the CFG combination and the Euler step stay on
 the driver, in the single-process code.
+
+A think / recaption text phase runs there too: its context is a prompt KV cache like the others, split by head;
+each token's forward (`text_logits`) grows every row's cache on the ranks and ends in the vocabulary-split text
+head (rank r: `lm_head` rows block r), whose logits are gathered to rank 0. The driver samples the token from
+them as one process does, and counts its cache one longer (`RankedTextHead.grown`); a rank trims a cache to the
+length the driver counts, so a forward run again (a batch retried row by row) grows it once. The text's cache is
+freed on every rank once the image context holds the text, or when the request ends.
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerError, WorkerGroup, rank_devices
-from engine_lib.pipelines.decoder_parts import KVCache
+from engine_lib.pipelines.decoder_parts import KVCache, RMSNorm, grow, held_bytes
 from engine_lib.pipelines.hunyuan_image3.model import (Gate, HunyuanConfig, HunyuanImage3Model, MoE, SwiGLU,
                                                       read_config)
+from engine_lib.pipelines.hunyuan_image3.think import HEAD_KEYS, extend
 from engine_lib.request import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -87,6 +95,24 @@ class VocabShardEmbedding(nn.Embedding):
         out = torch.where(mine[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         dist.all_reduce(out)
         return out
+
+
+class VocabShardHead(nn.Module):
+    """The text head with `lm_head` rows [start, start + n) of the vocabulary (`model.ln_f` replicated): every
+    rank's logits gathered, the whole vocabulary's on every rank (the blocks padded to one size for the gather)."""
+
+    def __init__(self, rows: slice, hidden: int, vocab: int, eps: float, world: int):
+        super().__init__()
+        self.ln_f = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, rows.stop - rows.start, bias=False)
+        self.vocab, self.world, self.step = vocab, world, -(-vocab // world)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.lm_head(self.ln_f(hidden)).float()
+        local = nn.functional.pad(local, (0, self.step - local.shape[-1]))
+        blocks = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(blocks, local)
+        return torch.cat(blocks, dim=-1)[..., :self.vocab]
 
 
 class RankMoE(MoE):
@@ -185,6 +211,20 @@ def rank_model(folder: Path, rank: int, world: int, expert_parallel: bool, devic
     return model.eval()
 
 
+def rank_text_head(folder: Path, rank: int, world: int, device: torch.device,
+                   dtype: torch.dtype) -> Optional[VocabShardHead]:
+    """Rank r's text head (its `lm_head` rows), None when the folder has no text head."""
+    checkpoint = Checkpoint(folder)
+    if not all(key in checkpoint.where for key in HEAD_KEYS):
+        return None
+    config = HunyuanConfig.from_json(read_config(folder))
+    rows = block(config.vocab_size, rank, world)
+    head = VocabShardHead(rows, config.hidden_size, config.vocab_size, config.rms_norm_eps, world)
+    head.load_state_dict({"lm_head.weight": checkpoint.read("lm_head.weight", rows),
+                          "ln_f.weight": checkpoint.read("model.ln_f.weight")})
+    return head.to(device=device, dtype=dtype).eval()
+
+
 def shard(checkpoint: Checkpoint, key: str, shape: torch.Size, config: HunyuanConfig, rank: int, world: int,
           expert_parallel: bool, first_expert: int, vocab: slice) -> torch.Tensor:
     """Rank r's part of the checkpoint tensor behind its model's `key` (shape `shape`)."""
@@ -222,6 +262,7 @@ class TensorParallelRank:
                  device: torch.device):
         self.rank = rank
         self.model = rank_model(Path(model_path), rank, world, expert_parallel, device, dtype)
+        self.head = rank_text_head(Path(model_path), rank, world, device, dtype)
         self.caches: dict[str, KVCache] = {}
         self._rows: tuple = (None, None)  # (keys, grids) and their ImageRows: rebuilt when the batch changes
 
@@ -229,24 +270,50 @@ class TensorParallelRank:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def held_states(self) -> int:
-        """Prompt KV caches held (a request with CFG holds two)."""
+        """Prompt KV caches held (a request with CFG holds two; one in its text phase, its text's)."""
         return len(self.caches)
+
+    def held_bytes(self) -> int:
+        """The bytes of every KV cache shard this rank holds."""
+        return held_bytes(self.caches)
 
     @torch.inference_mode()
     def prefill(self, key: str, ids: torch.Tensor) -> None:
         self.caches[key] = self.model.prefill(ids)
 
-    @torch.inference_mode()
-    def predict(self, keys: tuple, grids: tuple, latents: list, timesteps: torch.Tensor) -> Optional[list]:
-        """Each row's prediction (rank 0) for the rows of the caches `keys`; the ranks first agree that every
-        rank holds them, so none is left waiting in a collective."""
+    def _check_held(self, keys: tuple, device: torch.device) -> None:
+        """The ranks agree that every rank holds the caches `keys` before a forward, so none is left waiting in a
+        collective."""
         missing = [key for key in keys if key not in self.caches]
-        ok = torch.tensor([0 if missing else 1], device=timesteps.device)
+        ok = torch.tensor([0 if missing else 1], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if missing:
             raise KeyError(f"rank {self.rank} holds no KV cache {missing}")
         if not ok.item():
             raise RuntimeError("another rank lacks a KV cache of this forward")
+
+    @torch.inference_mode()
+    def text_logits(self, keys: tuple, lengths: tuple, token_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """One text token per row (`token_ids` [R, 1]) after its cache `keys[r]`, taken at the `lengths[r]` the
+        driver counts: each cache grows by its token's keys and values; the logits [R, vocab] (rank 0)."""
+        self._check_held(keys, token_ids.device)
+        caches = [self._trimmed(key, length) for key, length in zip(keys, lengths)]
+        new, hidden = extend(self.model, caches, token_ids)
+        for key, cache, kv in zip(keys, caches, new):
+            self.caches[key] = grow(cache, kv)
+        logits = self.head(hidden)
+        return logits if self.rank == 0 else None
+
+    def _trimmed(self, key: str, length: int) -> KVCache:
+        cache = self.caches[key]
+        if cache.length == length:
+            return cache
+        return KVCache([k[:, :length] for k in cache.keys], [v[:, :length] for v in cache.values])
+
+    @torch.inference_mode()
+    def predict(self, keys: tuple, grids: tuple, latents: list, timesteps: torch.Tensor) -> Optional[list]:
+        """Each row's prediction (rank 0) for the rows of the caches `keys`."""
+        self._check_held(keys, timesteps.device)
         if self._rows[0] != (keys, grids):
             self._rows = ((keys, grids), self.model.image_rows([self.caches[key] for key in keys], list(grids)))
         out = self.model.predict(self._rows[1], latents, timesteps)
@@ -314,6 +381,10 @@ class RankedModel:
         device = timesteps.device
         return [pred.to(device) for pred in self._all("predict", rows.keys, rows.grids, list(latents), timesteps)]
 
+    def text_logits(self, caches: list[RemoteCache], token_ids: torch.Tensor) -> torch.Tensor:
+        """`TensorParallelRank.text_logits` on every rank: the logits [R, vocab] on the host."""
+        return self._all("text_logits", tuple(c.key for c in caches), tuple(c.length for c in caches), token_ids)
+
     def free(self, caches: list[RemoteCache]) -> None:
         """Drop these caches on every rank (a broken group's ranks are gone, and their caches with them)."""
         if caches and self.workers is not None and not self.workers.broken:
@@ -323,8 +394,26 @@ class RankedModel:
                 logger.warning("freeing KV caches on the ranks failed: %s", error)
 
 
+class RankedTextHead:
+    """The ranks' text head, as `think.TextHead` is called: a token's forward grows the caches on the ranks."""
+
+    def logits(self, model: RankedModel, caches: list[RemoteCache],
+               token_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return model.text_logits(caches, token_ids), None
+
+    @staticmethod
+    def grown(cache: RemoteCache, new: None) -> RemoteCache:
+        return replace(cache, length=cache.length + 1)
+
+
 def ranked_model(model_path: str) -> RankedModel:
     return RankedModel(HunyuanConfig.from_json(read_config(Path(model_path))))
+
+
+def ranked_text_head(model_path: str) -> Optional[RankedTextHead]:
+    """The ranks' text head, None when the folder has none (each rank loads its rows: `rank_text_head`)."""
+    where = Checkpoint(Path(model_path)).where
+    return RankedTextHead() if all(key in where for key in HEAD_KEYS) else None
 
 
 def start(model: RankedModel, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,

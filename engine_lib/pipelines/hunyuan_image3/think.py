@@ -12,7 +12,8 @@ The reference (`generate_image(..., bot_task="think" | "recaption")`, its "instr
   `<recaption>` and `</recaption>` markers when the thought holds a closed pair (`get_cot_sections`).
 
 Decoding is batched: `next_tokens` runs one forward over many requests' last tokens, each against its own
-growing cache (`decoder_parts.TextDecode`).
+growing cache (`decoder_parts.TextDecode`), through the text head: `TextHead` in one process, the ranks' under
+tensor parallelism (tensor_parallel.py's `RankedTextHead`, the same two calls).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from engine_lib.pipelines.hunyuan_image3.pipeline import Context
 TASKS = ("think", "recaption")
 STOP_TOKENS = ("</recaption>", "</answer>", "<|endoftext|>")
 MARKERS = (("<think>", "</think>"), ("<recaption>", "</recaption>"))
+HEAD_KEYS = ("lm_head.weight", "model.ln_f.weight")  # the text head's tensors in the checkpoint
 
 
 class TextHead(nn.Module):
@@ -44,6 +46,16 @@ class TextHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden)).float()
+
+    def logits(self, model, caches: list[KVCache], token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_ids` [R, 1] after their caches through `model` and this head: the logits [R, vocab] on the host,
+        and the keys and values of the ids fed (`grown` appends them); changes no cache."""
+        new, hidden = extend(model, caches, token_ids)
+        return self(hidden).cpu(), new
+
+    @staticmethod
+    def grown(cache: KVCache, new: torch.Tensor) -> KVCache:
+        return grow(cache, new)
 
     @classmethod
     def load(cls, folder: str, config, device, dtype) -> Optional["TextHead"]:
@@ -107,13 +119,12 @@ class Thinker:
         """One forward for many decodes, each its last id against its own cache; changes nothing. Each one's next
         token and the keys and values of the id fed (`advance` takes both)."""
         last = torch.tensor([[d.ids[-1]] for d in decodes], device=self.pipe.device)
-        new, hidden = extend(self.pipe.model, [d.cache for d in decodes], last)
-        logits = self.head(hidden).cpu()
+        logits, new = self.head.logits(self.pipe.model, [d.cache for d in decodes], last)
         return [sample_token(row, d) for d, row in zip(decodes, logits)], new
 
-    def advance(self, decode: TextDecode, token: int, new: torch.Tensor) -> None:
+    def advance(self, decode: TextDecode, token: int, new: Optional[torch.Tensor]) -> None:
         """The token kept; it ends on an end token or at `max_new_tokens`."""
-        decode.cache = grow(decode.cache, new)
+        decode.cache = self.head.grown(decode.cache, new)
         decode.ids.append(token)
         decode.done = token in self.stops or decode.new_tokens >= decode.max_new_tokens
 
@@ -123,7 +134,7 @@ class Thinker:
         decode = self.start(context, max_new_tokens, temperature, seed)
         while not decode.done:
             [token], new = self.next_tokens([decode])
-            self.advance(decode, token, new[0])
+            self.advance(decode, token, None if new is None else new[0])
         return decode
 
     def thought(self, context: list[int], decode: TextDecode) -> str:
