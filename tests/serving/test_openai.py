@@ -11,10 +11,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import re
 import signal
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
+from typing import Optional
 
 import numpy as np
 import openai
@@ -182,12 +187,43 @@ def test_a_client_gone_before_the_image_cancels_the_triton_request(door, triton)
         triton.budget.release()
 
 
-def test_a_bearer_key_is_required_when_set(triton, tmp_path):
-    keyed = front_door(triton.grpc_url, tmp_path, OPENAI_API_KEY="s3cret")
+def fetch(url: str, api_key: Optional[str]) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_bearer_key_is_required_when_set_and_url_images_are_behind_it(triton, tmp_path):
+    """response_format "url": each image is a file under OPENAI_PUBLIC_URL holding the PNG the same request gets
+    inline, for the key that made it, until its url_ttl; a wrong or expired id is a 404, no key a 401."""
+    port = free_port()
+    public = f"http://localhost:{port}"  # another name of the door's address: the URLs are built from it
+    keyed = OpenAIFrontDoor(triton.grpc_url, port=port, log_path=tmp_path / "openai.log",
+                            env={**os.environ, "OPENAI_API_KEY": "s3cret", "OPENAI_PUBLIC_URL": public + "/"}).start()
     try:
         with pytest.raises(openai.AuthenticationError):
             sdk(keyed, api_key="wrong").models.list()
-        assert [m.id for m in sdk(keyed, api_key="s3cret").models.list()] == [MODEL]
+        client = sdk(keyed, api_key="s3cret")
+        assert [m.id for m in client.models.list()] == [MODEL]
+        ask = dict(model=MODEL, prompt="a green hill", size="48x32", n=2,
+                   extra_body={"seed": 11, "num_inference_steps": 2, "true_cfg_scale": 1.3})
+        by_url = client.images.generate(response_format="url", **ask)
+        inline = client.images.generate(response_format="b64_json", **ask)
+        assert len(by_url.data) == 2 and by_url.data[0].url != by_url.data[1].url
+        for image, want in zip(by_url.data, inline.data):
+            assert re.fullmatch(rf"{public}/v1/files/file_[0-9a-f]{{32}}/content", image.url), image.url
+            status, png = fetch(image.url, "s3cret")
+            assert status == 200 and png == base64.b64decode(want.b64_json)
+        url = by_url.data[0].url
+        assert fetch(url, None)[0] == 401 and fetch(url, "wrong")[0] == 401
+        assert fetch(re.sub("file_[0-9a-f]+", "file_" + "0" * 32, url), "s3cret")[0] == 404
+        short = client.images.generate(response_format="url", model=MODEL, prompt="x", size="32x32",
+                                       extra_body={"url_ttl": 1, "num_inference_steps": 2}).data[0].url
+        time.sleep(1.2)
+        assert fetch(short, "s3cret")[0] == 404 and fetch(url, "s3cret")[0] == 200
     finally:
         keyed.stop()
 
