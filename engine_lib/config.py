@@ -124,17 +124,6 @@ class EngineConfig:
         for name in ("sequence_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
-        if self.expert_parallel and self.tensor_parallel_size < 2:
-            raise ConfigError("parameter 'expert_parallel': spreads the experts over the tensor-parallel ranks; "
-                              "set tensor_parallel_size >= 2")
-        kinds = [name for name, on in (("cfg_parallel", self.cfg_parallel),
-                                       ("sequence_parallel_size", self.sequence_parallel_size > 1),
-                                       ("tensor_parallel_size", self.tensor_parallel_size > 1)) if on]
-        if len(kinds) > 1:
-            raise ConfigError(f"parameters {' and '.join(repr(k) for k in kinds)}: one kind of parallelism per "
-                              "model instance (set all but one to their defaults)")
-        if kinds and self.mixed_size_batching:
-            raise ConfigError(f"parameter '{kinds[0]}': not with mixed_size_batching=true (set one of them off)")
         if self.devices and len(self.device_list()) != self.world_size:
             raise ConfigError(f"parameter 'devices': {self.devices!r} names {len(self.device_list())} device(s); "
                               f"this instance runs {self.world_size} rank(s)")
@@ -213,29 +202,17 @@ class EngineMode(enum.Enum):
 
 
 def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
-    """The execution-mode table (docs/architecture.md), plus the load-time capability checks (the message
-    names the setting).
+    """The execution-mode table (docs/architecture.md), after the one check of what the config turns on
+    against what the adapter (a class or an instance) declares it runs (pipelines/capabilities.py)."""
+    from engine_lib.pipelines.capabilities import check
 
-    `adapter` is an adapter class or instance (its capability flags are class attributes).
-    """
-    for name, on, supported, default in (
-            ("cfg_parallel", config.cfg_parallel, adapter.supports_cfg_parallel, "false"),
-            ("sequence_parallel_size", config.sequence_parallel_size > 1, adapter.supports_sequence_parallel, "1"),
-            ("tensor_parallel_size", config.tensor_parallel_size > 1, adapter.supports_tensor_parallel, "1")):
-        if on and not supported:
-            raise ConfigError(f"pipeline '{adapter.name}' does not support {name}: set {name}={default}")
+    capabilities = adapter.capabilities
+    check(adapter.name, capabilities, config)
     if config.step_execution:
-        if not adapter.supports_step_execution:
-            raise ConfigError(f"pipeline '{adapter.name}' does not support step execution: set step_execution=false")
-        if config.max_num_seqs > adapter.max_step_batch:
-            raise ConfigError(f"pipeline '{adapter.name}' advances at most {adapter.max_step_batch} request(s) per "
-                              f"step: set max_num_seqs={adapter.max_step_batch} (or lower)")
+        if config.max_num_seqs > capabilities.max_step_batch:
+            raise ConfigError(f"pipeline '{adapter.name}' advances at most {capabilities.max_step_batch} request(s) "
+                              f"per step: set max_num_seqs={capabilities.max_step_batch} (or lower)")
         return EngineMode.STEP_BATCH
-    if config.max_num_seqs > 1 and not adapter.supports_request_batch:
-        raise ConfigError(
-            f"pipeline '{adapter.name}' does not support request batching: set max_num_seqs=1 "
-            "(or step_execution=true if it supports step execution)"
-        )
     return EngineMode.REQUEST_BATCH
 
 

@@ -6,10 +6,13 @@ or our own model code) and declares its interface:
 * `inputs` (InputSpec) and `outputs` (OutputSpec): the Triton config, the one
   validation of a request, the batching keys and the response tensors all follow
   from them (engine_lib/interface.py);
-* capability flags: `supports_request_batch` (rows on one schedule share a
-  forward), `supports_step_execution`, `max_step_batch` (rows at different steps
-  in one forward; 1: none), `supports_previews`, `batched_decode` (whether
-  `post_decode` decodes several states in one call, so waiting to decode together pays);
+* `capabilities` (capabilities.py): the features it runs (request_batch,
+  step_execution, mixed_sizes, previews, lora, each cache kind, image inputs,
+  think/text, each kind of parallelism), the most requests a step batch advances,
+  and the pairs of its features that do not combine, with the reason. One check
+  (`capabilities.check`) refuses at load and at admission what it does not run;
+  `batched_decode` (whether `post_decode` decodes several states in one call, so
+  waiting to decode together pays);
 * `state_class`: its typed per-request state (a `RequestState` subclass).
 
 and implements the step contract, which is the only way the runner runs it
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
+from engine_lib.pipelines.capabilities import Capabilities, check, make
 from engine_lib.request import SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 from engine_lib.sched.outputs import Outputs
@@ -204,14 +208,10 @@ class PipelineAdapter(ABC):
     inputs: ClassVar[tuple[InputSpec, ...]]
     outputs: ClassVar[tuple[OutputSpec, ...]]
     state_class: ClassVar[type[RequestState]] = RequestState
-    supports_request_batch: ClassVar[bool] = False
-    supports_step_execution: ClassVar[bool] = True
-    max_step_batch: ClassVar[int] = 2**31 - 1
-    supports_previews: ClassVar[bool] = False
+    # What it runs and what does not combine, e.g. `capabilities.make("step_execution", "lora", "first_block")
+    # .refuse("tensor_parallel", "first_block", "why")` (capabilities.py; the docs table is generated from it).
+    capabilities: ClassVar[Capabilities] = make("step_execution")
     batched_decode: ClassVar[bool] = True  # post_decode decodes its states in one call (decode groups pay)
-    supports_cfg_parallel: ClassVar[bool] = False  # a CFG tick's two forwards may run on two ranks (cfg_parallel.py)
-    supports_sequence_parallel: ClassVar[bool] = False  # a forward's tokens may be split over ranks
-    supports_tensor_parallel: ClassVar[bool] = False  # heads, MLPs (and experts) may be split over ranks
     # The request `max_request_cost=auto` scales: the pipeline's diffusers default size (and frames), with
     # classifier-free guidance on (the most rows one image or video takes).
     cost_reference: ClassVar[dict] = {}
@@ -272,8 +272,13 @@ class PipelineAdapter(ABC):
         return self.inputs
 
     def input_schema(self, config: Any) -> InputSchema:
-        """The one validation of this adapter's requests under `config` (an EngineConfig)."""
-        return InputSchema(self.name, self.input_specs(), config, check=self.check_inputs)
+        """The one validation of this adapter's requests under `config` (an EngineConfig): the declared inputs,
+        what combines with the config's settings (capabilities.py), then the adapter's own rules."""
+        def checks(params: SamplingParams) -> None:
+            check(self.name, self.capabilities, config, params)
+            self.check_inputs(params)
+
+        return InputSchema(self.name, self.input_specs(), config, check=checks)
 
     def check_inputs(self, params: SamplingParams) -> None:
         """Rules across inputs or from the checkpoint; raise InvalidInputError naming the input."""

@@ -36,6 +36,7 @@ from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines import cfg_parallel, sequence_parallel, taylorseer
+from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
@@ -75,6 +76,16 @@ IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, i
                 interface.output_format("png"), interface.PRIORITY, *LORA_INPUTS)
 
 
+def ranks_without_row_features(capabilities):
+    """`capabilities` with per-row LoRAs and step caches refused on the ranks of cfg_parallel and
+    sequence_parallel (which run the transformer's plain forward)."""
+    for kind in ("cfg_parallel", "sequence_parallel"):
+        for feature in ("lora", "first_block", "taylorseer"):
+            capabilities = capabilities.refuse(kind, feature, "the ranks run the transformer without per-row LoRAs "
+                                               "or step caches")
+    return capabilities
+
+
 @dataclass
 class FlowMatchState(RequestState):
     """One request of a flow-matching image pipeline between steps."""
@@ -110,9 +121,7 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     outputs = (IMAGE,)
     state_class: ClassVar[type[FlowMatchState]] = FlowMatchState
-    supports_request_batch = True
-    supports_step_execution = True
-    supports_previews = True
+    capabilities = make("request_batch", "step_execution", "previews", "lora")
     # "true_cfg": a negative_prompt and true_cfg_scale > 1 run a second pass (Qwen-Image, Flux);
     # "cfg": guidance_scale > 1 does, on the negative prompt or "" (SD3).
     cfg_kind: ClassVar[str] = "true_cfg"
@@ -139,7 +148,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._batched_step_exact: dict[tuple, bool] = {}  # (dtype, device type) -> step_batch equals per request
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
-        self.mixed_size_batching = bool(self.options.get("mixed_size_batching")) and bool(self.step_key_skips)
+        self.mixed_size_batching = bool(self.options.get("mixed_size_batching"))  # (refused where not declared)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch (step_cache.py)
 
     def counters(self) -> dict[str, float]:
@@ -170,14 +179,9 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def check_inputs(self, params: SamplingParams) -> None:
         self.loras.check(params.lora_name)
-        if self.workers is None:
-            return
         degree = self.sequence_parallel_size
-        mode = f"sequence_parallel_size={degree}" if degree > 1 else "cfg_parallel"
-        for name in ("lora_name", "cache"):  # the ranks run diffusers' plain forward: no LoRA, no step cache yet
-            if params.get(name) not in (None, "", "none"):
-                raise InvalidInputError(name, f"{self.name} does not take this input with {mode}")
-        if degree > 1:  # every rank takes at least one text and one image token
+        mode = f"sequence_parallel_size={degree}"
+        if self.workers is not None and degree > 1:  # every rank takes at least one text and one image token
             if self.text_length(params) < degree:
                 raise InvalidInputError("max_sequence_length", f"must be at least {degree} with {mode}")
             if (params.height // self.size_multiple) * (params.width // self.size_multiple) < degree:
@@ -193,7 +197,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         parallel = options["parallel"]
         if parallel["cfg_parallel"]:
             return cfg_parallel.start(type(self), model_path, self.device, self.dtype, options)
-        if parallel["sequence_parallel_size"] > 1 and self.supports_sequence_parallel:
+        if parallel["sequence_parallel_size"] > 1:
             return sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
         return super().start_workers(model_path, options)
 
@@ -206,9 +210,8 @@ class FlowMatchAdapter(DiffusersAdapter):
         return request_batch_key(params, self.key_inputs(), self.key_fields(params) + (("lora", self.row_lora(params)),))
 
     def step_key(self, params: SamplingParams) -> StepBatchKey:
-        """Step mode: LoRAs apply per row, so they never split a batch. TaylorSeer's requests keep their size:
-        the packed forwards of mixed sizes call the attention's parts themselves (taylorseer.py)."""
-        skips = self.step_key_skips if self.mixed_size_batching and not taylorseer.caches(params) else ()
+        """Step mode: LoRAs apply per row, so they never split a batch; with mixed_size_batching, sizes neither."""
+        skips = self.step_key_skips if self.mixed_size_batching else ()
         inputs = tuple(name for name in self.key_inputs() if name not in skips)
         return step_batch_key(params, inputs, self.key_fields(params))
 

@@ -27,6 +27,7 @@ from engine_lib import images
 from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX
 from engine_lib.interface import PROGRESS_OUTPUTS, RANDOM, InputSpec, encoded_outputs
 from engine_lib.pipelines import registry
+from engine_lib.pipelines.capabilities import FEATURES, REQUIRES
 
 REPO_ROOT = registry.REPO_ROOT
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -100,8 +101,9 @@ def io_block(adapter_cls) -> str:
 def new_config(adapter_cls) -> str:
     """A whole config.pbtxt for a pipeline that has no entry yet (its parameters are the deployer's from then on)."""
     title = (adapter_cls.__doc__ or adapter_cls.name).strip().splitlines()[0].rstrip(".")
-    step = adapter_cls.supports_step_execution
-    batch = adapter_cls.max_step_batch if step else (4 if adapter_cls.supports_request_batch else 1)
+    capabilities = adapter_cls.capabilities
+    step = capabilities.supports("step_execution")
+    batch = capabilities.max_step_batch if step else (4 if capabilities.supports("request_batch") else 1)
     names = {spec.name for spec in adapter_cls.inputs}
     count_limit = ('parameters: { key: "max_num_frames", value: { string_value: "257" } }' if "num_frames" in names
                    else 'parameters: { key: "max_num_images", value: { string_value: "4" } }')
@@ -125,15 +127,42 @@ def _yes(flag: bool) -> str:
 
 
 def capability_table() -> str:
-    rows = ["| pipeline | request batch | step execution | rows at different steps | previews | outputs |",
-            "|---|---|---|---|---|---|"]
+    """One row per pipeline: each feature it runs (capabilities.py), the rows a step batch takes, its outputs."""
+    columns = [name for name in FEATURES if name != "step_execution"]
+    rows = ["| pipeline | step execution | rows at different steps | "
+            + " | ".join(FEATURES[name].doc for name in columns) + " | outputs |",
+            "|---" * (len(columns) + 4) + "|"]
     for name in registry.names():
         cls = registry.get_adapter_class(name)
-        step_batch = "no limit" if cls.max_step_batch >= 2**31 - 1 else f"at most {cls.max_step_batch}"
+        capabilities = cls.capabilities
+        step = capabilities.supports("step_execution")
+        limit = capabilities.max_step_batch
+        step_batch = ("no limit" if limit >= 2**31 - 1 else f"at most {limit}") if step else "-"
         outputs = ", ".join(f"`{o.name}`" + "".join(f" (`{o.name}_{e}`)" for e in o.encodings) for o in cls.outputs)
-        rows.append(f"| `{name}` | {_yes(cls.supports_request_batch)} | {_yes(cls.supports_step_execution)} | "
-                    f"{step_batch if cls.supports_step_execution else '-'} | {_yes(cls.supports_previews)} | "
-                    f"{outputs} |")
+        cells = " | ".join(_yes(capabilities.supports(feature)) for feature in columns)
+        rows.append(f"| `{name}` | {_yes(step)} | {step_batch} | {cells} | {outputs} |")
+    return "\n".join(rows)
+
+
+def refused_pairs(capabilities) -> list[tuple[str, str, str]]:
+    """(feature, feature, reason) for each pair of a pipeline's own features that does not combine."""
+    names = [name for name in FEATURES if capabilities.supports(name)]
+    return [(a, b, capabilities.refusal(a, b)) for i, a in enumerate(names) for b in names[i + 1:]
+            if capabilities.refusal(a, b) is not None]
+
+
+def combination_table() -> str:
+    """What combines with what: every pair of a pipeline's features that it refuses, with the reason (every other
+    pair of its features runs together)."""
+    rows = ["| pipeline | refused together | why |", "|---|---|---|"]
+    for name in registry.names():
+        pairs = refused_pairs(registry.get_adapter_class(name).capabilities)
+        for a, b, reason in pairs:
+            rows.append(f"| `{name}` | {FEATURES[a].doc} + {FEATURES[b].doc} | {reason} |")
+        if not pairs:
+            rows.append(f"| `{name}` | (none) | |")
+    rows += ["", "Everywhere: " + "; ".join(f"{FEATURES[f].doc} needs {FEATURES[needed].doc} ({why})"
+                                           for f, (needed, why) in REQUIRES.items()) + "."]
     return "\n".join(rows)
 
 
@@ -202,7 +231,7 @@ def inputs_table(adapter_cls) -> str:
 def docs_blocks() -> dict[str, str]:
     """Generated blocks of docs/pipelines.md by their marker name."""
     tables = "\n\n".join(inputs_table(registry.get_adapter_class(name)) for name in registry.names())
-    return {"capabilities": capability_table(), "inputs": tables}
+    return {"capabilities": capability_table(), "combinations": combination_table(), "inputs": tables}
 
 
 def _doc_block(kind: str, body: str) -> str:

@@ -14,6 +14,7 @@ import torch
 from engine_lib.config import INPUT_MAX, EngineConfig
 from engine_lib.engine import DiffusionEngine, EngineMode
 from engine_lib.interface import to_uint8
+from engine_lib.pipelines.capabilities import Capabilities
 from engine_lib.sched import scheduler
 from engine_lib.testing import EngineHooks, FailPrompt
 from engine_lib.request import (ConfigError, EngineUnavailableError, InvalidInputError, PipelineError,
@@ -268,12 +269,11 @@ def test_failing_request_fails_alone(adapter, step_execution, where):
 
 def test_capability_flags_checked_at_load(adapter):
     class NoStep(FaultyAdapter):
-        supports_step_execution = False
-        supports_request_batch = False
+        capabilities = Capabilities(frozenset())  # neither step execution nor request batches
 
-    with pytest.raises(ConfigError, match="step_execution=false"):
+    with pytest.raises(ConfigError, match="'step_execution'=true: .* does not run step execution"):
         DiffusionEngine(NoStep(adapter, None), EngineConfig(step_execution=True))
-    with pytest.raises(ConfigError, match="max_num_seqs=1"):
+    with pytest.raises(ConfigError, match="'max_num_seqs'=2: .* does not run request batch"):
         DiffusionEngine(NoStep(adapter, None), EngineConfig(max_num_seqs=2))
 
 

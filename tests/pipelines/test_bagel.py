@@ -244,4 +244,5 @@ def test_understanding_weights_are_skipped_with_one_log_line(checkpoint, caplog)
 
 def test_the_registry_loads_it_in_step_mode_only():
     cls = registry.get_adapter_class("bagel")
-    assert cls.supports_step_execution and not cls.supports_request_batch and not cls.supports_previews
+    runs = cls.capabilities.supports
+    assert runs("step_execution") and not runs("request_batch") and not runs("previews")

@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig, select_mode
+from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.parallel import WorkerError
 from engine_lib.pipelines import cfg_parallel
-from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
@@ -89,18 +88,11 @@ def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(pa
     assert_same_run(parallel, single, two_forwards, arrivals)
 
 
-def test_what_the_ranks_do_not_run_yet_is_refused():
-    with pytest.raises(ConfigError, match="cfg_parallel"):
-        EngineConfig(cfg_parallel=True, mixed_size_batching=True).validate()
-    with pytest.raises(ConfigError, match="does not support cfg_parallel"):
-        select_mode(EngineConfig(pipeline="sd3", cfg_parallel=True), get_adapter_class("sd3"))
+def test_the_ranks_devices_are_checked():
+    """(What cfg_parallel does not combine with: test_capabilities.py.)"""
     assert EngineConfig.from_parameters({"cfg_parallel": "true"}).cfg_parallel
-    with pytest.raises(ConfigError, match="one kind of parallelism"):
-        EngineConfig(cfg_parallel=True, tensor_parallel_size=2).validate()
     with pytest.raises(ConfigError, match="'devices'"):
         EngineConfig(cfg_parallel=True, devices="cpu").validate()
-    with pytest.raises(ConfigError, match="'expert_parallel'"):
-        EngineConfig(expert_parallel=True).validate()
 
 
 def test_a_lora_or_a_step_cache_is_refused_with_cfg_parallel(parallel):

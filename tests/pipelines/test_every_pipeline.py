@@ -34,9 +34,9 @@ def test_the_declaration_is_consistent(name):
     assert inputs["prompt"].required and inputs["num_inference_steps"].batch == "steps"
     assert all(spec.batch in BATCH_ROLES for spec in cls.inputs)
     assert all(not spec.required or spec.name == "prompt" for spec in cls.inputs), "only prompt is required"
-    # Previews: declared input <-> capability flag <-> an implementation.
-    assert cls.supports_previews == ("preview_interval" in inputs)
-    assert cls.supports_previews == (cls.preview is not PipelineAdapter.preview)
+    # Previews: declared input <-> capability <-> an implementation (the other features: test_capabilities.py).
+    assert cls.capabilities.supports("previews") == ("preview_interval" in inputs)
+    assert cls.capabilities.supports("previews") == (cls.preview is not PipelineAdapter.preview)
     # output_format offers exactly raw plus the declared outputs' encodings, each with an encoder.
     encodings = {fmt for out in cls.outputs for fmt in out.encodings}
     assert set(inputs["output_format"].choices) == {"raw"} | encodings

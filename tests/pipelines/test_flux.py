@@ -108,7 +108,8 @@ def test_guidance_is_rejected_by_checkpoints_without_guidance_embeddings(adapter
 
 def test_registry_and_flags():
     assert get_adapter_class("flux") is FluxAdapter
-    assert FluxAdapter.supports_request_batch and FluxAdapter.supports_step_execution and FluxAdapter.supports_previews
+    runs = FluxAdapter.capabilities.supports
+    assert runs("request_batch") and runs("step_execution") and runs("previews")
     assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.input_spec("guidance_scale").batch == "row"
 
 

@@ -76,8 +76,8 @@ def test_true_cfg_and_its_scale_enter_the_keys_only_with_a_negative_prompt(adapt
 
 def test_adapter_limits_and_flags(adapter):
     assert adapter.size_multiple == adapter.pipe.vae_scale_factor * 2 == 8
-    assert QwenImageAdapter.supports_request_batch and QwenImageAdapter.supports_step_execution
-    assert QwenImageAdapter.supports_previews
+    runs = QwenImageAdapter.capabilities.supports
+    assert runs("request_batch") and runs("step_execution") and runs("previews")
 
 
 def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen_dir):

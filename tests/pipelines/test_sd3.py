@@ -90,7 +90,8 @@ def test_validation_knows_the_largest_size(adapter):
 
 def test_registry_and_flags():
     assert get_adapter_class("sd3") is SD3Adapter
-    assert SD3Adapter.supports_request_batch and SD3Adapter.supports_step_execution and SD3Adapter.supports_previews
+    runs = SD3Adapter.capabilities.supports
+    assert runs("request_batch") and runs("step_execution") and runs("previews")
     assert SD3Adapter.cfg_kind == "cfg" and SD3Adapter.input_spec("guidance_scale").batch == "adapter"
     assert "true_cfg_scale" not in {s.name for s in SD3Adapter.inputs}
 

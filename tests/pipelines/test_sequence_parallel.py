@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig, select_mode
+from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.pipelines.registry import get_adapter_class, load_adapter
-from engine_lib.request import ConfigError, InvalidInputError
+from engine_lib.pipelines.registry import load_adapter
+from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 
@@ -103,12 +103,9 @@ def test_flux_solo_and_in_a_step_batch_joined_at_different_ticks_equals_the_sing
 
 
 def test_what_the_ranks_cannot_run_is_refused_naming_the_input(qwen_sp):
-    refused = {"cache": dict(cache="first_block"), "lora_name": dict(lora_name="toy_a"),
-               "max_sequence_length": dict(max_sequence_length=1), "height": dict(height=8, width=8)}
+    refused = {"max_sequence_length": dict(max_sequence_length=1), "height": dict(height=8, width=8)}
     for name, inputs in refused.items():
         with pytest.raises(InvalidInputError) as info:
             parse(qwen_sp, dict(prompt="x", num_inference_steps=2, **inputs))
         assert info.value.input_name == name and "sequence_parallel_size=2" in str(info.value)
-    for pipeline in ("sd3", "qwen_image_edit", "flux_kontext"):
-        with pytest.raises(ConfigError, match="does not support sequence_parallel_size"):
-            select_mode(EngineConfig(pipeline=pipeline, sequence_parallel_size=2), get_adapter_class(pipeline))
+    # (what sequence parallel does not combine with, and the pipelines without it: test_capabilities.py)

@@ -29,7 +29,7 @@ from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
 from parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, run_preempting, solo_steps,
                            with_cfg_batching)
-from step_cache_checks import STEPS, cached_inputs, rows_into, with_options
+from step_cache_checks import STEPS, cached_inputs, rows_into
 
 PREDICTED = [step for step in range(STEPS) if not taylorseer.computes(step)]  # [3, 5]
 BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64, "cache": "taylorseer"}
@@ -152,9 +152,3 @@ def test_the_factors_move_with_the_state_and_an_abort_frees_them(qwen):
     assert gone() is None and runner.num_states == 0
 
 
-def test_mixed_size_batching_keeps_a_taylorseer_requests_size_in_its_step_key(qwen):
-    mixed = with_options(qwen, mixed_size_batching=True)
-    key = mixed.step_key
-    assert key(parse(qwen, {**BASE, "height": 32})) != key(parse(qwen, BASE))
-    plain = {k: v for k, v in BASE.items() if k != "cache"}
-    assert key(parse(qwen, {**plain, "height": 32})) == key(parse(qwen, plain))

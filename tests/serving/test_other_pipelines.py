@@ -361,7 +361,7 @@ def test_sd3_rejects_true_cfg_scale_and_flux_rejects_sizes_it_cannot_run(server)
 @pytest.mark.parametrize("model", [m for m in MODELS if "png" in registry.get_adapter_class(m).input_spec(
     "output_format").choices])
 def test_http_generate_stream_ends_with_a_decodable_png(server, model):
-    previews = registry.get_adapter_class(model).supports_previews
+    previews = registry.get_adapter_class(model).capabilities.supports("previews")
     example = {name: base64.b64encode(value).decode() if isinstance(value, bytes) else value  # JSON: files as base64
                for name, value in registry.get_adapter_class(model).example_inputs().items()}
     height = 64 if model in SIZE_32 else 48

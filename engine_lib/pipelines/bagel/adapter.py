@@ -41,6 +41,7 @@ from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM_TYPES, VLM_THINK_SYSTEM_PROMPT,
                                                  BagelPipeline, Context, Guidance, TextDecode, with_img)
 from engine_lib.pipelines import step_cache
+from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.pipelines.decoder_parts import TextPhase, decode_by_grid, decode_text_rows, text_chunk
@@ -118,8 +119,7 @@ class BagelAdapter(PipelineAdapter):
     inputs = BAGEL_INPUTS
     outputs = (IMAGE, interface.TEXT, interface.FINISH_REASON)
     state_class = BagelState
-    supports_request_batch = False  # served with step execution only
-    supports_step_execution = True
+    capabilities = make("step_execution", "first_block", "text")  # served with step execution only
     # Most requests that decode a token in one tick (None: every one in its text phase); the others in their text
     # phase wait, seated. Not a served parameter: the `think` benchmark's baseline sets 1.
     max_text_rows: Optional[int] = None

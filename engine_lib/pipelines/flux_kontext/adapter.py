@@ -55,7 +55,9 @@ class FluxKontextAdapter(FluxAdapter):
     inputs = tuple(spec for spec in FluxAdapter.inputs if spec.name not in _CACHE_NAMES) + (IMAGE, AUTO_RESIZE)
     state_class = FluxKontextState
     step_key_skips = ()  # one output size per forward: its rows share their ids
-    supports_sequence_parallel = False  # its image's tokens join the sequence, cut off after the forward
+    # its image's tokens join the sequence (cut off after the forward): no sequence parallel, no packing yet
+    capabilities = FluxAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
+                                                    "taylorseer").with_features("image_input")
 
     @classmethod
     def example_inputs(cls) -> dict:

@@ -18,7 +18,7 @@ carries the whole video, which is those chunks end to end.
 * `chunk_outputs`: `vae.decode` of the finished chunk, postprocessed as the
   pipeline does; `post_decode` only joins the chunks.
 
-One active request at a time (`max_step_batch` 1). Image and video
+One active request at a time (`max_step_batch=1`). Image and video
 conditioning (I2V, V2V) are not served.
 """
 
@@ -33,6 +33,7 @@ import torch
 
 from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
+from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -106,11 +107,9 @@ class HeliosAdapter(DiffusersAdapter):
     inputs = HELIOS_INPUTS
     outputs = (VIDEO, FRAME_OFFSET, FRAME_RATE)
     state_class = HeliosState
-    supports_request_batch = False
-    supports_step_execution = True
-    max_step_batch = 1  # one active request at a time
+    # one active request at a time; previews: progress responses (no frames: a chunk is the preview)
+    capabilities = make("step_execution", "previews", max_step_batch=1)
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
-    supports_previews = True  # progress responses (no frames: a chunk is the preview)
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)

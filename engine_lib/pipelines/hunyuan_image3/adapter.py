@@ -31,6 +31,7 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
+from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import InputBatch, Outputs, PipelineAdapter, RequestState
 from engine_lib.pipelines.flow_match import IMAGE
 from engine_lib.pipelines.decoder_parts import TextDecode, TextPhase, decode_by_grid, decode_text_rows, text_chunk
@@ -96,9 +97,9 @@ class HunyuanImage3Adapter(PipelineAdapter):
     inputs = HUNYUAN_INPUTS
     outputs = (IMAGE, interface.TEXT, interface.FINISH_REASON)
     state_class = HunyuanState
-    supports_request_batch = False  # served with step execution only
-    supports_step_execution = True
-    supports_tensor_parallel = True  # tensor_parallel.py: heads, MLPs and experts split over the ranks
+    # served with step execution only; tensor_parallel.py: heads, MLPs and experts split over the ranks
+    capabilities = (make("step_execution", "first_block", "text", "tensor_parallel", "expert_parallel")
+                    .refuse("tensor_parallel", "first_block", "the ranks run the layers without the cache"))
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
@@ -152,8 +153,6 @@ class HunyuanImage3Adapter(PipelineAdapter):
             near = sorted(self.pipe.sizes(), key=lambda s: abs(s[0] / s[1] - size[0] / size[1]))[:4]
             raise InvalidInputError("height", f"{size[0]}x{size[1]} is not one of this model's sizes; nearest "
                                               "aspect ratios: " + ", ".join(f"{h}x{w}" for h, w in near))
-        if self.workers is not None and step_cache.caches(params):  # the ranks run the layers without it
-            raise InvalidInputError("cache", f"{self.name} does not take this input with tensor_parallel_size")
         if params.bot_task != "image" and self.thinker is None:
             raise InvalidInputError("bot_task", f"{params.bot_task} needs the text head (lm_head, model.ln_f), which "
                                                 "this model folder lacks")

@@ -47,6 +47,7 @@ import torch
 from engine_lib import interface
 from engine_lib.host_copy import to_device
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
+from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -152,10 +153,8 @@ class LTX2Adapter(DiffusersAdapter):
     inputs = LTX2_INPUTS
     outputs = (VIDEO, AUDIO, AUDIO_SAMPLE_RATE, FRAME_RATE)
     state_class = LTX2State
-    supports_request_batch = True
-    supports_step_execution = True
+    capabilities = make("request_batch", "step_execution", "previews", "image_input")
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
-    supports_previews = True  # progress responses (no frames)
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         super().__init__(pipe, device, dtype, options)

@@ -58,7 +58,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     inputs = tuple(spec for spec in QwenImageAdapter.inputs if spec.name not in _STEP_CACHE) + (IMAGE,)
     state_class = QwenImageEditState
     step_key_skips = ()
-    supports_sequence_parallel = False  # its image's tokens join the sequence, cut off after the forward
+    # its image's tokens join the sequence (cut off after the forward): no sequence parallel, no packing yet
+    capabilities = QwenImageAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
+                                                         "taylorseer").with_features("image_input")
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
 
     @classmethod

@@ -91,6 +91,8 @@ class SD3Adapter(FlowMatchAdapter):
     cfg_kind = "cfg"
     cost_reference = {"height": 1024, "width": 1024, "guidance_scale": 7.0}
     cfg_order = ("uncond", "cond")  # torch.cat([negative_prompt_embeds, prompt_embeds]) in __call__
+    capabilities = FlowMatchAdapter.capabilities.with_features("mixed_sizes", "first_block", "taylorseer",
+                                                               "image_input")
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     @property
