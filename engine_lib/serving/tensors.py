@@ -46,8 +46,18 @@ def _value(spec: InputSpec, array: Any) -> Any:
                                                f"got {list(array.shape)}")
     elif array.shape != (spec.count,):
         raise InvalidInputError(spec.name, f"shape must be [{spec.count}], got {list(array.shape)}")
-    values = [v.item() if isinstance(v, np.generic) and not isinstance(v, np.bytes_) else v for v in array]
+    if spec.datatype == "FP32":
+        values = [fp32_decimal(v) for v in array]
+    else:
+        values = [v.item() if isinstance(v, np.generic) and not isinstance(v, np.bytes_) else v for v in array]
     return tuple(values) if spec.max_count or spec.count > 1 else values[0]
+
+
+def fp32_decimal(value: np.float32) -> float:
+    """The shortest decimal that reads back as this FP32 value, as a Python float: the 0.6 a client sent, not the
+    0.6000000238 its FP32 tensor holds. Every FP32 input is read through it, so an integer or a comparison made
+    from one (strength x steps, a threshold, seconds x fps) comes out as diffusers makes it from the decimal."""
+    return float(str(np.float32(value)))  # numpy prints a float32 as its shortest round-tripping decimal
 
 
 # -- outputs ------------------------------------------------------------------------
