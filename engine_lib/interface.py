@@ -73,7 +73,7 @@ class InputSpec:
     low: Optional[float] = None
     high: Optional[float] = None
     multiple_of: int = 1
-    choices: tuple[str, ...] = ()  # text inputs: the allowed values (compared lower-cased)
+    choices: tuple[str, ...] = ()  # text inputs: the allowed values, exactly as written (no case or space folding)
     high_from: str = ""
     batch: str = "key"
     pipe_arg: str = ""  # the diffusers `__call__` argument this input is ("" if none)
@@ -82,6 +82,9 @@ class InputSpec:
     count: int = 1  # elements of the [count] tensor; above 1 the value is a tuple (e.g. an interval)
     max_count: int = 0  # above 0: a [-1] tensor of 1 to max_count elements (several images), the value a tuple
     content: str = "text"  # BYTES only: "text" (UTF-8) or "image" (one PNG, JPEG or WebP file)
+    # (input, its values): this input changes something only when that input (sent or defaulted) has one of
+    # the values; sent otherwise, it is refused, never silently ignored (cache_threshold without the cache)
+    only_with: tuple[str, tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         assert self.datatype in ("BYTES", "INT32", "INT64", "FP32", "BOOL"), f"{self.name}: datatype {self.datatype}"
@@ -138,10 +141,10 @@ class InputSpec:
             raise self._fail(f"{len(value)} characters; at most {int(self.high)} allowed")
         if self.low and not value.strip():
             raise self._fail("must not be empty")
-        if self.choices:
-            value = value.strip().lower()
-            if value not in self.choices:
-                raise self._fail(f"{value!r} is not one of {', '.join(self.choices)}")
+        if self.choices and value not in self.choices:
+            # strict: "PNG" or " png" would be a second spelling of a value that a client, a cache key or a
+            # log line compares as written
+            raise self._fail(f"{value!r} is not one of: {', '.join(self.choices)} (exactly, lower case)")
         return value
 
     def _check_int(self, value: Any) -> int:
@@ -311,6 +314,12 @@ class InputSchema:
             else:
                 value = spec.check(value)
             parsed[name] = value
+        for name, spec in self.specs.items():
+            if spec.only_with and values.get(name) is not None:
+                other, allowed = spec.only_with
+                if parsed.get(other) not in allowed:
+                    raise InvalidInputError(name, f"changes nothing unless {other} is {' or '.join(allowed)} "
+                                                  f"(it is {parsed.get(other)!r}): leave it out or set {other}")
         params = SamplingParams(parsed)
         if self._check is not None:
             self._check(params)

@@ -50,7 +50,8 @@ def cache_input(*modes: str) -> InputSpec:
 CACHE = cache_input("first_block")
 CACHE_THRESHOLD = InputSpec("cache_threshold", "FP32", "first_block: the relative change of the first block's "
                             f"residual at or below which a step reuses the cache (absent: default_cache_threshold, "
-                            f"else {DEFAULT_THRESHOLD}; higher: faster, less faithful)", low=0, high=1, batch="row")
+                            f"else {DEFAULT_THRESHOLD}; higher: faster, less faithful)", low=0, high=1, batch="row",
+                            only_with=("cache", ("first_block",)))
 CACHE_INPUTS = (CACHE, CACHE_THRESHOLD)
 ALL_CACHE_INPUTS = (cache_input("first_block", "taylorseer"), CACHE_THRESHOLD)  # with TaylorSeer too (taylorseer.py)
 

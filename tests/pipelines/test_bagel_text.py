@@ -180,8 +180,9 @@ def test_the_served_inputs(adapter):
     assert adapter.total_steps(p) == p.num_inference_steps
     p = parse(adapter, {"prompt": "a cat", "think": True, "max_new_tokens": 7, "num_inference_steps": 4})
     assert adapter.total_steps(p) == 11
-    assert adapter.total_steps(parse(adapter, {"prompt": "a", "output_modality": "TEXT", "max_new_tokens": 7})) == 7
-    for name, value in (("think", 1), ("output_modality", "video"), ("max_new_tokens", 0), ("max_new_tokens", 4097),
+    assert adapter.total_steps(parse(adapter, {"prompt": "a", "output_modality": "text", "max_new_tokens": 7})) == 7
+    for name, value in (("think", 1), ("output_modality", "video"), ("output_modality", "TEXT"),
+                        ("output_modality", "text\n"), ("max_new_tokens", 0), ("max_new_tokens", 4097),
                         ("temperature", -0.1), ("temperature", 11.0)):
         with pytest.raises(InvalidInputError, match=name):
             parse(adapter, {"prompt": "a cat", name: value})

@@ -85,11 +85,49 @@ def test_the_adapters_check_runs_last():
 def test_every_input_parsed():
     params = parse(prompt="a cat", negative_prompt="", height=64, width=128, num_inference_steps=50,
                    guidance_scale=0.0, true_cfg_scale=4.5, seed=2**40, num_images=3, preview_interval=2,
-                   output_format="PNG")
+                   output_format="png")
     assert params == SamplingParams(prompt="a cat", negative_prompt="", height=64, width=128,
                                     num_inference_steps=50, guidance_scale=0.0, true_cfg_scale=4.5, seed=2**40,
                                     num_images=3, preview_interval=2, output_format="png")
     assert type(params.height) is int and type(params.guidance_scale) is float and type(params.seed) is int
+
+
+@pytest.mark.parametrize("decimal", [0.1, 0.2, 0.3, 0.6, 0.7, 0.8, 4.3, 23.976, 99.9])
+def test_an_fp32_input_reads_as_the_decimal_sent(decimal):
+    """Triton hands a float over as FP32 (0.6 as 0.6000000238): it reads back as the Python float the client
+    wrote, so what is counted from it is what diffusers counts from the decimal (strength 0.6 of 5 steps:
+    int(5 - 5 x 0.6) = 2 skipped, where the FP32 value would skip 1)."""
+    assert float(np.float32(decimal)) != decimal  # not exactly representable: the FP32 value differs
+    value = parse(prompt="x", guidance_scale=decimal).guidance_scale
+    assert type(value) is float and value == decimal
+    assert int(5 - 5 * value) == int(5 - 5 * decimal)
+
+
+@pytest.mark.parametrize("sent", ["PNG", " png", "png\n", "Png"])
+def test_a_choice_is_taken_only_as_written(sent):
+    """Choices are strict: another spelling of an allowed value is refused, listing the allowed values as
+    written (a folded value would be a second name of one choice, compared as written by the clients' logs)."""
+    with pytest.raises(InvalidInputError) as info:
+        parse(prompt="x", output_format=sent)
+    assert info.value.input_name == "output_format" and "is not one of: raw, png (exactly, lower case)" in str(info.value)
+    assert parse(prompt="x", output_format="png").output_format == "png"
+
+
+def test_a_setting_that_changes_nothing_is_refused_naming_it():
+    """An input declared `only_with` another input's values is refused when sent without them, not ignored;
+    left out, or with them (sent, or as the deployment's default), it is taken."""
+    mode = InputSpec("mode", "BYTES", "a method", choices=("none", "fast"), high=8)
+    knob = InputSpec("knob", "FP32", "the fast method's knob", low=0, high=1, only_with=("mode", ("fast",)))
+    schema = InputSchema("fake", (interface.PROMPT, mode, knob), CONFIG)
+    for values, says in (({"knob": 0.3}, "it is None"), ({"knob": 0.3, "mode": "none"}, "it is 'none'")):
+        with pytest.raises(InvalidInputError) as info:
+            schema.parse({"prompt": "x", **values})
+        assert info.value.input_name == "knob" and "changes nothing unless mode is fast" in str(info.value) and \
+            says in str(info.value)
+    assert schema.parse({"prompt": "x", "mode": "fast", "knob": 0.3}).knob == 0.3
+    assert schema.parse({"prompt": "x", "mode": "none"}).knob is None
+    defaulted = InputSchema("fake", (interface.PROMPT, mode, knob), EngineConfig.from_parameters({"default_mode": "fast"}))
+    assert defaulted.parse({"prompt": "x", "knob": 0.3}).knob == 0.3
 
 
 def test_none_means_not_sent():

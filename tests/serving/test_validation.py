@@ -40,9 +40,14 @@ BAD_INPUTS = [
     ("missing prompt", {k: v for k, v in VALID.items() if k != "prompt"}, "prompt"),
     ("true cfg huge", dict(VALID, true_cfg_scale=1e38), "true_cfg_scale"),
     ("unknown cache", dict(VALID, cache="fast"), "cache"),
-    ("cache misspelled", dict(VALID, cache="taylor_seer"), "cache"),  # choices are compared lower-cased
+    ("cache misspelled", dict(VALID, cache="taylor_seer"), "cache"),
+    ("cache upper case", dict(VALID, cache="FIRST_BLOCK"), "cache"),  # choices are taken only as written
+    ("cache with a space", dict(VALID, cache=" first_block"), "cache"),
+    ("output format with a newline", dict(VALID, output_format="png\n"), "output_format"),
     ("cache threshold negative", dict(VALID, cache="first_block", cache_threshold=-1.0), "cache_threshold"),
     ("cache threshold NaN", dict(VALID, cache_threshold=float("nan")), "cache_threshold"),
+    ("cache threshold without the cache", dict(VALID, cache_threshold=0.3), "cache_threshold"),  # changes nothing
+    ("cache threshold with taylorseer", dict(VALID, cache="taylorseer", cache_threshold=0.3), "cache_threshold"),
 ]
 
 # Rejected by Triton itself (config.pbtxt types and shapes) before the model sees them:
