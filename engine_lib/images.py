@@ -5,10 +5,14 @@ file that cannot become an RGB image is refused with an InvalidInputError naming
 before the request is queued, never a crash deep in a tick. What is accepted, and how:
 
 * PNG, JPEG and WebP only (other Pillow decoders are never reached), as the file's bytes or
-  as base64 text of them (Triton's HTTP JSON carries BYTES as text);
+  as base64 text of them (Triton's HTTP JSON carries BYTES as text), in every form a client's
+  encoder writes (`decode_base64`): MIME line breaks (what the `base64` command prints) and
+  surrounding spaces, the URL-safe alphabet, no padding, a `data:` URL;
 * at most MAX_IMAGE_BYTES of file (8 MiB: its base64 text, 10.7 MiB, still fits the gRPC
-  gate's 16 MiB message) and MAX_IMAGE_PIXELS pixels (4096 x 4096), checked on the size
-  the header declares, before any pixel is decoded (a decompression bomb costs nothing);
+  gate's 16 MiB message), MAX_IMAGE_PIXELS pixels (4096 x 4096) and MAX_IMAGE_SIDE pixels a
+  side, checked on the size the header declares, before any pixel is decoded (a decompression
+  bomb costs nothing; the side limit bounds the decoder's work per row: a PNG of 1 x 16777216
+  pixels, inside the area, took 1.5 s of CPU to decode, one of 2048 x 8192 takes what 4096 x 4096 does);
 * animated files (APNG, animated WebP): the first frame, as `load_image` takes it;
 * EXIF orientation applied (`ImageOps.exif_transpose`), then `convert("RGB")`, as
   `load_image` does: alpha (LA, RGBA, palette transparency) is dropped, CMYK and palette
@@ -30,6 +34,11 @@ from engine_lib.request import InvalidInputError
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGE_SIDE = 8192  # twice the square's side: a 2:1 panorama at the pixel limit still fits
+# Base64 text is bounded at twice the file limit before any work: the base64 of a file at the limit, with
+# line breaks and a data: URL's header, is about 1.37 times it.
+_MAX_TEXT_BYTES = 2 * MAX_IMAGE_BYTES
+_URL_SAFE = bytes.maketrans(b"-_", b"+/")
 FORMATS = ("PNG", "JPEG", "WEBP")
 # File signatures of the accepted formats: anything else is read as base64 text.
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF")
@@ -74,11 +83,11 @@ def decode_image(data: Any, name: str = "image") -> InputImage:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise fail(f"must be an encoded image (bytes), got {type(data).__name__}")
     data = bytes(data)
-    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:  # bounds the base64 decode below too
+    if len(data) > (MAX_IMAGE_BYTES if data.startswith(_MAGIC) else _MAX_TEXT_BYTES):
         raise fail(f"{len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes of image file allowed")
     if not data.startswith(_MAGIC):
         try:
-            data = base64.b64decode(data, validate=True)
+            data = decode_base64(data)
         except (binascii.Error, ValueError):
             raise fail("is not a PNG, JPEG or WebP file (nor base64 text of one)") from None
     if not data:
@@ -92,6 +101,9 @@ def decode_image(data: Any, name: str = "image") -> InputImage:
             width, height = image.size
             if width * height > MAX_IMAGE_PIXELS:
                 raise fail(f"{width}x{height} is {width * height} pixels; at most {MAX_IMAGE_PIXELS} allowed")
+            if max(width, height) > MAX_IMAGE_SIDE:
+                raise fail(f"{width}x{height} has a side over {MAX_IMAGE_SIDE} pixels; at most {MAX_IMAGE_SIDE} a side "
+                           f"(and {MAX_IMAGE_PIXELS} pixels) allowed")
             if width < 1 or height < 1:
                 raise fail(f"has no pixels ({width}x{height})")
             if image.mode.split(";")[0] in _REFUSED_MODES:
@@ -108,3 +120,17 @@ def decode_image(data: Any, name: str = "image") -> InputImage:
     except Exception as exc:  # noqa: BLE001 (whatever a hostile file makes a decoder raise refuses the file)
         raise fail(f"cannot be decoded ({type(exc).__name__}: {exc})"[:200]) from None
     return InputImage(image, hashlib.sha256(data).hexdigest())
+
+
+def decode_base64(text: bytes) -> bytes:
+    """The file base64 text holds, in any form a client's encoder writes it: MIME or PEM line breaks and
+    surrounding spaces (removed), a `data:[<type>];base64,` URL (its header removed), the URL-safe alphabet
+    (`-_` read as `+/`), missing padding (added). Anything else outside the alphabet raises binascii.Error, as
+    `base64.b64decode(validate=True)` does."""
+    text = b"".join(text.split())  # every ASCII space, tab and line break
+    if text[:5].lower() == b"data:":
+        header, _, text = text.partition(b",")
+        if not header.lower().endswith(b";base64"):
+            raise ValueError("a data: URL without ;base64")
+    text = text.rstrip(b"=").translate(_URL_SAFE)
+    return base64.b64decode(text + b"=" * (-len(text) % 4), validate=True)

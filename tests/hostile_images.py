@@ -4,6 +4,7 @@ Shared by the decoder's unit tests, the front door's edits tests and the served 
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import struct
@@ -47,6 +48,8 @@ def hostile() -> dict[str, tuple[bytes, str]]:
         "zeros-20MB": (b"\0" * (20 << 20), f"at most {images.MAX_IMAGE_BYTES} bytes"),
         "png-bomb": (png_header_only(100_000, 100_000), f"at most {images.MAX_IMAGE_PIXELS} allowed"),
         "jpeg-bomb": (jpeg_bomb, f"at most {images.MAX_IMAGE_PIXELS} allowed"),
+        # inside the pixel limit, but 16 million rows: 1.5 s of decoder CPU were it decoded (its data is not)
+        "png-tall": (png_header_only(1, images.MAX_IMAGE_PIXELS), f"at most {images.MAX_IMAGE_SIDE} a side"),
         "truncated-png": (encode(rgb(64, 64))[:200], "cannot be decoded"),
         "truncated-jpeg": (jpeg[:300], "cannot be decoded"),
         "gif-500-frames": (encode(frames[0], "GIF", save_all=True, append_images=frames[1:]), "not a PNG, JPEG or WebP"),
@@ -68,3 +71,28 @@ def odd_but_valid() -> dict[str, bytes]:
         "exif-rotated": encode(rgb(48, 32, 4), "JPEG", exif=exif),
         "animated-webp": encode(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True),
     }
+
+
+def base64_forms(data: bytes) -> dict[str, bytes]:
+    """The file as base64 text in each form clients' encoders write it (Python's `base64`, the `base64` command,
+    browsers' data: URLs, JSON web tokens' URL-safe unpadded alphabet): name -> text."""
+    plain = base64.b64encode(data)
+    return {
+        "plain": plain,
+        "mime-lines": base64.encodebytes(data),  # 76 columns and a newline, as the `base64` command prints
+        "crlf-lines": base64.encodebytes(data).replace(b"\n", b"\r\n"),
+        "surrounding-spaces": b"  \t" + plain + b" \n",
+        "url-safe": base64.urlsafe_b64encode(data),
+        "unpadded": plain.rstrip(b"="),
+        "data-url": b"data:image/png;base64," + plain,
+        "data-url-url-safe-unpadded": b"data:image/png;base64," + base64.urlsafe_b64encode(data).rstrip(b"="),
+    }
+
+
+@functools.cache
+def near_the_byte_limit() -> bytes:
+    """A PNG of random pixels between 6 and 8 MiB (1600 x 1600 x 3 bytes do not compress): as MIME base64
+    (about 10 MB of text) it still fits every limit."""
+    data = encode(rgb(1600, 1600, 7), compress_level=1)
+    assert 6 << 20 < len(data) <= images.MAX_IMAGE_BYTES, len(data)
+    return data

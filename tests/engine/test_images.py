@@ -17,7 +17,7 @@ from PIL import Image
 from engine_lib import images
 from engine_lib.images import decode_image
 from engine_lib.request import InvalidInputError
-from tests.hostile_images import encode, hostile, odd_but_valid, png_header_only
+from tests.hostile_images import base64_forms, encode, hostile, near_the_byte_limit, odd_but_valid, png_header_only
 
 RNG = np.random.default_rng(0)
 
@@ -130,3 +130,57 @@ def test_the_hostile_list_is_refused_naming_each_input():
 def test_odd_but_valid_files_decode_as_load_image_does(name):
     data = odd_but_valid()[name]
     np.testing.assert_array_equal(np.asarray(decode_image(data, "mask_image").image), as_load_image(data))
+
+
+def test_every_base64_form_a_client_writes_is_the_file():
+    """MIME line breaks (LF and CRLF), surrounding spaces, the URL-safe alphabet, no padding, data: URLs: each is
+    the same image as the file itself (the file's base64 holds + and / and padding, so each form changes it)."""
+    data = encode(rgb(24, 17))
+    assert b"+" in base64.b64encode(data) and b"/" in base64.b64encode(data) and len(data) % 3
+    decoded = decode_image(data)
+    for name, text in base64_forms(data).items():
+        assert decode_image(text) == decoded and decode_image(text.decode()) == decoded, name
+
+
+@pytest.mark.parametrize("text, says", [
+    (b"data:image/png," + base64.b64encode(encode(rgb())), "not a PNG, JPEG or WebP file"),  # a data: URL, not base64
+    (base64.b64encode(encode(rgb()))[:-5] + b"*" + base64.b64encode(encode(rgb()))[-4:], "nor base64 text"),
+    (base64.b64encode(encode(rgb()))[:4 * 20 + 1], "nor base64 text"),  # 4k + 1 characters: no whole byte count
+    (b"=" + base64.b64encode(encode(rgb())), "nor base64 text"),
+])
+def test_text_that_is_no_base64_of_a_file_is_refused(text, says):
+    refused(text, says)
+
+
+def padded_png(data: bytes, size: int) -> bytes:
+    """The PNG `data` grown to exactly `size` bytes by a private ancillary chunk (decoders skip it)."""
+    end = data.rindex(b"IEND") - 4
+    body = b"\0" * (size - len(data) - 12)
+    chunk = struct.pack(">I", len(body)) + b"prVt" + body + struct.pack(">I", zlib.crc32(b"prVt" + body))
+    return data[:end] + chunk + data[end:]
+
+
+def test_the_byte_limit_is_exact_for_a_file_and_for_its_base64():
+    """A file of exactly MAX_IMAGE_BYTES is taken, as bytes and as MIME base64 text (11.3 MB with its line
+    breaks); one byte more is refused either way; a real PNG between 6 and 8 MiB as MIME base64 decodes."""
+    small = encode(rgb(24, 16))
+    at_limit = padded_png(small, images.MAX_IMAGE_BYTES)
+    assert len(at_limit) == images.MAX_IMAGE_BYTES
+    np.testing.assert_array_equal(np.asarray(decode_image(at_limit).image), np.asarray(decode_image(small).image))
+    assert decode_image(base64.encodebytes(at_limit)) == decode_image(at_limit)
+    over = padded_png(small, images.MAX_IMAGE_BYTES + 1)
+    for data in (over, base64.encodebytes(over), b"data:image/png;base64," + base64.urlsafe_b64encode(over)):
+        refused(data, f"{images.MAX_IMAGE_BYTES + 1} bytes; at most {images.MAX_IMAGE_BYTES} bytes")
+    big = near_the_byte_limit()
+    assert decode_image(base64_forms(big)["mime-lines"]).size == (1600, 1600)
+
+
+def test_the_pixel_and_side_limits_are_exact():
+    """4096 x 4096 (the pixel limit) and 8192 x 2048 (the side limit) decode; one pixel more, or one side over
+    8192 inside the area, is refused from the header: the refused files' data would not even decode."""
+    for width, height in ((4096, 4096), (images.MAX_IMAGE_SIDE, images.MAX_IMAGE_PIXELS // images.MAX_IMAGE_SIDE)):
+        assert decode_image(encode(Image.new("RGB", (width, height)))).size == (width, height)
+    refused(png_header_only(4097, 4096), f"at most {images.MAX_IMAGE_PIXELS} allowed")
+    for width, height in ((images.MAX_IMAGE_SIDE + 1, 2047), (1, images.MAX_IMAGE_PIXELS), (images.MAX_IMAGE_PIXELS, 1)):
+        assert width * height <= images.MAX_IMAGE_PIXELS
+        refused(png_header_only(width, height), f"has a side over {images.MAX_IMAGE_SIDE} pixels")
