@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from engine_lib.pipelines.levers import check_names
 from engine_lib.request import ConfigError
 from engine_lib.sched.policy import POLICIES
 
@@ -67,6 +68,14 @@ class EngineConfig:
     # LoRA per request (engine_lib/lora.py)
     lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
     max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
+    # GPU levers through diffusers' own machinery (engine_lib/pipelines/levers.py)
+    compile: str = "none"  # none, regional (the transformer's repeated blocks), full (the whole transformer)
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: dynamo's graphs and guards, no codegen)
+    quantization: str = "none"  # none, int8_weight_only, int8, fp8_weight_only, fp8, int4_weight_only, nf4
+    quantize_components: str = "transformer"  # comma-separated pipeline components `quantization` applies to
+    attention_backend: str = ""  # a diffusers attention dispatcher backend (native, flex, flash, ...); empty: default
+    offload: str = "none"  # none, model, group (weights kept on the CPU, each leaf moved to the device when it runs)
+    vae_tiling: bool = False  # the VAE decodes in overlapping tiles (bounded memory for large images and videos)
     # what one request may ask for, checked at the Triton edge
     input_max: Mapping[str, float] = field(default_factory=lambda: dict(INPUT_MAX))  # `max_<input>` parameters
     input_defaults: Mapping[str, str] = field(default_factory=lambda: dict(INPUT_DEFAULTS))  # `default_<input>`
@@ -98,6 +107,7 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
+        check_names(self)
         if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
             raise ConfigError(f"parameter 'device': {self.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
         if self.dtype not in DTYPES:

@@ -111,7 +111,8 @@ class LoraLibrary:
     def _load(self, name: str, mtime: float) -> None:
         adapter = f"lora{next(self._ids)}"  # peft names modules by it: a file stem may hold '.'
         try:
-            self.pipe.load_lora_weights(str(self.path(name)), adapter_name=adapter)
+            with torch.inference_mode(False):  # a quantized (torchao) layer cannot take a LoRA in inference mode
+                self.pipe.load_lora_weights(str(self.path(name)), adapter_name=adapter)
         except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file fails its own request only
             self._forget(adapter)
             reason = str(exc)
@@ -150,7 +151,8 @@ class LoraLibrary:
         for model in self._models():
             for module in model.modules():
                 if isinstance(module, LoraLayer) and id(module) not in self._hooked:
-                    module.register_forward_hook(self._add_deltas)
+                    # eager inside a compiled block: dynamo would guard on the plan, which changes every tick
+                    module.register_forward_hook(torch.compiler.disable(self._add_deltas))
                     self._hooked.add(id(module))
 
     @property

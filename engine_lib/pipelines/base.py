@@ -379,6 +379,7 @@ class DiffusersAdapter(PipelineAdapter):
     with a prompt-embedding cache (`text_cache`, `prompt_cache_bytes` option) whose hits and misses it counts."""
 
     pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
+    levers: Any = None  # what the GPU levers did at load (levers.Applied), set by `load`
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
         from engine_lib.pipelines.text_cache import TextEmbeddingCache
@@ -387,7 +388,8 @@ class DiffusersAdapter(PipelineAdapter):
         self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
 
     def counters(self) -> dict[str, float]:
-        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses}
+        return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses,
+                **(self.levers.counters() if self.levers else {})}
 
     def video_vae_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's VAE de-normalisation constants `latents_mean` and `1 / latents_std` [1, z, 1, 1, 1],
@@ -408,8 +410,16 @@ class DiffusersAdapter(PipelineAdapter):
              options: Optional[dict] = None) -> "DiffusersAdapter":
         import diffusers
 
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(model_path), dtype=dtype,  # not torch_dtype
-                                                                     **cls.from_pretrained_kwargs(str(model_path)))
-        pipe.to(device)
+        from engine_lib.pipelines import levers
+
+        chosen = (options or {}).get("levers") or levers.Levers()
+        quantization = levers.quantization_config(chosen, str(model_path), torch.device(device))
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
+            str(model_path), dtype=dtype,  # not torch_dtype
+            **({"quantization_config": quantization} if quantization is not None else {}),
+            **cls.from_pretrained_kwargs(str(model_path)))
+        applied = levers.apply(pipe, torch.device(device), chosen)  # on the device (or offloaded), compiled, ...
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, torch.device(device), dtype, options)
+        adapter = cls(pipe, torch.device(device), dtype, options)
+        adapter.levers = applied
+        return adapter

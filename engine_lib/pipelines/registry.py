@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from engine_lib.config import EngineConfig, select_mode
+from engine_lib.pipelines.levers import Levers, refuse_levers
 from engine_lib.request import ConfigError
 
 if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
@@ -113,6 +114,7 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
             "is not built (run `make models`)"
         )
     options = adapter_options(config, model_path)
+    refuse_levers(adapter_cls, options["levers"])
     adapter = adapter_cls.load(model_path, device, dtype, options)
     if config.world_size > 1:
         adapter.launch_workers(model_path, options)
@@ -128,7 +130,7 @@ def adapter_options(config: EngineConfig, model_path: str) -> dict:
     return {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
             "lora_dir": lora_dir or None, "max_loras": config.max_loras,
             "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20,
-            "parallel": parallel_options(config)}
+            "parallel": parallel_options(config), "levers": Levers.from_config(config)}
 
 
 def parallel_options(config: EngineConfig) -> dict:

@@ -1,0 +1,293 @@
+"""The GPU levers, each through diffusers' own machinery: compile, quantization, attention backend, offload, VAE tiling.
+
+One step's time decides the cost of a diffusion model on a GPU (batching adds little there), so a deployer
+cuts it with the same levers diffusers users have, set as config.pbtxt parameters (docs/configuration.md):
+
+* `quantization` (+ `quantize_components`): diffusers' `PipelineQuantizationConfig` at `from_pretrained`, with
+  a `TorchAoConfig` per component (torchao's int8 / fp8 / int4 weight tensors) or bitsandbytes' nf4;
+* `attention_backend`: diffusers' attention dispatcher (`set_attention_backend`) on every component that has it;
+* `offload`: diffusers' group offloading at leaf level (every leaf module onloads itself, so the engine's own
+  block loops, which call a transformer's parts directly, are covered), with streams on CUDA;
+* `compile`: `compile_repeated_blocks` (regional) or `torch.compile` of the whole transformer (full), with
+  dynamic shapes from the first compile, so the row and token counts continuous batching changes every tick
+  do not recompile; every recompilation dynamo makes is counted (`CompileCounter`);
+* `vae_tiling`: the VAE's own `enable_tiling`.
+
+A value the device, the installed packages or the model cannot honour fails the load naming the parameter
+and the reason. Nothing here imports torch until a pipeline is loaded (config.py validates the value names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from engine_lib.request import ConfigError
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("none", "regional", "full")
+# quantization value -> (the package it needs, what the device must be: "any" or "cuda")
+QUANTIZATIONS = {"none": ("", "any"), "int8_weight_only": ("torchao", "any"), "int8": ("torchao", "any"),
+                 "fp8_weight_only": ("torchao", "any"), "fp8": ("torchao", "cuda"),
+                 "int4_weight_only": ("torchao", "cuda"), "nf4": ("bitsandbytes", "cuda")}
+OFFLOAD_MODES = ("none", "model", "group")
+# attention backends this code path runs on the CPU (the others are CUDA kernels)
+CPU_ATTENTION = ("native", "_native_math", "flex")
+FP8_DYNAMIC_CAPABILITY = (8, 9)  # e4m3 activations need SM 8.9+ (Ada, Hopper)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """What the config turns on (EngineConfig's lever parameters)."""
+
+    compile: str = "none"
+    compile_backend: str = "inductor"
+    quantization: str = "none"
+    quantize_components: tuple = ("transformer",)
+    attention_backend: str = ""  # empty: diffusers' default (native)
+    offload: str = "none"
+    vae_tiling: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Levers":
+        components = tuple(c.strip() for c in config.quantize_components.split(",") if c.strip())
+        return cls(config.compile, config.compile_backend, config.quantization, components,
+                   config.attention_backend, config.offload, config.vae_tiling)
+
+    @property
+    def any(self) -> bool:
+        return self != Levers()
+
+
+def check_names(config: Any) -> None:
+    """The lever parameters' values are known names (config.py's validate; no torch)."""
+    for name, value, allowed in (("compile", config.compile, COMPILE_MODES),
+                                 ("quantization", config.quantization, tuple(QUANTIZATIONS)),
+                                 ("offload", config.offload, OFFLOAD_MODES)):
+        if value not in allowed:
+            raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(allowed)}")
+    if not Levers.from_config(config).quantize_components:
+        raise ConfigError("parameter 'quantize_components': names no component (default: transformer)")
+
+
+# -- at from_pretrained: quantization ------------------------------------------------------------
+def quantization_config(levers: Levers, model_path: str, device: Any) -> Optional[Any]:
+    """diffusers' `PipelineQuantizationConfig` for `levers.quantization` over `quantize_components` (None: off)."""
+    if levers.quantization == "none":
+        return None
+    package, needs = QUANTIZATIONS[levers.quantization]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"parameter 'quantization': {levers.quantization} needs the package {package}, which is "
+                          "not installed (requirements.txt pins it)")
+    if needs == "cuda" and device.type != "cuda":
+        raise ConfigError(f"parameter 'quantization': {levers.quantization} runs on CUDA only; this instance runs on "
+                          f"{device} (int8_weight_only, int8 and fp8_weight_only run anywhere)")
+    if levers.quantization == "fp8":
+        import torch
+
+        if torch.cuda.get_device_capability(device) < FP8_DYNAMIC_CAPABILITY:
+            raise ConfigError("parameter 'quantization': fp8 (dynamic e4m3 activations) needs CUDA compute "
+                              f"capability 8.9+; {device} has {torch.cuda.get_device_capability(device)} "
+                              "(use fp8_weight_only or int8)")
+    folders = _component_folders(model_path)
+    for name in levers.quantize_components:
+        if name not in folders:
+            raise ConfigError(f"parameter 'quantize_components': {name!r} is not a component of this checkpoint "
+                              f"(it has {', '.join(sorted(folders))})")
+        if "quantization_config" in folders[name]:
+            raise ConfigError(f"parameter 'quantization': component {name!r} of this checkpoint is already "
+                              "quantized (its config.json has a quantization_config) and loads as it is; "
+                              "set quantization=none")
+    from diffusers import PipelineQuantizationConfig
+
+    return PipelineQuantizationConfig(quant_mapping={name: _component_config(levers.quantization, folders[name])
+                                                     for name in levers.quantize_components})
+
+
+def _component_folders(model_path: str) -> dict[str, dict]:
+    """component name -> its config.json (the folders `from_pretrained` loads; a hub id: none known)."""
+    root = Path(model_path)
+    folders = {}
+    for config in sorted(root.glob("*/config.json")):
+        folders[config.parent.name] = json.loads(config.read_text())
+    return folders
+
+
+def _component_config(quantization: str, component_config: dict) -> Any:
+    """One component's quantization config: diffusers' for a diffusers model, transformers' for a text encoder."""
+    diffusers_model = "_diffusers_version" in component_config
+    if quantization == "nf4":
+        if diffusers_model:
+            from diffusers import BitsAndBytesConfig
+        else:
+            from transformers import BitsAndBytesConfig
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    import torchao.quantization as ao
+
+    kind = {"int8_weight_only": ao.Int8WeightOnlyConfig, "int8": ao.Int8DynamicActivationInt8WeightConfig,
+            "fp8_weight_only": ao.Float8WeightOnlyConfig, "fp8": ao.Float8DynamicActivationFloat8WeightConfig,
+            "int4_weight_only": ao.Int4WeightOnlyConfig}[quantization]()
+    if diffusers_model:
+        from diffusers import TorchAoConfig
+    else:
+        from transformers import TorchAoConfig
+    return TorchAoConfig(kind)
+
+
+# -- after from_pretrained: placement, attention, compile, tiling ---------------------------------
+class CompileCounter:
+    """A torch.compile backend that counts what dynamo compiles, then hands the graph to the real backend.
+
+    dynamo numbers the compilations of one frame (`CompileId.frame_compile_id`): 0 is the first, anything later
+    is a recompilation after a guard failed (a shape that was not dynamic, a changed module). Runs on the engine
+    thread only (where the compiled forwards run)."""
+
+    def __init__(self, backend: str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self._backend = lookup_backend(backend)
+        self.graphs = 0
+        self.recompiles = 0
+        self.seconds = 0.0
+
+    def __call__(self, graph: Any, example_inputs: list) -> Any:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        self.graphs += 1
+        self.recompiles += int(compile_id is not None and compile_id.frame_compile_id > 0)
+        start = time.perf_counter()
+        try:
+            return self._backend(graph, example_inputs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+@dataclass
+class Applied:
+    """What the levers did to one loaded pipeline: its compile counter (None: not compiled)."""
+
+    levers: Levers
+    compiler: Optional[CompileCounter] = None
+    notes: list = field(default_factory=list)
+
+    def counters(self) -> dict[str, float]:
+        """The adapter's monotone totals: recompilations (diffusion_compile_recompiles_total)."""
+        if self.compiler is None:
+            return {}
+        return {"compile_recompiles": float(self.compiler.recompiles)}
+
+
+def apply(pipe: Any, device: Any, levers: Levers) -> Applied:
+    """Place the loaded pipeline on `device` (or offload it), then set its attention backend, compile and
+    tiling. Refuses (ConfigError naming the parameter) what this pipeline or device cannot do."""
+    applied = Applied(levers)
+    _place(pipe, device, levers.offload)
+    if levers.attention_backend:
+        _set_attention(pipe, device, levers.attention_backend)
+    if levers.compile != "none":
+        applied.compiler = _compile(pipe, levers)
+    if levers.vae_tiling:
+        vae = getattr(pipe, "vae", None)
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            raise ConfigError("parameter 'vae_tiling': this pipeline's VAE has no tiled decode")
+        vae.enable_tiling()
+    return applied
+
+
+def _place(pipe: Any, device: Any, offload: str) -> None:
+    import torch
+
+    if offload == "none":
+        pipe.to(device)
+    elif offload == "model":
+        raise ConfigError("parameter 'offload': model (diffusers' model CPU offload) moves a component to the device "
+                          "when its forward is called, and the engine calls a transformer's blocks directly (step "
+                          "cache, mixed sizes); use offload=group")
+    else:
+        from diffusers.hooks import apply_group_offloading
+
+        for name, module in _modules(pipe).items():
+            apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="leaf_level", use_stream=device.type == "cuda")
+        logger.info("group offloading (leaf level) of %s between cpu and %s", ", ".join(_modules(pipe)), device)
+
+
+def _modules(pipe: Any) -> dict[str, Any]:
+    import torch
+
+    return {name: part for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)}
+
+
+def _set_attention(pipe: Any, device: Any, backend: str) -> None:
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    names = [b.value for b in AttentionBackendName]
+    if backend not in names:
+        raise ConfigError(f"parameter 'attention_backend': {backend!r} is not one of diffusers' backends "
+                          f"({', '.join(names)})")
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(backend))
+    except (RuntimeError, ImportError, ValueError) as exc:
+        raise ConfigError(f"parameter 'attention_backend': {backend} cannot run here: {exc}") from None
+    if device.type != "cuda" and backend not in CPU_ATTENTION:
+        raise ConfigError(f"parameter 'attention_backend': {backend} is a CUDA kernel; this instance runs on {device} "
+                          f"(on the CPU: {', '.join(CPU_ATTENTION)})")
+    targets = [m for m in _modules(pipe).values() if hasattr(m, "set_attention_backend")]
+    if not targets:
+        raise ConfigError(f"parameter 'attention_backend': this pipeline's models do not use diffusers' attention "
+                          "dispatcher")
+    for module in targets:
+        module.set_attention_backend(backend)
+
+
+def _compile(pipe: Any, levers: Levers) -> CompileCounter:
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        raise ConfigError(f"parameter 'compile': this pipeline has no transformer to compile")
+    counter = CompileCounter(levers.compile_backend)
+    # dynamic=True: the rows and tokens of a step batch are symbolic from the first compile, so the shapes
+    # continuous batching makes every tick reuse one graph (a batch of 1 is specialised once).
+    if levers.compile == "regional":
+        # the classes diffusers declares repeated, else those of the transformer's block list (SD3 declares none)
+        blocks = transformer._repeated_blocks or sorted({type(b).__name__ for b in
+                                                         getattr(transformer, "transformer_blocks", ())})
+        if not blocks:
+            raise ConfigError(f"parameter 'compile': regional needs a transformer with repeated blocks; "
+                              f"{type(transformer).__name__} has none (use compile=full)")
+        transformer._repeated_blocks = blocks
+        transformer.compile_repeated_blocks(dynamic=True, backend=counter)
+    else:
+        transformer.compile(dynamic=True, backend=counter)
+    return counter
+
+
+# -- what the weights take ---------------------------------------------------------------------------
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes a tensor holds: a quantized tensor subclass (torchao, quanto) counts its inner tensors (int8 data,
+    scales), not the size of the dense tensor it stands for."""
+    inner = getattr(tensor, "__tensor_flatten__", None)
+    if inner is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = inner()
+    return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+
+
+def weight_bytes(pipe: Any) -> dict[str, int]:
+    """component -> bytes of its parameters and buffers (diffusion_weight_bytes{component})."""
+    return {name: sum(tensor_bytes(t) for t in (*module.parameters(), *module.buffers()))
+            for name, module in _modules(pipe).items()}
+
+
+def refuse_levers(adapter_cls: Any, levers: Levers) -> None:
+    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers."""
+    if levers.any and not hasattr(adapter_cls, "pipeline_class"):
+        changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
+        raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
+                          "diffusers' compile, quantization, attention, offload and tiling machinery does not load")

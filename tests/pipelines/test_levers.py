@@ -1,0 +1,170 @@
+"""The GPU levers (engine_lib/pipelines/levers.py) on the CPU: each loaded through the registry as the engine loads
+it, each compared with the same tiny model without it, in the engine's own runner.
+
+Compiled tests use torch.compile's `eager` backend: dynamo traces, guards and recompiles exactly as with
+inductor, without inductor's C++ code generation (over a minute per graph on this CPU); the numbers of inductor
+itself come from the `levers` benchmark (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from engine_lib.config import EngineConfig
+from engine_lib.pipelines import levers
+from engine_lib.pipelines.registry import load_adapter
+from engine_lib.request import ConfigError
+from engine_lib.tiny_models import ensure_model
+from parity_checks import Arrival, drive_steps, solo_steps
+
+BASE = {"prompt": "a red car", "height": 64, "width": 64, "num_inference_steps": 3, "seed": 7,
+        "negative_prompt": "blurry", "true_cfg_scale": 3.7}
+
+
+@functools.lru_cache(maxsize=None)
+def load(pipeline: str = "qwen_image", preset: str = "tiny", **levers_on):
+    """The tiny model of `pipeline` with `levers_on` (config parameters), on the CPU in float32, step mode x8."""
+    config = EngineConfig(pipeline=pipeline, model_path=str(ensure_model(pipeline, preset)), device="cpu",
+                          dtype="float32", step_execution=True, max_num_seqs=8)
+    return load_adapter(config.replace(**levers_on))
+
+
+def inputs(adapter, **changes) -> dict:
+    """BASE with the inputs `adapter` declares (Flux has no true_cfg_scale, SD3 no true_cfg_scale either)."""
+    declared = {spec.name for spec in adapter.input_specs()}
+    return {k: v for k, v in {**BASE, **changes}.items() if k in declared}
+
+
+def levels(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return 10 * np.log10(255.0 ** 2 / max(mse, 1e-12))
+
+
+# -- quantization ----------------------------------------------------------------------------------
+def test_int8_weight_only_quantizes_every_transformer_linear_and_shrinks_its_bytes():
+    plain, quantized = load(preset="bench"), load(preset="bench", quantization="int8_weight_only")
+    linears = [m for m in quantized.pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m.weight).__name__ == "Int8Tensor" for m in linears)
+    before, after = levers.weight_bytes(plain.pipe), levers.weight_bytes(quantized.pipe)
+    ratio = after["transformer"] / before["transformer"]
+    print(f"bench transformer weight bytes: {before['transformer']} -> {after['transformer']} ({ratio:.3f}x)")
+    assert ratio <= 0.35
+    assert after["vae"] == before["vae"] and after["text_encoder"] == before["text_encoder"]  # only the transformer
+    p = inputs(plain, height=128, width=128, num_inference_steps=4)
+    db = psnr(solo_steps(quantized, p), solo_steps(plain, p))
+    print(f"bench int8_weight_only PSNR against float32: {db:.1f} dB")
+    assert db >= 30
+
+
+def test_a_quantized_step_batch_equals_its_solo_runs_and_serves_a_lora():
+    adapter = load(quantization="int8_weight_only")
+    cases = {"a": inputs(adapter), "b": inputs(adapter, seed=8, height=96, width=96, prompt="a bowl of fruit"),
+             "c": inputs(adapter, seed=9, lora_name="toy_a", lora_scale=0.6)}
+    batched = drive_steps(adapter, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=3).images
+    for rid, p in cases.items():
+        assert levels(batched[rid], solo_steps(adapter, p)) <= 1, rid
+    assert levels(batched["c"], solo_steps(adapter, {**cases["c"], "lora_name": ""})) > 0  # the LoRA applied
+
+
+def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
+    with pytest.raises(ConfigError, match="parameter 'quantization': fp8 runs on CUDA only"):
+        load(quantization="fp8")
+    with pytest.raises(ConfigError, match="parameter 'quantization': nf4 runs on CUDA only|needs the package"):
+        load(quantization="nf4")
+    with pytest.raises(ConfigError, match="'quantize_components': 'unet' is not a component"):
+        load(quantization="int8_weight_only", quantize_components="unet")
+    with pytest.raises(ConfigError, match="parameter 'quantization': 'int3' is not one of"):
+        EngineConfig.from_parameters({"quantization": "int3"})
+    with pytest.raises(ConfigError, match="parameter 'compile': pipeline 'bagel' is our own model code"):
+        load("bagel", compile="regional")
+
+
+# -- compile -----------------------------------------------------------------------------------------
+def test_regional_compile_keeps_the_images_and_batches_of_1_3_8_at_two_sizes_recompile_at_most_twice():
+    eager, compiled = load(), load(compile="regional", compile_backend="eager")
+    p = inputs(eager, num_inference_steps=2)
+    assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2  # the load's warm-up: one compile
+    counter = compiled.levers.compiler
+    warm = compiled.counters()["compile_recompiles"]
+    for size in (64, 96):
+        for n in (1, 3, 8):
+            drive_steps(compiled, [Arrival(0, f"r{i}", {**p, "height": size, "width": size, "seed": i})
+                                   for i in range(n)], capacity=8)
+    recompiles = compiled.counters()["compile_recompiles"] - warm
+    print(f"regional compile: {recompiles} recompilations over batches of 1, 3, 8 at 64 and 96 "
+          f"({counter.graphs} graphs)")
+    assert recompiles <= 2
+
+
+def test_a_lora_change_on_a_compiled_transformer_recompiles_nothing():
+    compiled = load(compile="regional", compile_backend="eager", max_loras=3)
+    p = inputs(compiled, num_inference_steps=2)
+    for name in ("toy_a", "toy_b", ""):  # every LoRA loaded and every batch shape seen once
+        drive_steps(compiled, [Arrival(0, "x", {**p, "lora_name": name}), Arrival(0, "y", {**p, "seed": 3})])
+    before = compiled.counters()["compile_recompiles"]
+    for name, other in (("toy_b", "toy_a"), ("", "toy_b"), ("toy_a", "")):
+        drive_steps(compiled, [Arrival(0, "x", {**p, "lora_name": name}),
+                               Arrival(0, "y", {**p, "seed": 3, "lora_name": other})])
+    assert compiled.counters()["compile_recompiles"] == before
+
+
+@pytest.mark.parametrize("pipeline", ["flux", "sd3"])
+def test_regional_compile_keeps_the_images_of_every_flow_match_pipeline(pipeline):
+    eager, compiled = load(pipeline), load(pipeline, compile="regional", compile_backend="eager")
+    p = inputs(eager, num_inference_steps=2)
+    assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2
+    assert compiled.levers.compiler.graphs >= 1
+
+
+# -- attention, offload, tiling --------------------------------------------------------------------
+def test_an_attention_backend_this_cpu_has_gives_the_same_images_and_a_missing_kernel_is_refused():
+    eager, native_math = load(), load(attention_backend="_native_math")
+    p = inputs(eager)
+    assert levels(solo_steps(native_math, p), solo_steps(eager, p)) <= 1
+    with pytest.raises(ConfigError, match="parameter 'attention_backend': flash cannot run here: .*flash-attn"):
+        load(attention_backend="flash")
+    with pytest.raises(ConfigError, match="parameter 'attention_backend': 'flash9' is not one of"):
+        load(attention_backend="flash9")
+
+
+def test_group_offload_runs_end_to_end_with_parity_and_every_leaf_onloads_to_the_device():
+    eager, offloaded = load(), load(offload="group")
+    from diffusers.hooks import HookRegistry
+
+    for name, module in levers._modules(offloaded.pipe).items():
+        for leaf_name, leaf in module.named_modules():
+            if any(True for _ in leaf.parameters(recurse=False)):
+                hook = HookRegistry.check_if_exists_or_initialize(leaf).get_hook("group_offloading")
+                assert hook is not None, f"{name}.{leaf_name} is not offloaded"
+                assert hook.group.onload_device == offloaded.device, f"{name}.{leaf_name}"
+    p = inputs(eager)
+    assert levels(solo_steps(offloaded, p), solo_steps(eager, p)) <= 1
+    with pytest.raises(ConfigError, match="parameter 'offload': model .* use offload=group"):
+        load(offload="model")
+
+
+def test_vae_tiling_keeps_an_image_within_one_tile_and_decodes_a_larger_one_in_tiles():
+    eager, tiled = load(), load(vae_tiling=True)
+    vae = tiled.pipe.vae
+    assert vae.use_tiling
+    p = inputs(eager, height=128, width=128)
+    assert levels(solo_steps(tiled, p), solo_steps(eager, p)) <= 1  # under the default tile: one tile, unchanged
+    calls = []
+    vae.tiled_decode = lambda *a, _decode=vae.tiled_decode, **k: calls.append(1) or _decode(*a, **k)
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=48,
+                      tile_sample_stride_width=48)
+    try:
+        db = psnr(solo_steps(tiled, p), solo_steps(eager, p))
+    finally:
+        vae.enable_tiling(tile_sample_min_height=256, tile_sample_min_width=256, tile_sample_stride_height=192,
+                          tile_sample_stride_width=192)  # diffusers' defaults, for the cached adapter
+    print(f"vae tiling in 64-pixel tiles (stride 48) of a 128x128 image: {db:.1f} dB against one decode")
+    assert calls and db >= 20  # the tiny random VAE's seams (blended over 16 pixels); a trained VAE's are finer
