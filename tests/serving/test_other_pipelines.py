@@ -200,9 +200,10 @@ def test_every_model_refuses_inputs_as_parameters_and_huge_scales(server):
 
 
 def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(server, model_dirs):
-    """An image (PNG bytes) at strength 0.5 runs 2 of 4 steps and gives StableDiffusion3Img2ImgPipeline's image;
-    random bytes and a decompression bomb (10^10 pixels declared in 70 bytes) get INVALID_ARG naming `image`,
-    and the model serves on."""
+    """An image (PNG bytes) at strengths 0.2, 0.4, 0.6 and 0.8 of 5 steps (none exactly representable: Triton
+    hands them over as FP32) runs 1, 2, 3 and 4 steps and gives StableDiffusion3Img2ImgPipeline's image for the
+    Python float, bitwise; random bytes and a decompression bomb (10^10 pixels declared in 70 bytes) get
+    INVALID_ARG naming `image`, and the model serves on."""
     from diffusers import StableDiffusion3Img2ImgPipeline
 
     from engine_lib.config import EngineConfig
@@ -215,27 +216,31 @@ def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(serv
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(buffer, "PNG")
     picture = buffer.getvalue()
-    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=4, seed=2,
-                  guidance_scale=1.0, image=picture, strength=0.5)
+    inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=5, seed=2,
+                  guidance_scale=1.0, image=picture)
     for rid, image in (("random", np.random.default_rng(2).bytes(512)), ("bomb", bomb)):
         result = run_request(server.grpc_url, model="sd3", request_id=rid, **{**inputs, "image": image})
         assert not result.responses and len(result.errors) == 1
         assert result.error.message().startswith(f"INVALID_ARG: [request id: {rid}] input 'image': "), \
             result.error.message()
-    result = run_request(server.grpc_url, model="sd3", request_id="img2img", **inputs)
-    assert not result.errors and result.num_final == 1, result.errors
-    assert int(result.final.as_numpy("num_steps")[0]) == 2
     adapter = registry.load_adapter(EngineConfig(pipeline="sd3", model_path=str(model_dirs["sd3"]), device="cpu",
                                                  dtype="float32"))
     pipe = StableDiffusion3Img2ImgPipeline(**adapter.pipe.components)
     pipe.set_progress_bar_config(disable=True)
+    schema = adapter.input_schema(EngineConfig())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected = pipe(**adapter.pipe_kwargs(adapter.input_schema(EngineConfig()).parse(inputs)), output_type="np")
+        for steps, strength in enumerate((0.2, 0.4, 0.6, 0.8), start=1):
+            result = run_request(server.grpc_url, model="sd3", request_id=f"strength-{strength}", **inputs,
+                                 strength=strength)
+            assert not result.errors and result.num_final == 1, result.errors
+            assert int(result.final.as_numpy("num_steps")[0]) == steps, strength
+            expected = pipe(**adapter.pipe_kwargs(schema.parse({**inputs, "strength": strength})), output_type="np")
+            np.testing.assert_array_equal(result.final.as_numpy("image"), adapter.outputs[0].convert(expected.images),
+                                          err_msg=f"strength {strength}")
     finally:
         torch.set_num_threads(threads)
-    np.testing.assert_array_equal(result.final.as_numpy("image"), adapter.outputs[0].convert(expected.images))
 
 
 def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(server):
@@ -250,6 +255,40 @@ def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(serv
         assert not result.responses and len(result.errors) == 1
         assert result.error.message().startswith(f"INVALID_ARG: [request id: {rid}] input 'image': "), \
             result.error.message()
+
+
+def png_of(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 90, 30)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# Images every decoder takes that a pipeline cannot run (each was an INTERNAL error: a division by zero, a side
+# resized to 0, the vision encoder's aspect ratio, an H.264 frame of 0 rows): (model, inputs, error fragment).
+EXTREME_IMAGES = [
+    ("flux_kontext", dict(image=png_of(64, 7), auto_resize=1), "64x7 is too small: at least 8 pixels a side"),
+    ("flux_kontext", dict(image=png_of(1, 4096), auto_resize=1), "1x4096 is too small"),
+    ("qwen_image_edit", dict(image=png_of(1, 4096)), "1x4096 is too far from square"),
+    ("qwen_image_edit", dict(image=png_of(3, 512)), "for the VAE and 64x13376 for the vision encoder"),
+    ("qwen_image_edit_plus", dict(image=[png_of(32, 48), png_of(4096, 1)]), "4096x1 is too far from square"),
+    ("ltx2", dict(image=png_of(1, 64)), "1x64 is too small: at least 2 pixels a side"),
+    ("ltx2", dict(image=png_of(64, 1)), "64x1 is too small"),
+]
+
+
+def test_extreme_but_valid_images_get_invalid_arg_naming_image_and_count_as_invalid(server):
+    before = scrape(server.metrics_url)
+    for i, (model, inputs, says) in enumerate(EXTREME_IMAGES):
+        result = run_request(server.grpc_url, model=model, request_id=f"extreme-{i}", prompt="x", **inputs)
+        assert not result.responses and len(result.errors) == 1, (model, says)
+        message = result.error.message()
+        assert message.startswith(f"INVALID_ARG: [request id: extreme-{i}] input 'image': ") and says in message, \
+            message
+    for model in {model for model, _, _ in EXTREME_IMAGES}:
+        expected = metric(before, "diffusion_requests_total", model=model, outcome="invalid") + \
+            sum(case[0] == model for case in EXTREME_IMAGES)
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_total", expected, model=model,
+                               outcome="invalid") == expected, model
 
 
 def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_many(server):
@@ -310,9 +349,11 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
         expected = run_request(server.grpc_url, model="flux_kontext", request_id="kontext-edit", prompt="in winter",
                                width=64, height=48, image=picture, **kontext)
         np.testing.assert_array_equal(decode(result.data[0].b64_json), expected.final.as_numpy("image")[0])
-        for model, image, param in (("flux", picture, "model"), ("sd3", np.random.default_rng(4).bytes(512), "image")):
+        for model, image, param, body in (("flux", picture, "model", extra),
+                                          ("sd3", np.random.default_rng(4).bytes(512), "image", extra),
+                                          ("qwen_image_edit", png_of(3, 512), "image", {})):  # too far from square
             with pytest.raises(openai.BadRequestError) as info:
-                client.images.edit(model=model, image=("in.png", image), prompt="x", extra_body=extra)
+                client.images.edit(model=model, image=("in.png", image), prompt="x", extra_body=body)
             assert info.value.param == param, info.value.body
         with pytest.raises(openai.APIStatusError) as info:
             client.images.edit(model="sd3", image=("big.png", b"\0" * MAX_EDIT_BODY_BYTES), prompt="x")
@@ -773,7 +814,7 @@ def test_the_openai_images_front_door_offers_only_the_image_models(server):
             await gateway.close()
 
     videos = {name for name in MODELS if registry.get_adapter_class(name).outputs[0].name == "video"}
-    assert videos == {"helios", "ltx2"}
+    assert videos == {"helios", "ltx2", "wan", "wan_i2v"}
     assert asyncio.run(ready()) == sorted(set(MODELS) - videos)
 
 
@@ -791,3 +832,135 @@ def test_a_helios_request_cancelled_after_its_first_chunk_frees_everything(serve
     after = run_request(server.grpc_url, model="helios", request_id="after", prompt="x", height=32, width=32,
                         num_inference_steps=1)
     assert not after.errors and after.final.as_numpy("video").shape == (1, 33, 32, 32, 3)
+
+
+def ltx2_job(client, prompt: str = "a waterfall"):
+    return client.videos.create(model="ltx2", prompt=prompt, size="64x32", seconds="1",
+                                extra_body={"frame_rate": 8, "num_inference_steps": 2, "seed": 3})
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_video_jobs_outlive_a_front_door_killed_mid_job(server, tmp_path):
+    """SIGKILL of the front door (the process that runs the jobs) while a job runs, then a new one on the same
+    DIFFUSION_DATA_DIR: the completed job is listed, retrieved and downloaded with the same bytes, and the one
+    that was running is `failed` with "server restarted" at once."""
+    from .test_openai import front_door, sdk
+
+    env = {"OPENAI_API_KEY": "", "DIFFUSION_DATA_DIR": str(tmp_path / "data")}
+    door = front_door(server.grpc_url, tmp_path, **env)
+    try:
+        client = sdk(door)
+        done = client.videos.poll(ltx2_job(client).id, poll_interval_ms=100)
+        assert done.status == "completed", done.error
+        mp4 = client.videos.download_content(done.id).content
+        slow = ltx2_job(client, SLOW_PROMPT)
+        assert wait_for_metric(server.metrics_url, "diffusion_requests_running", 1.0, model="ltx2") == 1.0
+        door.process.kill()
+        door.process.wait(10)
+    finally:
+        door.stop()
+    again = front_door(server.grpc_url, tmp_path, **env)
+    try:
+        client = sdk(again)
+        assert [v.id for v in client.videos.list(order="asc")] == [done.id, slow.id]
+        assert client.videos.retrieve(done.id).status == "completed"
+        assert client.videos.download_content(done.id).content == mp4
+        failed = client.videos.retrieve(slow.id)
+        assert failed.status == "failed" and failed.error.message == "server restarted", failed
+    finally:
+        again.stop()
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_two_front_doors_on_one_postgresql_store_answer_for_each_others_jobs(server, tmp_path):
+    """Replicas: a job created through A is retrieved, downloaded and deleted through B (a real PostgreSQL
+    server, the mp4s on one shared folder)."""
+    import openai
+
+    from .postgres import postgres_bin, throwaway_cluster
+    from .test_openai import front_door, sdk
+
+    if postgres_bin() is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl): scripts/setup.sh installs Debian's postgresql")
+    with throwaway_cluster(postgres_bin()) as url:
+        env = {"OPENAI_API_KEY": "", "DIFFUSION_DATA_DIR": str(tmp_path / "shared"), "JOB_STORE_URL": url}
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+        doors = [front_door(server.grpc_url, tmp_path / name, **env) for name in ("a", "b")]
+        try:
+            a, b = (sdk(door) for door in doors)
+            video = ltx2_job(a)
+            done = b.videos.poll(video.id, poll_interval_ms=100)
+            assert done.status == "completed" and done.progress == 100, done.error
+            assert b.videos.download_content(video.id).content == a.videos.download_content(video.id).content
+            assert [v.id for v in b.videos.list()] == [video.id]
+            assert b.videos.delete(video.id).deleted
+            with pytest.raises(openai.NotFoundError):
+                a.videos.retrieve(video.id)
+            assert list((tmp_path / "shared" / "artifacts").iterdir()) == []
+        finally:
+            for door in doors:
+                door.stop()
+
+
+# -- video: Wan (two experts) -------------------------------------------------------------------
+
+def test_wan_serves_both_experts_at_fp32_scales_as_diffusers_and_as_mp4(server, model_dirs):
+    """4 steps cross the tiny Wan2.2's boundary (3 high-noise, 1 low-noise step); 3.3 and 0.7 arrive as FP32 and
+    give what diffusers gives with those Python floats, bit for bit; the same request as mp4 holds 9 frames."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.serving.mp4 import probe_mp4
+
+    inputs = dict(prompt="a red kite over the sea", height=32, width=48, num_frames=9, num_inference_steps=4, seed=5,
+                  guidance_scale=3.3, guidance_scale_2=0.7, negative_prompt="blurry")
+    result = run_request(server.grpc_url, model="wan", request_id="wan-raw", **inputs)
+    assert not result.errors and result.num_final == 1, result.errors
+    adapter = registry.load_adapter(EngineConfig(pipeline="wan", model_path=str(model_dirs["wan"]), device="cpu",
+                                                 dtype="float32"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = adapter.pipe(**{**adapter.pipe_kwargs(adapter.input_schema(EngineConfig()).parse(inputs)),
+                                   "guidance_scale": 3.3, "guidance_scale_2": 0.7}, output_type="np").frames
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(result.final.as_numpy("video"), (np.clip(expected, 0, 1) * 255).round().astype(np.uint8))
+    assert float(result.final.as_numpy("frame_rate")[0]) == 16.0
+    mp4 = run_request(server.grpc_url, model="wan", request_id="wan-mp4", output_format="mp4", **inputs)
+    assert not mp4.errors, mp4.errors
+    assert probe_mp4(base64.b64decode(mp4.final.as_numpy("video_mp4")[0])) == \
+        {"frames": 9, "height": 32, "width": 48, "audio_streams": 0}
+
+
+@pytest.mark.parametrize("model, inputs, says", [
+    ("wan", dict(num_frames=10), "input 'num_frames': 10 must be 4k + 1 (the VAE compresses 4 frames into one latent "
+                                 "frame); nearest: 9 or 13"),
+    ("wan", dict(height=40), "input 'height': 40 must be a multiple of 16"),
+    ("wan", dict(guidance_scale_2=1e38), "input 'guidance_scale_2': "),
+    ("wan_i2v", dict(), "input 'image': is required"),
+    ("wan_i2v", dict(image=b"\x89PNG\r\n\x1a\n truncated"), "input 'image': "),
+])
+def test_wan_refuses_bad_inputs_naming_them(server, model, inputs, says):
+    result = run_request(server.grpc_url, model=model, request_id="bad", prompt="x", **inputs)
+    assert not result.responses and len(result.errors) == 1
+    assert result.error.message().startswith(f"INVALID_ARG: [request id: bad] {says}"), result.error.message()
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's own deprecation of videos
+def test_the_front_door_video_jobs_run_wan(server, tmp_path):
+    """`videos.create` on Wan: 1 s at the front door's 24 frames per second is 25 frames (4k + 1)."""
+    from engine_lib.serving.mp4 import probe_mp4
+
+    from .test_openai import front_door, sdk
+
+    door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
+    try:
+        client = sdk(door)
+        video = client.videos.create(model="wan", prompt="a lighthouse", size="48x32", seconds="1",
+                                     extra_body={"num_inference_steps": 2, "seed": 1, "guidance_scale": 1.0})
+        done = client.videos.poll(video.id, poll_interval_ms=100)
+        assert done.status == "completed", done.error
+        assert probe_mp4(client.videos.download_content(video.id).content) == \
+            {"frames": 25, "height": 32, "width": 48, "audio_streams": 0}
+    finally:
+        door.stop()
