@@ -148,6 +148,26 @@ def run_preempting(runner: ModelRunner, arrivals: dict[int, list[DiffusionReques
     return outputs, paused
 
 
+def run_ticks(adapter, arrivals: dict[str, tuple[int, dict]], measure=lambda runner: None) -> tuple[dict, dict, list]:
+    """Raw inputs through the runner, each request joining at its tick (`arrivals`: request id -> (tick, inputs)),
+    for adapters with a text phase: the final float outputs, each request's streamed text chunks, and
+    `measure(runner)` after every tick (the runner has dropped the states of the requests that ended in it)."""
+    runner = ModelRunner(adapter, float_outputs=True)
+    running, outputs, chunks, seen, tick = [], {}, {}, [], 0
+    while len(outputs) < len(arrivals):
+        new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p))
+               for rid, (at, raw) in arrivals.items() if at == tick for p in [parse(adapter, raw)]]
+        out = runner.execute_step(new, running)
+        assert not out.errors, out.errors
+        for rid, chunk in out.chunks.items():
+            chunks.setdefault(rid, []).append(chunk["text"][0])
+        outputs.update(out.outputs)
+        seen.append(measure(runner))
+        running = [r for r in new + running if r.request_id not in out.finished]
+        tick += 1
+    return outputs, chunks, seen
+
+
 def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, dict]:
     """The adapter's step contract tick by tick, as the runner calls it (requests join at their tick), for
     adapters whose state keeps `latents`: each request's latents after every step (stacked), and its final image.

@@ -243,6 +243,7 @@ class BagelAdapter(PipelineAdapter):
         state.step_index += 1
         if not state.text.done:
             return
+        state.text.cache = None  # the thought's keys and values: the image's context holds it re-encoded
         if state.params.output_modality == "text":
             state.step_index = state.num_steps
             return
