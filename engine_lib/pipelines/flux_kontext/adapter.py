@@ -5,6 +5,7 @@ Kontext is Flux (text, schedule, guidance, decode: flux/adapter.py) conditioned 
 * the `image` is resized as the pipeline resizes it: to the nearest of Kontext's preferred resolutions by
   aspect ratio (`auto_resize`, diffusers' `_auto_resize`, default on), or kept at its own size, then rounded
   down to the size multiple (the VAE's factor times the 2x2 packing: 16 pixels for FLUX.1, 8 for the tiny model);
+  an image with a side under the size multiple is refused, with or without `auto_resize`;
 * `prepare_latents` VAE-encodes it (the distribution's mode: no draw from the generator) and packs it into
   condition tokens, whose ids are the latents' with their first index 1; the request keeps them in its own
   state, one row per image of the request;
@@ -84,8 +85,10 @@ class FluxKontextAdapter(FluxAdapter):
         super().check_inputs(params)
         if params.image is None:
             raise InvalidInputError("image", "is required: Kontext edits an image (send one PNG, JPEG or WebP file)")
-        if min(self.condition_size(params)) < self.size_multiple:
-            width, height = params.image.size
+        width, height = params.image.size
+        # auto_resize reads the aspect ratio of the size rounded down to the VAE's factor: a side under it
+        # divides by zero in diffusers (and without auto_resize the condition would have no tokens)
+        if min(width, height) < self.size_multiple:
             raise InvalidInputError("image", f"{width}x{height} is too small: at least {self.size_multiple} pixels "
                                     "a side")
 

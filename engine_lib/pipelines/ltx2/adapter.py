@@ -172,6 +172,10 @@ class LTX2Adapter(DiffusersAdapter):
         return specs
 
     def check_inputs(self, params: SamplingParams) -> None:
+        if params.image is not None and min(params.image.size) < 2:
+            width, height = params.image.size
+            raise InvalidInputError("image", f"{width}x{height} is too small: at least 2 pixels a side (the pipeline "
+                                    "re-compresses it as an H.264 frame, whose sides it rounds down to even)")
         ratio = self.pipe.vae_temporal_compression_ratio
         if (params.num_frames - 1) % ratio:
             below = (params.num_frames - 1) // ratio * ratio + 1

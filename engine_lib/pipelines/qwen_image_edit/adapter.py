@@ -36,6 +36,7 @@ from engine_lib.request import InvalidInputError, SamplingParams
 # diffusers' VAE_IMAGE_SIZE (1024 x 1024: Edit's __call__ writes it out) and CONDITION_IMAGE_SIZE (384 x 384,
 # Edit-Plus's text encoder), and `calculate_dimensions` (that area at an image's aspect ratio, multiples of 32).
 MAX_IMAGES = 4  # Edit-Plus: input images per request (each adds its tokens to every forward)
+MAX_VISION_RATIO = 200  # Qwen2-VL's image processor refuses an image whose long side is more times its short one
 _STEP_CACHE = ("cache", "cache_threshold")
 
 # Required by check_inputs (declared optional: Triton's own refusal of a missing input would not name it).
@@ -90,6 +91,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
         width, height = self.images(params)[0].size if self.images(params) else (1, 1)
         return [calculate_dimensions(VAE_IMAGE_SIZE, width / height)]
 
+    def vision_sizes(self, params: SamplingParams) -> list[tuple[int, int]]:
+        """(width, height) each image is given to the text encoder's vision tower at: Edit gives it the VAE's."""
+        return self.vae_sizes(params)
+
     def condition_shapes(self, params: SamplingParams) -> tuple:
         """The RoPE shape `(1, h, w)` of each image's condition tokens: what fixes their count and positions."""
         factor = self.pipe.vae_scale_factor * 2
@@ -113,6 +118,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
         super().check_inputs(params)
         if not self.images(params):
             raise InvalidInputError("image", "is required: the image to edit (PNG, JPEG or WebP)")
+        # an image far from square is resized to a side of 0 (1x4096) or past what the vision tower takes (3x512)
+        for image, vae, vision in zip(self.images(params), self.vae_sizes(params), self.vision_sizes(params)):
+            if min(*vae, *vision) < 1 or max(vision) > MAX_VISION_RATIO * min(vision):
+                raise InvalidInputError("image", f"{image.size[0]}x{image.size[1]} is too far from square: the pipeline "
+                                        f"resizes it to {vae[0]}x{vae[1]} for the VAE and {vision[0]}x{vision[1]} for "
+                                        f"the vision encoder, which need sides above 0 at most {MAX_VISION_RATIO}:1")
 
     # -- keys, cost, cache -----------------------------------------------------------
     def key_fields(self, params: SamplingParams) -> tuple:
@@ -186,6 +197,11 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         return [calculate_dimensions(VAE_IMAGE_SIZE, width / height)
                 for width, height in (image.size for image in self.images(params))] or [(1024, 1024)]
 
+    def vision_sizes(self, params: SamplingParams) -> list[tuple[int, int]]:
+        """Each image at the area of CONDITION_IMAGE_SIZE, at its aspect ratio."""
+        return [calculate_dimensions(CONDITION_IMAGE_SIZE, width / height)
+                for width, height in (image.size for image in self.images(params))]
+
     def _pipe_images(self, params: SamplingParams):
         return [image.image for image in self.images(params)]
 
@@ -193,8 +209,8 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
         """(the images resized to about CONDITION_IMAGE_SIZE for the text encoder, each image preprocessed at its
         VAE size [1, 3, 1, H, W]), as `__call__` prepares them."""
         processor, condition, vae = self.pipe.image_processor, [], []
-        for image, (vae_width, vae_height) in zip(self.images(params), self.vae_sizes(params)):
-            width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.size[0] / image.size[1])
+        for image, (vae_width, vae_height), (width, height) in zip(self.images(params), self.vae_sizes(params),
+                                                                   self.vision_sizes(params)):
             condition.append(processor.resize(image.image, height, width))
             vae.append(processor.preprocess(image.image, vae_height, vae_width).unsqueeze(2))
         return condition, vae
