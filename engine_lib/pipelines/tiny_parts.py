@@ -202,3 +202,48 @@ def tiny_t5(seed: int, tokenizer, d_model: int, umt5: bool = False):
     )
     return seeded(seed, lambda: (UMT5EncoderModel if umt5 else T5EncoderModel)(config))
 
+
+# Qwen3's chat template, cut to what the pipelines send (one user turn, a generation prompt) and kept
+# byte-identical to it there: `enable_thinking=False` opens the answer with an empty think block.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def qwen3_tokenizer():
+    """The Qwen2Tokenizer of `qwen2_tokenizer` with Qwen3's think tokens and chat template (Z-Image, FLUX.2 klein
+    apply the template with `enable_thinking`)."""
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    corpus = list(PROMPT_CORPUS) + ["user\nassistant\n"] * 4
+    model = _train_like(Qwen2Tokenizer(), corpus, _bpe_trainer(specials, vocab_size=384))
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], errors="replace",
+                               model_max_length=32768, additional_special_tokens=specials[1:])
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen3(seed: int, tokenizer, hidden_size: int, num_hidden_layers: int, causal_lm: bool):
+    """A Qwen3 language model (the text encoder of Z-Image and FLUX.2 klein): grouped-query attention with
+    half as many key/value heads, as the releases have."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=2048,
+        rope_theta=1e6,
+        tie_word_embeddings=causal_lm,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    return seeded(seed, lambda: (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config))

@@ -15,7 +15,7 @@ from engine_lib.interface import BATCH_ROLES, to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.pipelines.base import PipelineAdapter
 from engine_lib.serving.tensors import ENCODERS
-from parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps
+from parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching
 
 NAMES = registry.names()
 
@@ -51,6 +51,8 @@ def test_the_declaration_is_consistent(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_request_left_at_its_defaults_is_the_pipelines_own_output(name):
     adapter = load_tiny_adapter(name, registry.get_adapter_class(name))
+    if not getattr(adapter, "diffusers_cfg_batching", True):  # CFG on by default, run as diffusers runs it
+        adapter = with_cfg_batching(adapter, False)
     inputs = {"prompt": "a photo of a cat", "seed": 3, **adapter.example_inputs()}
     params = parse(adapter, inputs)
     expected = pipe_reference(adapter)(params)

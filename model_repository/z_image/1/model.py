@@ -1,0 +1,3 @@
+"""z_image on the shared diffusion engine; all logic lives in engine_lib.serving.triton_model."""
+
+from engine_lib.serving.triton_model import TritonPythonModel  # noqa: F401
