@@ -190,3 +190,8 @@ def test_the_front_door_runs_in_the_same_service():
     service = compose["services"]["tritonserver"]
     assert not any(a.startswith("--openai-port") for a in _command(service))  # default 9000
     assert any(str(p).split(":")[-1] == "9000" for p in service["ports"])
+
+
+def test_the_front_doors_data_dir_is_a_mounted_folder(service):
+    """Video jobs and stored results outlive the container only on a volume."""
+    assert service["environment"]["DIFFUSION_DATA_DIR"] in _volumes(service)

@@ -224,6 +224,15 @@ def test_dev_shm_is_a_memory_empty_dir(pod_spec, container):
     assert volumes[mounts["/dev/shm"]].get("emptyDir", {}).get("medium") == "Memory"
 
 
+def test_the_front_doors_data_dir_is_a_shared_claim_and_jobs_go_to_postgresql(pod_spec, container):
+    """Replicas answer for each other's video jobs: the results on one claim, the rows in one database."""
+    env = _env(container)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    assert "persistentVolumeClaim" in volumes[mounts[env["DIFFUSION_DATA_DIR"]["value"]]]
+    assert env["JOB_STORE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "job-store-url"
+
+
 def test_rolling_update_keeps_capacity(deployment):
     strategy = deployment["spec"]["strategy"]
     assert strategy["type"] == "RollingUpdate"
