@@ -6,7 +6,8 @@ slices they load) for the step batch's parity and the shard sizes.
 
 A think / recaption text phase runs on the ranks too (its KV cache split by head like a prompt's, the logits
 from the vocabulary-split text head): the same text as one process, greedy and sampled, and the image within
-1 level; the bytes each rank holds are half the single process's KV caches at every tick.
+1 level; the bytes each rank holds are half the single process's KV caches at every tick. So does the first-block
+cache, its residuals kept on the ranks: the same decisions as one process, alone and beside a think.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.tiny_models import ensure_model
 from tests import conftest
-from parity_checks import load_tiny_adapter, parse, run_preempting, step_latents
+from parity_checks import load_tiny_adapter, parse, run_preempting, run_ticks, step_latents
 
 LATENT_BOUND = 1e-5
 SPLIT = ("self_attn.qkv_proj", "self_attn.o_proj", "shared_mlp", "experts", "model.wte")  # the parts split over the ranks
@@ -184,35 +185,17 @@ TEXT_RUNS = {  # request id -> (tick it joins at, its inputs)
     "solo": {"think": (0, text_inputs("think", "the red house !", 3, 12))},
     # a sampled recaption joins while the think decodes; a plain image (no CFG) while both do
     "batch": {"think": (0, text_inputs("think", "the red house !", 3, 12)),
-              "recaption": (2, text_inputs("recaption", "cat cube old", 8, 10, temperature=0.7, size=(48, 80),
-                                           guidance_scale=3.5)),
+              "recaption": (2, dict(text_inputs("recaption", "cat cube old", 8, 10, temperature=0.7, size=(48, 80),
+                                                guidance_scale=3.5), cache="first_block", cache_threshold=0.15)),
               "image": (4, inputs("fruit", 4, guidance_scale=1.0))},
 }
 
 
-def kv_bytes(runner: ModelRunner) -> int:
-    """The bytes of the KV caches a single-process runner's states hold (prompt contexts and texts)."""
-    return held_bytes([(s.context, s.text and s.text.cache) for s in runner.states.values()])
-
-
-def run_ticks(adapter, arrivals: dict, measure) -> tuple[dict, dict, list]:
-    """`arrivals` through the runner, each request joining at its tick: the final outputs, each request's streamed
-    text chunks, and `measure(runner)` after every tick."""
-    runner = ModelRunner(adapter, float_outputs=True)
-    running, outputs, chunks, seen, tick = [], {}, {}, [], 0
-    while len(outputs) < len(arrivals):
-        new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p))
-               for rid, (at, raw) in arrivals.items() if at == tick for p in [parse(adapter, raw)]]
-        out = runner.execute_step(new, running)
-        assert not out.errors, out.errors
-        for rid, chunk in out.chunks.items():
-            chunks.setdefault(rid, []).append(chunk["text"][0])
-        outputs.update(out.outputs)
-        runner.free(list(out.finished))
-        running = [r for r in new + running if r.request_id not in out.finished]
-        seen.append(measure(runner))
-        tick += 1
-    return outputs, chunks, seen
+def kv_bytes(runner: ModelRunner) -> tuple[int, int]:
+    """The bytes a single-process runner's states hold in KV caches (prompt contexts and texts: split by head over
+    the ranks) and in first-block cache residuals (whole on every rank)."""
+    states = runner.states.values()
+    return held_bytes([(s.context, s.text and s.text.cache) for s in states]), held_bytes([s.step_cache for s in states])
 
 
 @pytest.fixture(scope="module")
@@ -231,15 +214,16 @@ def assert_same_outputs(outputs: dict, chunks: dict, expected_outputs: dict, exp
 
 @pytest.mark.parametrize("run", TEXT_RUNS)
 def test_think_and_recaption_on_the_ranks_equal_the_single_process(ep, expected_texts, run):
-    """Solo, and a greedy think, a recaption sampled at temperature 0.7 and a plain image joining at ticks 0, 2 and
-    4: the same texts (streamed in the same chunks) and finish reasons, each image within 1 level. At every tick
-    each rank holds exactly half the bytes of the single process's KV caches (its heads' share: the text's cache
-    while it decodes, then the image's contexts), and nothing once they end."""
+    """Solo, and a greedy think, a recaption sampled at temperature 0.7 (with the first-block cache) and a plain image
+    joining at ticks 0, 2 and 4: the same texts (streamed in the same chunks) and finish reasons, each image within
+    1 level. At every tick each rank holds exactly half the bytes of the single process's KV caches (its heads'
+    share: the text's cache while it decodes, then the image's contexts) and the same first-block residuals, and
+    nothing once they end."""
     outputs, chunks, ranks = run_ticks(ep, TEXT_RUNS[run], lambda runner: held(ep, "held_bytes"))
     expected_outputs, expected_chunks, single_bytes = expected_texts[run]
     assert_same_outputs(outputs, chunks, expected_outputs, expected_chunks)
-    assert ranks == [[n // 2] * 2 for n in single_bytes] and single_bytes[0] > 0
-    assert held(ep) == [0, 0]
+    assert ranks == [[kv // 2 + residuals] * 2 for kv, residuals in single_bytes] and single_bytes[0][0] > 0
+    assert held(ep) == [0, 0] and held(ep, "held_bytes") == [0, 0]
 
 
 def test_the_vocabulary_split_head_gives_the_single_process_logits(ep, single):
@@ -279,4 +263,49 @@ def test_a_text_phase_preempted_on_the_ranks_resumes_and_a_cancelled_one_frees_e
     runner.execute_step([], [cancelled])
     assert runner.states["cancelled"].decoding and held(ep) == [1, 1]
     runner.free(["cancelled"])
+    assert held(ep, "held_bytes") == [0, 0]
+
+
+# -- the first-block cache on the ranks -----------------------------------------------------------------------
+
+def cached(prompt: str, seed: int, threshold: float, **changes) -> dict:
+    return dict(inputs(prompt, seed, **changes), cache="first_block", cache_threshold=threshold)
+
+
+CACHE_RUNS = {  # the tiny model reuses 3 of 6 steps at 0.15 (seed 3, CFG): test_step_cache_hunyuan_image3.py
+    "solo": {"solo": (0, cached("a red cube on a blue floor", 3, 0.15, steps=6))},
+    "batch": {"r0": (0, cached("a red cube on a blue floor", 3, 0.15, steps=6)),
+              "r1": (1, inputs("a green sphere next to a yellow cone", 4, steps=4, size=(48, 80), guidance_scale=1.0)),
+              "r2": (2, cached("fruit", 5, 0.2, steps=5, guidance_scale=1.0))},
+}
+
+
+def decisions(adapter) -> dict:
+    return {k: adapter.counters()[k] for k in ("cache_steps_computed", "cache_steps_reused")}
+
+
+@pytest.fixture(scope="module")
+def expected_cached(single) -> dict:
+    out = {}
+    for name, run in CACHE_RUNS.items():
+        before = decisions(single)
+        latents, images = step_latents(single, {rid: (at, parse(single, p)) for rid, (at, p) in run.items()})
+        out[name] = latents, images, {k: v - before[k] for k, v in decisions(single).items()}
+    return out
+
+
+@pytest.mark.parametrize("run", CACHE_RUNS)
+def test_the_first_block_cache_on_the_ranks_decides_as_one_process(ep, expected_cached, run):
+    """Solo, and a cached CFG request, an uncached one and one cached at another threshold joining at ticks 0-2:
+    the same decisions as one process (some steps reused), every step's latents within LATENT_BOUND, the images
+    within 1 level; every rank frees the residuals with the caches."""
+    before = decisions(ep)
+    latents, images = step_latents(ep, {rid: (at, parse(ep, p)) for rid, (at, p) in CACHE_RUNS[run].items()})
+    expected_latents, expected_images, expected_decisions = expected_cached[run]
+    assert {k: v - before[k] for k, v in decisions(ep).items()} == expected_decisions
+    assert expected_decisions["cache_steps_reused"] >= 3
+    for rid in CACHE_RUNS[run]:
+        assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
+        levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
+        assert levels.max() <= 1, rid
     assert held(ep, "held_bytes") == [0, 0]

@@ -74,9 +74,10 @@ def test_the_served_inputs(adapter):
     p = parse(adapter, {"prompt": "a cat"})
     assert (p.bot_task, p.max_new_tokens, p.temperature) == ("image", 1024, 0.0)
     assert adapter.total_steps(p) == p.num_inference_steps
-    assert adapter.total_steps(parse(adapter, {"prompt": "a", "bot_task": "RECAPTION", "max_new_tokens": 7,
+    assert adapter.total_steps(parse(adapter, {"prompt": "a", "bot_task": "recaption", "max_new_tokens": 7,
                                                "num_inference_steps": 4})) == 11
-    for name, value in (("bot_task", "auto"), ("max_new_tokens", 0), ("temperature", -1.0)):
+    for name, value in (("bot_task", "auto"), ("bot_task", "RECAPTION"), ("bot_task", "think\n"),
+                        ("max_new_tokens", 0), ("temperature", -1.0)):
         with pytest.raises(InvalidInputError, match=name):
             parse(adapter, {"prompt": "a cat", name: value})
 

@@ -98,8 +98,7 @@ class HunyuanImage3Adapter(PipelineAdapter):
     outputs = (IMAGE, interface.TEXT, interface.FINISH_REASON)
     state_class = HunyuanState
     # served with step execution only; tensor_parallel.py: heads, MLPs and experts split over the ranks
-    capabilities = (make("step_execution", "first_block", "text", "tensor_parallel", "expert_parallel")
-                    .refuse("tensor_parallel", "first_block", "the ranks run the layers without the cache"))
+    capabilities = make("step_execution", "first_block", "text", "tensor_parallel", "expert_parallel")
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,

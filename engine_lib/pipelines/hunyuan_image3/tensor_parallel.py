@@ -29,12 +29,18 @@ head (rank r: `lm_head` rows block r), whose logits are gathered to rank 0. The 
 them as one process does, and counts its cache one longer (`RankedTextHead.grown`); a rank trims a cache to the
 length the driver counts, so a forward run again (a batch retried row by row) grows it once. The text's cache is
 freed on every rank once the image context holds the text, or when the request ends.
+
+The first-block cache (`cache=first_block`) runs on the ranks as in one process (`first_layer_cache`): the first
+layer's output is the same on every rank (its partial sums all-reduced), so every rank takes the same decisions;
+each row's residuals stay on the ranks beside its KV cache, under its key, and go with it. The driver sends each
+row's threshold and counts the decisions rank 0 returns.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+from collections import Counter
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -47,6 +53,7 @@ from torch import nn
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerError, WorkerGroup, rank_devices
 from engine_lib.pipelines.decoder_parts import KVCache, RMSNorm, grow, held_bytes
+from engine_lib.pipelines.step_cache import BranchCache, RowGroup
 from engine_lib.pipelines.hunyuan_image3.model import (Gate, HunyuanConfig, HunyuanImage3Model, MoE, SwiGLU,
                                                       read_config)
 from engine_lib.pipelines.hunyuan_image3.think import HEAD_KEYS, extend
@@ -264,6 +271,7 @@ class TensorParallelRank:
         self.model = rank_model(Path(model_path), rank, world, expert_parallel, device, dtype)
         self.head = rank_text_head(Path(model_path), rank, world, device, dtype)
         self.caches: dict[str, KVCache] = {}
+        self.residuals: dict[str, BranchCache] = {}  # the first-block cache of the row on the cache `key`
         self._rows: tuple = (None, None)  # (keys, grids) and their ImageRows: rebuilt when the batch changes
 
     def param_bytes(self) -> int:
@@ -274,8 +282,8 @@ class TensorParallelRank:
         return len(self.caches)
 
     def held_bytes(self) -> int:
-        """The bytes of every KV cache shard this rank holds."""
-        return held_bytes(self.caches)
+        """The bytes of every KV cache shard and first-block cache residual this rank holds."""
+        return held_bytes(self.caches, self.residuals)
 
     @torch.inference_mode()
     def prefill(self, key: str, ids: torch.Tensor) -> None:
@@ -311,17 +319,30 @@ class TensorParallelRank:
         return KVCache([k[:, :length] for k in cache.keys], [v[:, :length] for v in cache.values])
 
     @torch.inference_mode()
-    def predict(self, keys: tuple, grids: tuple, latents: list, timesteps: torch.Tensor) -> Optional[list]:
-        """Each row's prediction (rank 0) for the rows of the caches `keys`."""
+    def predict(self, keys: tuple, grids: tuple, latents: list, timesteps: torch.Tensor,
+                thresholds: Optional[tuple] = None) -> Optional[tuple]:
+        """Each row's prediction (rank 0) for the rows of the caches `keys`. With `thresholds` (one per row, None
+        where the row does not cache) the first-block cache decides per row; rank 0 also returns each caching
+        row's decision ("computed" or "reused"; None for the others)."""
         self._check_held(keys, timesteps.device)
         if self._rows[0] != (keys, grids):
             self._rows = ((keys, grids), self.model.image_rows([self.caches[key] for key in keys], list(grids)))
-        out = self.model.predict(self._rows[1], latents, timesteps)
-        return out if self.rank == 0 else None
+        groups = None if thresholds is None else self._groups(keys, thresholds)
+        out = self.model.predict(self._rows[1], latents, timesteps, groups)
+        decisions = None if groups is None else [next(iter(g.tally)) if g.tally else None for g in groups]
+        return (out, decisions) if self.rank == 0 else None
+
+    def _groups(self, keys: tuple, thresholds: tuple) -> list[RowGroup]:
+        """One first-block cache group per row, each caching one with its residuals and a tally of its decision."""
+        counts = self._rows[1].counts
+        return [RowGroup(slice(r, r + 1), None, None, counts[r]) if threshold is None else
+                RowGroup(slice(r, r + 1), threshold, self.residuals.setdefault(key, BranchCache()), counts[r], Counter())
+                for r, (key, threshold) in enumerate(zip(keys, thresholds))]
 
     def free(self, keys: list) -> None:
         for key in keys:
             self.caches.pop(key, None)
+            self.residuals.pop(key, None)
         if self._rows[0] is not None and set(keys) & set(self._rows[0][0]):
             self._rows = (None, None)
 
@@ -377,9 +398,14 @@ class RankedModel:
 
     def predict(self, rows: RemoteRows, latents: list[torch.Tensor], timesteps: torch.Tensor,
                 groups: Optional[list] = None) -> list[torch.Tensor]:
-        assert groups is None, "the first-block cache is refused with tensor_parallel_size"
-        device = timesteps.device
-        return [pred.to(device) for pred in self._all("predict", rows.keys, rows.grids, list(latents), timesteps)]
+        """With `groups` (one per row: `HunyuanImage3Adapter._row_groups`) the ranks decide with their residuals;
+        the decisions are counted in each group's tally here."""
+        thresholds = None if groups is None else tuple(g.threshold for g in groups)
+        preds, decisions = self._all("predict", rows.keys, rows.grids, list(latents), timesteps, thresholds)
+        for group, decision in zip(groups or [], decisions or []):
+            if group.tally is not None and decision is not None:
+                group.tally[decision] += 1
+        return [pred.to(timesteps.device) for pred in preds]
 
     def text_logits(self, caches: list[RemoteCache], token_ids: torch.Tensor) -> torch.Tensor:
         """`TensorParallelRank.text_logits` on every rank: the logits [R, vocab] on the host."""
