@@ -90,19 +90,18 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys(), store: Op
     """The app, talking gRPC to the tritonserver at `triton_url`; with `keys`, requests need one of them. Jobs and
     stored images go to `store` (default: the one the environment names, store.open_store)."""
     request_ids = itertools.count(1)
+    store = store or open_store(os.environ)  # at once: a bad setting or an unreachable database stops the start
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.gateway = TritonGateway(triton_url)  # the asyncio client belongs to the server's loop
-        app.state.store = store or open_store(os.environ)
+        app.state.store = store
         app.state.videos = videos.VideoJobs(app.state.store)
         heartbeat = asyncio.create_task(app.state.videos.heartbeat())
         yield
         heartbeat.cancel()
         await app.state.videos.close()  # cancels the running jobs' Triton requests
         await app.state.gateway.close()
-        if store is None:
-            app.state.store.close()
 
     app = FastAPI(title="diffusion-triton OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # served below, behind the key
