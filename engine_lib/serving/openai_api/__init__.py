@@ -11,6 +11,10 @@ keys.py      bearer keys and the `priority` each may ask for (OPENAI_API_KEY, OP
 app.py       the FastAPI app: endpoints, bearer keys, bounded body reads, server-sent events, client disconnects
 chat.py      `/v1/chat/completions` for the models that answer in text (BAGEL)
 generate.py  strict versions of Triton's `generate` / `generate_stream`
+videos.py    `/v1/videos`: OpenAI's video jobs for the models with an mp4 output
+store.py     where jobs and results (mp4s, image URLs' PNGs) outlive the process: SQLite in DIFFUSION_DATA_DIR,
+             or PostgreSQL (JOB_STORE_URL) for replicas
+files.py     `/v1/files/{id}/content`: a stored result, behind the bearer key that made it
 watch.py     waiting for a request's responses while watching its HTTP client
 __main__.py  `python -m engine_lib.serving.openai_api --triton HOST:PORT --port 9000`
 """
