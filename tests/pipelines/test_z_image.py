@@ -17,7 +17,7 @@ import torch
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.z_image.adapter import ZImageAdapter
-from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
+from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
                            load_tiny_adapter, parse, pipe_reference, solo_steps)
 
 TEXT_LENGTH = 64  # text tokens before the prompt's own are dropped (diffusers' default, 512, runs in one test)
@@ -98,3 +98,20 @@ def test_three_requests_joining_at_different_ticks_with_cfg_and_two_images(adapt
     assert max(result.forward_sizes) == 3
     for a in arrivals:
         assert_close_images(result.images[a.request_id], reference(a.params), to_uint8)
+
+
+def test_a_lora_on_every_layer_holds_rows_of_different_captions_in_one_forward(adapter, reference):
+    """Z-Image's embedders see every row's tokens concatenated, so a forward holds one LoRA (in the keys) and
+    applies it to all it sees: two requests of different caption lengths (one with two images) with the LoRA
+    on every layer, the embedders too, share a forward and each stays within 1 level of its solo run, which is
+    bitwise diffusers' with the LoRA set (tests/pipelines/test_lora.py)."""
+    lora = dict(lora_name="toy_all", lora_scale=0.7)
+    first = params(PROMPTS[0], steps=3, seed=1, num_images=2, **lora)
+    second = params(PROMPTS[2], steps=3, seed=2, **lora)
+    assert adapter.step_key(parse(adapter, first)) != adapter.step_key(parse(adapter, params(PROMPTS[0], steps=3)))
+    together = drive_steps(adapter, [Arrival(0, "first", first), Arrival(1, "second", second)], float_output=True)
+    assert max(together.forward_sizes) == 2
+    for name, p in (("first", first), ("second", second)):
+        alone = solo_steps(adapter, p, float_output=True)
+        assert_close_images(together.images[name], alone, to_uint8)
+    assert image_diff(together.images["second"], reference(params(PROMPTS[2], steps=3, seed=2))) > 1e-2

@@ -59,6 +59,11 @@ class ZImageAdapter(FlowMatchAdapter):
         """`ZImagePipeline.do_classifier_free_guidance`: any positive scale (its formula adds to the cond)."""
         return self.cfg_scale(params) > 0
 
+    def key_fields(self, params: SamplingParams) -> tuple:
+        """CFG and its scale, and the LoRA: Z-Image's embedders see every row's tokens concatenated ([tokens, D]),
+        where a LoRA cannot be given to some rows only, so one forward holds one LoRA (and scale)."""
+        return super().key_fields(params) + (("lora", self.row_lora(params)),)
+
     # -- pipeline-specific phases ------------------------------------------------
     def _encode(self, state: FlowMatchState) -> dict[str, TextParts]:
         params = state.params
@@ -94,7 +99,11 @@ class ZImageAdapter(FlowMatchAdapter):
         pipeline negates it before `scheduler.step` (negation is exact, so CFG may combine negated halves)."""
         transformer = self.pipe.transformer
         images = list(latents.to(transformer.dtype).unsqueeze(2).unbind(0))
-        out = transformer(images, timestep, _captions(text), return_dict=False)[0]
+        loras = {self.row_lora(s.params) for s in states}
+        assert len(loras) == 1, "one LoRA per forward (key_fields)"
+        # that LoRA as a plan of one row, which applies to every row a layer sees
+        with self.loras.rows(list(loras)):
+            out = transformer(images, timestep, _captions(text), return_dict=False)[0]
         return -torch.stack([row.float() for row in out]).squeeze(2)
 
     def _combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
