@@ -45,6 +45,12 @@ def setup(request, tmp_path_factory):
     return adapter, lora_dir, model_dir
 
 
+def lora_per_row(adapter) -> bool:
+    """Whether rows with different LoRAs share a step forward (Z-Image's keys hold one LoRA per forward: its
+    embedders see every row's tokens concatenated)."""
+    return "lora" not in dict(adapter.key_fields(parse(adapter, {**BASE, "lora_name": "toy_a"})))
+
+
 def assert_within_one_level(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
     levels = np.abs(actual.astype(np.int16) - expected.astype(np.int16))
     assert levels.max() <= 1 and (levels > 0).mean() <= MAX_UINT8_CHANGED_FRACTION, what
