@@ -2,7 +2,8 @@
 hunyuan_image3 with tensor_parallel_size=2 and expert_parallel=true, each with two ranks: CPU worker processes of
 the model's stub (gloo).
 
-Requests stream their previews and one final; a cancel frees the request's state, on the driver (the runner's
+Requests stream their previews and one final; Hunyuan's think and recaption (the text's KV cache on the ranks)
+give the texts and images of one process; a cancel frees the request's state, on the driver (the runner's
 states) and on every rank (`diffusion_rank_states`: the CFG ranks hold none, Hunyuan's hold the prompt's KV cache
 shards); a worker killed with SIGKILL ends the request in flight with one final error and the instance restarts
 its workers by itself; SIGTERM to tritonserver leaves no worker behind (the last test).
@@ -16,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine_lib.serving.launcher import REPO_ROOT, free_port, proc_stat
@@ -24,7 +26,7 @@ from engine_lib.tiny_models import ensure_model
 from tests.conftest import TickBudget
 
 from .conftest import SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter, write_repository
-from .streaming import RequestStream, close_all, run_request, wait_for_metric
+from .streaming import RequestStream, close_all, run_concurrently, run_request, wait_for_metric
 
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32)  # the two forwards run on the ranks
 
@@ -121,6 +123,38 @@ def test_a_cancel_mid_request_ends_its_stream_once_and_frees_its_state_on_every_
             assert wait_for_metric(metrics, gauge, 0.0, model=model) == 0.0, gauge
     finally:
         close_all([stream], budget)
+
+
+THINKS = {  # sent together, so they share the ranks' forwards: a greedy think, a recaption sampled at 0.7 and cached
+    "think": dict(prompt="the red house !", bot_task="think", max_new_tokens=12, seed=3, height=64, width=64,
+                  guidance_scale=3.5, num_inference_steps=3, output_format="raw"),
+    "recaption": dict(prompt="cat cube old", bot_task="recaption", max_new_tokens=10, temperature=0.7, seed=8,
+                      height=48, width=80, guidance_scale=3.5, num_inference_steps=4, output_format="raw",
+                      cache="first_block", cache_threshold=0.15),
+}
+
+
+def test_think_and_recaption_on_the_ranks_give_the_texts_and_images_of_one_process(parallel_server):
+    """Through tritonserver (FP32 temperature 0.7 and thresholds): each text, streamed and final, and finish reason
+    as the single-process adapter writes it in-process, each image within 1 level; every rank frees its shards."""
+    from engine_lib.interface import to_uint8
+    from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
+    from tests.pipelines.parity_checks import load_tiny_adapter, run_ticks
+
+    served = run_concurrently(parallel_server.grpc_url, list(THINKS.values()), prefix="think", model=HUNYUAN)
+    single = load_tiny_adapter(HUNYUAN, HunyuanImage3Adapter)
+    for (rid, inputs), result in zip(THINKS.items(), served):
+        assert not result.errors and result.num_final == 1, rid
+        expected, chunks, _ = run_ticks(single, {rid: (0, inputs)})
+        text = result.final.as_numpy("text")[0].decode()
+        streamed = "".join(r.as_numpy("text")[0].decode() for r in result.responses[:-1]
+                           if r.as_numpy("text") is not None)
+        assert text == expected[rid]["text"][0] and text.startswith(streamed) and len(chunks[rid]) > 1, rid
+        assert len(streamed) > 0, rid
+        assert result.final.as_numpy("finish_reason")[0].decode() == expected[rid]["finish_reason"][0], rid
+        image = to_uint8(expected[rid]["image"][0]).astype(int)
+        assert np.abs(result.final.as_numpy("image")[0].astype(int) - image).max() <= 1, rid
+    assert wait_for_metric(parallel_server.metrics_url, "diffusion_rank_states", 0.0, model=HUNYUAN) == 0.0
 
 
 def test_a_killed_worker_ends_the_request_in_flight_and_the_model_serves_again_by_itself(parallel_server):
