@@ -39,8 +39,8 @@ def starts_early(start, ahead: bool = False):
     return mark
 
 
-def renice_tree(pid: int, niceness: int) -> None:
-    """Set the CPU priority of process `pid` and of its descendants (where allowed: raising one back may not be)."""
+def process_tree(pid: int) -> set[int]:
+    """Process `pid` and its descendants, whatever their process groups and sessions."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -50,7 +50,12 @@ def renice_tree(pid: int, niceness: int) -> None:
     tree = {pid}
     while children := {child for child, parent in parents.items() if parent in tree} - tree:
         tree |= children
-    for member in tree:
+    return tree
+
+
+def renice_tree(pid: int, niceness: int) -> None:
+    """Set the CPU priority of process `pid` and of its descendants (where allowed: raising one back may not be)."""
+    for member in process_tree(pid):
         try:
             os.setpriority(os.PRIO_PROCESS, member, niceness)
         except OSError:

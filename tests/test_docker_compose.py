@@ -137,8 +137,8 @@ def test_publishes_only_what_one_request_cannot_crash(service):
 
 def test_healthcheck_asks_for_readiness(service):
     check = service["healthcheck"]
-    test = " ".join(check["test"]) if isinstance(check["test"], list) else check["test"]
-    assert "http://127.0.0.1:8000/v2/health/ready" in test, "tritonserver's HTTP port listens on loopback only"
+    assert check["test"] == ["CMD", "python3", "-m", "engine_lib.serving.launcher", "ready"], \
+        "every public port serves, not only tritonserver's (tests/serving/test_supervision.py)"
     assert _seconds(check["start_period"]) >= 300, "weights take minutes to load; do not mark unhealthy early"
 
 

@@ -26,6 +26,9 @@ On SIGTERM the gate refuses new calls, ends every stream without an open request
 others as soon as their requests have their finals; requests still open after `--drain-s` get an
 UNAVAILABLE final made here ("server shutting down") and are cancelled upstream. tritonserver then has
 no client stream left, so the models unload (the launcher's stop) instead of waiting for idle streams.
+SIGUSR1 does the same to the streams open at that moment and keeps serving: tritonserver is shutting down
+on a signal of its own (the launcher's supervisor restarts it), and its running requests must end before
+its exit timeout expires, or it tears its stubs down under them and crashes.
 
     GRPC_MAX_MESSAGE_BYTES=16777216 python -m engine_lib.serving.grpc_gate --listen 0.0.0.0:8001 \
         --upstream 127.0.0.1:18001
@@ -282,17 +285,19 @@ class Forwarder(grpc.GenericRpcHandler):
 
         return forward
 
-    async def close_streams(self, drain_s: float) -> None:
-        """End every stream: those without an open request at once, the others when their requests have
-        their finals, or after `drain_s` with an UNAVAILABLE final made here for each request still open."""
-        self.closing = True
-        for stream in self.streams:
+    async def close_streams(self, drain_s: float, stopping: bool = True) -> None:
+        """End every stream open now: those without an open request at once, the others when their requests have
+        their finals, or after `drain_s` with an UNAVAILABLE final made here for each request still open.
+        `stopping`: the gate stops (no new call is served); else new streams are forwarded as before."""
+        self.closing = self.closing or stopping
+        streams = set(self.streams)
+        for stream in streams:
             stream.close()
         deadline = asyncio.get_running_loop().time() + drain_s
-        while any(stream.open for stream in self.streams) and asyncio.get_running_loop().time() < deadline:
+        while any(stream.open for stream in streams) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        ended = sum(sum(stream.open.values()) for stream in self.streams)
-        for stream in self.streams:
+        ended = sum(sum(stream.open.values()) for stream in streams)
+        for stream in streams:
             stream.end_open_requests(SHUTTING_DOWN)
         if ended:
             print(f"grpc gate: {ended} requests still running after the {drain_s:g} s drain ended with "
@@ -319,12 +324,20 @@ async def serve(listen: str, upstream: str, max_message: int, max_unsent: int = 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: _drain_upstream(forwarder, drain_s))
     await stop.wait()
     print(f"grpc gate: stopping ({len(forwarder.streams)} streams open)", flush=True)
     stopped = asyncio.ensure_future(server.stop(drain_s + 5.0))  # refuses new calls at once
     await forwarder.close_streams(drain_s)
     await stopped  # the finals written (a client that does not read them is cut after 5 s)
     await forwarder.channel.close()
+
+
+def _drain_upstream(forwarder: Forwarder, drain_s: float) -> None:
+    """SIGUSR1: tritonserver is shutting down; end the streams open now as a stop would, and serve on."""
+    print(f"grpc gate: tritonserver is stopping: ending {len(forwarder.streams)} streams within {drain_s:g} s",
+          flush=True)
+    asyncio.ensure_future(forwarder.close_streams(drain_s, stopping=False))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

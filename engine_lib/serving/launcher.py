@@ -20,7 +20,9 @@ the gRPC gate (grpc_gate.py), the public gRPC port in front of tritonserver's ow
 refuses oversized messages before tritonserver reads them.
 
 CLI (for `make serve` and the Docker image): `python -m engine_lib.serving.launcher serve`
-starts both under a `Supervisor` (supervisor.py) that restarts a server or stub that dies.
+starts both under a `Supervisor` (supervisor.py) that restarts a server or stub that dies, or a server that
+stops answering; a gate or front door that exits on its own is started again alone. `... launcher ready` is
+the probes' readiness: exit 0 only while every port serves (`unready_ports`).
 Environment: TRITON_ADDRESS (127.0.0.1; 0.0.0.0: the gRPC, metrics and front door ports listen on every
 interface), TRITON_HTTP_ADDRESS (tritonserver's HTTP port, which one request can crash: 127.0.0.1 whatever
 TRITON_ADDRESS says), HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), GRPC_MAX_MESSAGE_BYTES (the
@@ -67,13 +69,18 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # is 3 MiB, a response of 4 is 12 MiB; start at 64 MiB and grow in 64 MiB steps.
 DEFAULT_SHM_BYTES = 64 * 1024 * 1024
 DEFAULT_ADDRESS = "127.0.0.1"  # loopback unless told otherwise: nothing is exposed by default
-# With an admin key, the models are drained by unloading them before SIGTERM; what tritonserver's
-# own exit timeout still covers is only its wait for idle HTTP connections.
+# With an admin key, the models are drained by unloading them before SIGTERM; what is left after it is only
+# tritonserver's wait for idle HTTP keep-alive connections, cut this long after the SIGTERM (a SIGKILL: nothing
+# of the models is left to lose). tritonserver's own exit timeout stays EXIT_TIMEOUT_SECS: a SIGTERM that
+# reaches it from outside (an operator, systemd's control-group kill) must leave the gate's drain time to end
+# the running requests, or it tears the stubs down under them and crashes.
 DRAINED_EXIT_TIMEOUT_S = 3
 # The gRPC gate's drain ends this long before the unload's wait does: the models' requests it ends are
 # cancelled, and the models unload, within it.
 GATE_DRAIN_MARGIN_S = 5.0
 LOADED_LINE = re.compile(rb"successfully loaded '([^']+)'")  # tritonserver's log line once a model is loaded
+SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")  # ... once a signal starts its shutdown
+EXIT_TIMEOUT_LINE = b"Exit timeout expired"  # ... once it gives up waiting for running requests (it crashes next)
 INSTANCE_LINE = re.compile(rb"TRITONBACKEND_ModelInstanceInitialize: (\S+) ")  # ... as a Python stub starts
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
 # Triton's admin-like protocols, closed to clients without the admin key (HTTP and gRPC). shared-memory
@@ -265,6 +272,10 @@ class TritonServer:
         self.loaded_models: frozenset[str] = frozenset()  # the models its log says loaded
         self.instances: frozenset[str] = frozenset()  # the model instances (Python stubs) its log says it started
         self.load_failed = False  # its log says a model failed to load
+        self.signalled: Optional[int] = None  # the signal its log says started its shutdown (ours or not)
+        self.exit_timed_out = False  # its log says its exit timeout expired with requests still running
+        self.signalled_here = False  # the launcher sent it a signal (send_signal, stop)
+        self.was_ready = False  # it was ready once (check_ready)
 
     # -- addresses ---------------------------------------------------------------
     @property
@@ -282,7 +293,6 @@ class TritonServer:
     # -- lifecycle -----------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
         binary = system_tritonserver() or find_pytriton_dist() / "bin" / "tritonserver"
-        exit_timeout_s = DRAINED_EXIT_TIMEOUT_S if self.admin_key else self.exit_timeout_s
         args = [
             str(binary),
             f"--model-repository={self.model_repository}",
@@ -295,7 +305,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
-            f"--exit-timeout-secs={exit_timeout_s}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             f"--backend-config=python,shm-default-byte-size={self.shm_bytes}",
             f"--backend-config=python,shm-growth-byte-size={self.shm_bytes}",
@@ -352,6 +362,7 @@ class TritonServer:
                                     f"log tail ({self.log_path}):\n{self.log_tail()}")
         if self.is_ready():
             self._restrict_shm_regions()
+            self.was_ready = True
             return True
         if time.monotonic() - self._started >= timeout_s:
             raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s; log tail:\n{self.log_tail()}")
@@ -363,8 +374,12 @@ class TritonServer:
         once every one has)."""
         with self.process.stdout as output:
             for line in output:
-                loaded, instance = LOADED_LINE.search(line), INSTANCE_LINE.search(line)
-                if loaded:
+                loaded, instance, signalled = LOADED_LINE.search(line), INSTANCE_LINE.search(line), SIGNAL_LINE.match(line)
+                if signalled:
+                    self.signalled = int(signalled.group(1))
+                elif EXIT_TIMEOUT_LINE in line:
+                    self.exit_timed_out = True
+                elif loaded:
                     self.loaded_models = self.loaded_models | {loaded.group(1).decode(errors="replace")}
                 elif instance:
                     self.instances = self.instances | {instance.group(1).decode(errors="replace")}
@@ -389,12 +404,26 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def is_live(self) -> bool:
+        """Its HTTP service answers /v2/health/live (a server that is stopped, or stuck, does not)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/live", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def stopping_on_its_own(self) -> bool:
+        """A signal from outside the launcher (an operator's, systemd's) started the server's shutdown."""
+        return self.signalled is not None and not self.signalled_here
 
     def send_signal(self, sig: int = signal.SIGTERM) -> None:
         """Signal the server process only (e.g. SIGTERM to test a drain); `stop()` still bounds the exit."""
         if self.is_running():
+            self.signalled_here = True
             self.process.send_signal(sig)
 
     def wait(self, timeout_s: float) -> Optional[int]:
@@ -432,7 +461,15 @@ class TritonServer:
                     return left
                 time.sleep(0.1)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            return [f"(repository API unreachable: {exc})"]
+            if self.signalled is None:
+                return [f"(repository API unreachable: {exc})"]
+            # A signal from outside stops the server meanwhile (it unloads the models itself): its exit says how.
+            self.wait(max(0.0, deadline - time.monotonic()) + 5.0)
+            return [] if self.exited_cleanly() else ["(tritonserver's own stop did not end cleanly)"]
+
+    def exited_cleanly(self) -> bool:
+        """It exited with code 0, its running requests ended before its exit timeout expired."""
+        return self.process is not None and self.process.poll() == 0 and not self.exit_timed_out
 
     def stub_pids(self) -> dict[int, str]:
         """The server's live Python-backend stubs: pid -> model instance name (e.g. qwen_image_0_0). A zombie
@@ -454,27 +491,34 @@ class TritonServer:
     def stop(self, grace_s: Optional[float] = None, drain: bool = True) -> Optional[int]:
         """End the server within a bounded time; idempotent.
 
-        With an admin key and `drain`, first unload every model (up to the exit timeout);
-        then SIGTERM the server, wait up to grace_s (default 15 s), and SIGKILL whatever is
-        left of its process group.
+        With an admin key and `drain`, first unload every model of a ready server (up to the exit timeout);
+        then SIGTERM the server, wait up to grace_s, and SIGKILL whatever is left of its process group.
+        By default grace_s is 15 s; DRAINED_EXIT_TIMEOUT_S once the models unloaded; and, for a server
+        whose shutdown a signal from outside started (it is waited for, not signalled again), its exit
+        timeout and 5 s, in which the gate's drain ends its running requests. With `drain`,
+        `unloaded_cleanly` says whether every model unloaded (or the server exited cleanly on its own).
         """
         process = self.process
         if process is None:
             return None
         if grace_s is None:
-            grace_s = 15.0
-        if drain and self.admin_key and process.poll() is None:
+            grace_s = self.exit_timeout_s + 5.0 if self.stopping_on_its_own else 15.0
+        if drain and self.admin_key and process.poll() is None and self.signalled is None and self.is_ready():
             left = self.unload_all(self.exit_timeout_s)
             self.unloaded_cleanly = not left
             if left:
                 print(f"launcher: still loaded after {self.exit_timeout_s} s: {', '.join(left)}", flush=True)
-            grace_s = DRAINED_EXIT_TIMEOUT_S + 5.0
+            grace_s = DRAINED_EXIT_TIMEOUT_S if not left else DRAINED_EXIT_TIMEOUT_S + 5.0
         if process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM, only_leader=True)
+            if self.signalled is None:
+                self.signalled_here = True
+                _signal_group(process.pid, signal.SIGTERM, only_leader=True)
             try:
                 process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
+        if drain and self.was_ready and self.unloaded_cleanly is None:
+            self.unloaded_cleanly = self.exited_cleanly()
         # Whatever is left in the group (the server after the grace period, orphaned stubs) is killed.
         _signal_group(process.pid, signal.SIGKILL)
         try:
@@ -547,8 +591,10 @@ class OpenAIFrontDoor:
     """
 
     def __init__(self, triton_grpc_url: str, host: str = "127.0.0.1", port: Optional[int] = None,
-                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None):
+                 log_path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None,
+                 drain_s: float = 5.0):
         self.triton_grpc_url = triton_grpc_url
+        self.drain_s = drain_s  # at SIGTERM, how long its running requests may still take
         self.host = host
         self.port = port if port is not None else _env_int("OPENAI_PORT", 9000)
         self.log_path = Path(log_path) if log_path else None  # None: the launcher's console
@@ -563,17 +609,18 @@ class OpenAIFrontDoor:
         env = dict(self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, "-m", "engine_lib.serving.openai_api", "--triton", self.triton_grpc_url,
-                   "--host", self.host, "--port", str(self.port)]
+                   "--host", self.host, "--port", str(self.port), f"--drain-s={self.drain_s:g}"]
         self.process = spawn(command, env, self.log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise TritonServerError(f"the OpenAI front door exited with code {self.process.returncode} on port "
                                         f"{self.port}; its output:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
+            try:  # any answer: it serves (its /health says 503 while tritonserver is not ready, after a restart)
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return self
+            except urllib.error.HTTPError:
+                return self
             except (urllib.error.URLError, OSError):
                 time.sleep(0.1)
         self.stop()
@@ -659,6 +706,12 @@ class GrpcGate:
     def drain(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
+
+    def end_requests(self) -> None:
+        """tritonserver is shutting down on its own: the gate ends the streams open now (each request gets its
+        final, or UNAVAILABLE after the drain) and serves on (SIGUSR1)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)
 
     stop = OpenAIFrontDoor.stop  # the same bounded stop and log tail as the front door's
     log_tail = OpenAIFrontDoor.log_tail
@@ -831,7 +884,11 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--openai-port", type=int, default=None,
                    help="the front door's port (OpenAI Images API, strict generate); default: $OPENAI_PORT or 9000; "
                         "0: none")
+    sub.add_parser("ready", help="exit 0 if every port of a running launcher serves (the probes' readiness), "
+                                 "else 1 naming those that do not; reads the ports from the environment as serve does")
     args = parser.parse_args(argv)
+    if args.command == "ready":
+        return _report_ready(unready_ports())
     openai_port = args.openai_port if args.openai_port is not None else _env_int("OPENAI_PORT", 9000)
     address = args.address or default_address()
     repository = args.model_repository or os.environ.get("MODEL_REPOSITORY") or DEFAULT_MODEL_REPOSITORY
@@ -870,7 +927,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     # The gate and the front door, each started once for the launcher's life (they reconnect to a restarted
     # server by themselves), and stopped after it.
     children: dict[str, GrpcGate | OpenAIFrontDoor] = {}
-    failed = threading.Event()  # one of them could not start, or exited on its own
+    failed = threading.Event()  # one of them could not start again
+    stopped = threading.Event()  # they are stopped: the threads that restarted them may end
 
     def start_once(name: str, child: Callable[[], GrpcGate | OpenAIFrontDoor]) -> bool:
         if name not in children:
@@ -881,7 +939,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                 failed.set()
                 stop.set()
                 return False
-            threading.Thread(target=_stop_when_exits, args=(children[name], name, stop, failed), daemon=True).start()
+            threading.Thread(target=_restart_when_exits, args=(children[name], name, stop, failed, stopped),
+                             daemon=True).start()
         return True
 
     def drain_gate() -> None:
@@ -904,7 +963,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         # UNAVAILABLE final like any client's, instead of holding the models' unload past its timeout.
         front_env = {**os.environ, "TRITON_ADMIN_KEY": admin_key, PRIORITY_KEY_ENV: priority_key}
         if openai_port and not start_once("the front door", lambda: OpenAIFrontDoor(
-                grpc_url, host=address, port=openai_port, log_path=args.log_file, env=front_env)):
+                grpc_url, host=address, port=openai_port, log_path=args.log_file, env=front_env, drain_s=gate_drain_s)):
             return
         front = f", front door {children['the front door'].url}" if openai_port else ""
         print(f"launcher: ready in {time.monotonic() - began[0]:.1f} s (grpc {grpc_url}, http {server.http_url}"
@@ -912,26 +971,97 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
 
     loading = "every model" if models == ["*"] else ", ".join(models)
     print(f"launcher: starting tritonserver on {repository} (address {address}), loading {loading}", flush=True)
+    def on_stopping(server: TritonServer) -> None:
+        if "the gRPC gate" in children:
+            children["the gRPC gate"].end_requests()
+
     supervisor = Supervisor(make_server, stop, on_ready=on_ready, start_timeout_s=args.start_timeout,
-                            stub_drain_s=args.stub_drain)
+                            stub_drain_s=args.stub_drain, on_stopping=on_stopping)
     code = supervisor.run()
     for name in ("the front door", "the gRPC gate"):  # after the drain: running requests came through them
         if name in children:
             print(f"launcher: stopping {name}", flush=True)
             children[name].stop()
+    stopped.set()
     code = 1 if failed.is_set() else code
     print(f"launcher: stopped (exit code {code})", flush=True)
     return code
 
 
-def _stop_when_exits(child: GrpcGate | OpenAIFrontDoor, name: str, stop: threading.Event,
-                     failed: threading.Event) -> None:
-    """The front door or the gate exiting on its own ends the launcher (a supervisor above restarts it all)."""
+def unready_ports(environ: Mapping[str, str] = os.environ, timeout_s: float = 2.0) -> list[str]:
+    """The public ports of a launcher started with `environ` that do not serve now (empty: ready).
+
+    tritonserver's own readiness is not enough: it says ready before the gate and the front door listen, while
+    one of them restarts, and (its HTTP port on loopback) says nothing about them. So: tritonserver's
+    /v2/health/ready, the gate's port taking a connection, and the front door's /health, which answers 200
+    only while tritonserver is ready through the gate.
+    """
+    host = connect_host(environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS)
+    http_host = connect_host(environ.get("TRITON_HTTP_ADDRESS", "").strip() or DEFAULT_ADDRESS)
+    port = lambda name, default: int(environ.get(name, "").strip() or default)  # noqa: E731
+    checks = {f"tritonserver (http://{http_host}:{port('HTTP_PORT', 8000)}/v2/health/ready)":
+              f"http://{http_host}:{port('HTTP_PORT', 8000)}/v2/health/ready"}
+    if environ.get("GRPC_MAX_MESSAGE_BYTES", "").strip() != "0":
+        checks[f"the gRPC gate ({host}:{port('GRPC_PORT', 8001)})"] = (host, port("GRPC_PORT", 8001))
+    if port("OPENAI_PORT", 9000):
+        checks[f"the front door (http://{host}:{port('OPENAI_PORT', 9000)}/health)"] = \
+            f"http://{host}:{port('OPENAI_PORT', 9000)}/health"
+    unready = []
+    for name, target in checks.items():
+        try:
+            if isinstance(target, tuple):
+                socket.create_connection(target, timeout=timeout_s).close()
+            else:
+                with urllib.request.urlopen(target, timeout=timeout_s) as reply:
+                    if reply.status != 200:
+                        unready.append(name)
+        except (urllib.error.URLError, OSError):
+            unready.append(name)
+    return unready
+
+
+def _report_ready(unready: list[str]) -> int:
+    if unready:
+        print(f"not ready: {', '.join(unready)}", flush=True)
+        return 1
+    print("ready", flush=True)
+    return 0
+
+
+def _restart_when_exits(child: GrpcGate | OpenAIFrontDoor, name: str, stop: threading.Event,
+                        failed: threading.Event, stopped: threading.Event) -> None:
+    """The front door or the gate exiting on its own (killed, crashed) is started again on its port, as a dead
+    stub's server is, while tritonserver and the other child serve on: its clients' connections fail and
+    they reconnect (the front door's video jobs are lost with it). While it keeps exiting within a minute
+    of its start, each restart waits the supervisor's backoff (1, 2, 4, ... 30 s). One that cannot start
+    again ends the launcher (exit code 1). The thread outlives what it started (die_with_parent): it ends once
+    `stopped` says the launcher stopped its children."""
+    from engine_lib.serving.supervisor import Backoff  # noqa: PLC0415 (it imports this module)
+
+    try:
+        _restart_until_stop(child, name, stop, failed, Backoff())
+    finally:
+        stopped.wait()
+
+
+def _restart_until_stop(child: GrpcGate | OpenAIFrontDoor, name: str, stop: threading.Event,
+                        failed: threading.Event, backoff: Any) -> None:
+    backoff.up()
     while not stop.wait(0.5):
-        if child.process.poll() is not None:
-            print(f"launcher: {name} exited (code {child.process.returncode}); stopping", flush=True)
+        if child.process.poll() is None:
+            continue
+        print(f"launcher: {name} exited (code {child.process.returncode}); restarting it", flush=True)
+        if stop.wait(max(1.0, backoff.failed())):  # a whole-tree stop signals it too: not a death
+            return
+        try:
+            child.start()
+        except TritonServerError as exc:
+            print(f"launcher: {name} did not start again: {exc}", file=sys.stderr, flush=True)
             failed.set()
             stop.set()
+            return
+        backoff.up()
+        print(f"launcher: {name} restarted ({child.url})", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ their gauges show none: `in_flight`), kills the rest, removes the server's /dev/
 regions, and starts a new server at once (while servers keep dying within a minute of their
 readiness, after a backoff of 0, 1, 2, 4, ... 30 s). Each start gets the number of restarts so far in
 DIFFUSION_SERVER_RESTARTS, which the models export as the gauge diffusion_server_restarts.
+
+A signal from outside the launcher that reaches tritonserver alone (an operator's SIGTERM) starts its own
+shutdown: it refuses new requests and waits for the running ones up to its exit timeout. The supervisor
+then has the gate end them (`on_stopping`: each gets its final, or UNAVAILABLE "server shutting down"
+after the gate's drain), waits for the server's exit, and starts a new one. A server that is alive but
+does not answer its health endpoint for HEALTH_TIMEOUT_S (stopped, deadlocked) is killed and restarted.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from typing import Any, Callable, Optional
 
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 HEALTHY_AFTER_S = 60.0  # a server up this long resets the backoff
+HEALTH_EVERY_S = 1.0  # how often a ready server's /v2/health/live is asked
+HEALTH_TIMEOUT_S = 10.0  # unanswered this long: the server is stuck (a busy server answers within 2 s)
 RESTARTS_ENV = "DIFFUSION_SERVER_RESTARTS"
 # The gauges of requests a model still holds: Triton's queue, and the engine's own (engine_lib/serving/metrics.py).
 IN_FLIGHT_GAUGES = ("nv_inference_pending_request_count", "diffusion_requests_waiting", "diffusion_requests_running",
@@ -63,23 +71,47 @@ def in_flight(metrics: str, dead_instance: str) -> int:
     return int(total)
 
 
+class Backoff:
+    """The pause before a restart: none after a run of HEALTHY_AFTER_S or more (or the first time), else 1, 2,
+    4, ... 30 s as quick failures repeat. `up()` when the restarted thing serves, `failed()` when it dies or
+    does not start: the pause to take. Owned by one thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.failures = 0  # quick failures in a row
+        self.up_at: Optional[float] = None  # when it last began to serve (None: not since its last failure)
+
+    def up(self) -> None:
+        self.up_at = self.clock()
+
+    def failed(self) -> float:
+        healthy = self.up_at is not None and self.clock() - self.up_at >= HEALTHY_AFTER_S
+        self.failures = 0 if healthy else self.failures + 1
+        self.up_at = None
+        return BACKOFF_S[min(max(self.failures - 1, 0), len(BACKOFF_S) - 1)]
+
+
 class Supervisor:
     """Runs servers made by `make_server(restarts)` (launcher.TritonServer objects; not imported:
     the launcher imports this module) until `stop` is set.
 
     `on_ready(server)` runs once each server is ready (the launcher prints its
-    addresses). `run()` returns the exit code: 0 when stopped on request and every
-    model unloaded cleanly, 1 otherwise (including a first start that fails, which is
-    a configuration error, not a crash, and is not retried).
+    addresses); `on_stopping(server)` once a signal from outside starts a server's shutdown
+    (the launcher has the gate end its requests). `run()` returns the exit code: 0 when
+    stopped on request and every model unloaded cleanly, 1 otherwise (including a first
+    start that fails, which is a configuration error, not a crash, and is not retried).
     """
 
     def __init__(self, make_server: Callable[[int], Any], stop: threading.Event,
                  on_ready: Callable[[Any], None] = lambda server: None,
                  log: Callable[[str], None] = lambda line: print(line, flush=True),
-                 start_timeout_s: float = 600.0, stub_drain_s: float = 10.0, poll_s: float = 0.2):
+                 start_timeout_s: float = 600.0, stub_drain_s: float = 10.0, poll_s: float = 0.2,
+                 on_stopping: Callable[[Any], None] = lambda server: None, clock: Callable[[], float] = time.monotonic):
         self.make_server = make_server
         self.stop = stop
         self.on_ready = on_ready
+        self.on_stopping = on_stopping
+        self.clock = clock
         self.log = log
         self.start_timeout_s = start_timeout_s
         self.stub_drain_s = stub_drain_s
@@ -87,9 +119,9 @@ class Supervisor:
         self.restarts = 0
         self.server: Any = None
         self.ready_at: Optional[float] = None  # when the current server became ready (None: not yet)
+        self.backoff = Backoff(clock)
 
     def run(self) -> int:
-        failures = 0
         while not self.stop.is_set():
             server = self.server = self.make_server(self.restarts)
             try:
@@ -101,27 +133,30 @@ class Supervisor:
                     self.log(f"launcher: {exc}")
                     return 1
                 self.log(f"launcher: restart {self.restarts} failed to start: {str(exc).splitlines()[0]}")
-                failures += 1
-                self._pause(failures)
+                self.stop.wait(self.backoff.failed())
                 continue
             if death is None:  # stop requested: drain the models if they serve
-                server.stop(drain=server.is_ready())
+                server.stop()
                 server.cleanup()
                 return 0 if server.unloaded_cleanly in (True, None) else 1
             what, dead_instance = death
             self.restarts += 1
-            healthy = self.ready_at is not None and time.monotonic() - self.ready_at >= HEALTHY_AFTER_S
-            failures = 0 if healthy else failures + 1
+            pause = self.backoff.failed()
             self.log(f"launcher: {what}; restarting tritonserver (restart {self.restarts})")
             noticed = time.monotonic()
             drained = self._drain(server, dead_instance) if dead_instance and self.ready_at is not None else 0.0
-            server.stop(grace_s=0, drain=False)
+            if server.stopping_on_its_own:  # its own shutdown: the gate ends its requests, then it exits by itself
+                self.on_stopping(server)
+                server.stop(drain=False)
+                self.log(f"launcher: tritonserver exited with code {server.process.returncode} after its drain")
+            else:
+                server.stop(grace_s=0, drain=False)
             server.cleanup()
             self.log(f"launcher: the server of restart {self.restarts} stopped {time.monotonic() - noticed:.1f} s "
                      f"after the death was noticed (drain {drained:.1f} s)")
             if server.leaked_shm:
                 self.log(f"launcher: removed the dead server's shared memory: {', '.join(server.leaked_shm)}")
-            self._pause(failures)
+            self.stop.wait(pause)
         return 0
 
     def _watch(self, server: Any) -> Optional[tuple[str, str]]:
@@ -131,14 +166,25 @@ class Supervisor:
         known: dict[int, str] = {}  # the stubs of the last look, pid -> instance
         ready = False
         self.ready_at = None
+        answered = asked = self.clock()  # the last /v2/health/live answer, and the last question
         while not self.stop.wait(self.poll_s):
+            if server.stopping_on_its_own:
+                return f"tritonserver received signal {server.signalled} from outside the launcher", ""
             if not ready:
                 ready = server.check_ready(self.start_timeout_s)  # raises if it exited or timed out
                 if ready:
-                    self.ready_at = time.monotonic()
+                    self.ready_at = answered = self.clock()
+                    self.backoff.up()
                     self.on_ready(server)
             elif server.process.poll() is not None:
                 return f"tritonserver exited unexpectedly (exit code {server.process.returncode})", ""
+            elif self.clock() - asked >= HEALTH_EVERY_S:
+                asked = self.clock()
+                if server.is_live():
+                    answered = asked
+                elif asked - answered >= HEALTH_TIMEOUT_S:
+                    return (f"tritonserver (pid {server.process.pid}) did not answer its health endpoint for "
+                            f"{asked - answered:.0f} s"), ""
             stubs = server.stub_pids()
             loaded = server.loaded_models  # read after the stubs: a model loads before its stub can go
             gone = [(f"{instance} (pid {pid})", instance) for pid, instance in known.items() if pid not in stubs]
@@ -179,6 +225,3 @@ class Supervisor:
                 drained_since = None
             time.sleep(0.2)
         return time.monotonic() - began
-
-    def _pause(self, failures: int) -> None:
-        self.stop.wait(BACKOFF_S[min(max(failures - 1, 0), len(BACKOFF_S) - 1)])

@@ -22,6 +22,7 @@ from typing import Optional
 
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
+from tests.early_servers import process_tree
 
 from .conftest import free_port, write_repository
 from .streaming import run_request
@@ -63,6 +64,11 @@ class Launcher:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def environ(self) -> dict[str, str]:
+        """The port variables a probe in its environment reads (`launcher ready`)."""
+        return {"HTTP_PORT": str(self.http), "GRPC_PORT": str(self.grpc), "OPENAI_PORT": str(self.front)}
+
     def ready(self) -> bool:
         return http_status(f"{self.triton_url}/v2/health/ready") == 200
 
@@ -77,6 +83,28 @@ class Launcher:
                     return time.monotonic() - start
             time.sleep(0.2)
         raise AssertionError(f"not serving after {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def pids(self) -> dict[str, int]:
+        """The pids of its children by their command lines: "gate", "front door" and "tritonserver" (those running)."""
+        found = {}
+        for pid, argv in command_lines().items():
+            if "engine_lib.serving.grpc_gate" in argv and f"127.0.0.1:{self.grpc}" in argv:
+                found["gate"] = pid
+            elif "engine_lib.serving.openai_api" in argv and str(self.front) in argv:
+                found["front door"] = pid
+            elif argv[0].endswith("/tritonserver") and f"--model-repository={self.repo}" in argv:
+                found["tritonserver"] = pid
+        return found
+
+    def signal_tree(self, sig: int) -> list[int]:
+        """Signal every process of the launcher's tree at once (its servers, stubs, gate and front door, whatever
+        their process groups), as systemd's control-group kill and `docker stop` of a container's init do; the
+        pids signalled."""
+        tree = sorted(process_tree(self.process.pid))
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return tree
 
     def stubs(self) -> dict[int, list[str]]:
         """The Python stubs serving this repository's models: pid -> argv (argv[1] its model.py, argv[2] its

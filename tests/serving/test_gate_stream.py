@@ -82,3 +82,39 @@ def test_a_stop_ends_idle_streams_at_once_and_open_requests_with_one_final_each(
     for final in finals:
         assert final.error_message == f"UNAVAILABLE: [request id: {final.infer_response.id}] server shutting down"
         assert final.infer_response.parameters["triton_final_response"].bool_param
+
+
+def test_bookkeeping_edges_duplicate_ids_untracked_finals_and_bytes_being_written():
+    async def scenario():
+        # Two open requests that share an id get a final each at the drain, not one for the id.
+        twins = GateStream(1 << 20)
+        await _forward(twins, "twin", "twin", "other")
+        twins.receive(_response("other", final=True))
+        twins.close()
+        twins.end_open_requests(SHUTTING_DOWN)
+        drained = [_decoded(raw).infer_response.id for raw in await asyncio.wait_for(_items(twins.responses()), 1)]
+        # A final for an id the stream never forwarded (or forwarded fewer times) leaves nothing open behind.
+        ghost = GateStream(1 << 20)
+        await _forward(ghost, "real")
+        for request_id in ("ghost", "real", "real"):
+            ghost.receive(_response(request_id, final=True))
+        still_open = dict(ghost.open)
+        ghost.close()
+        ghost_sent = await asyncio.wait_for(_items(ghost.responses()), 1)  # ends: nothing is open
+        # A response is unsent until its write is done: while the client takes the first, it still counts.
+        slow = GateStream(max_unsent=2500)
+        await _forward(slow, "s")
+        slow.receive(_response("s", final=False))
+        slow.receive(_response("s", final=False))
+        writer = slow.responses()
+        await writer.__anext__()  # handed to the client, its write not yet done
+        slow.receive(_response("s", final=False))  # 3 x ~1 kB unsent would pass the bound: dropped
+        being_written = (slow.unsent, slow.dropped)
+        await writer.__anext__()  # the first written, the second being written
+        return drained, still_open, len(ghost_sent), being_written, slow.unsent
+
+    drained, still_open, ghost_sent, being_written, unsent = asyncio.run(scenario())
+    assert drained == ["other", "twin", "twin"]
+    assert still_open == {} and ghost_sent == 3
+    one = len(_response("s", final=False))
+    assert being_written == (2 * one, 1) and unsent == one

@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S
 
-from .conftest import module_launcher
+from .conftest import module_launcher, running
 from .launched import MODEL, command_lines, raw_post, rss_bytes
 from .streaming import RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape, wait_for_metric
 
@@ -42,13 +42,8 @@ launcher = module_launcher("streams", env={"GRPC_MAX_UNSENT_BYTES": str(MAX_UNSE
 
 
 def _pids(launcher) -> dict[str, int]:
-    """The gate's and tritonserver's pids (by their command lines)."""
-    found = {}
-    for pid, argv in command_lines().items():
-        if "engine_lib.serving.grpc_gate" in argv and f"127.0.0.1:{launcher.grpc}" in argv:
-            found["gate"] = pid
-        elif argv[0].endswith("/tritonserver") and f"--model-repository={launcher.repo}" in argv:
-            found["tritonserver"] = pid
+    """The gate's and tritonserver's pids."""
+    found = {name: pid for name, pid in launcher.pids().items() if name in ("gate", "tritonserver")}
     assert set(found) == {"gate", "tritonserver"}, found
     return found
 
@@ -57,10 +52,12 @@ def _successes(launcher) -> float:
     return metric(scrape(launcher.metrics_url), "diffusion_requests_total", model=MODEL, outcome="success")
 
 
-def _log_match(launcher, pattern: str, timeout: float = 10.0):
+def _log_match(launcher, pattern: str, after: int, timeout: float = 10.0) -> list[str]:
+    """Waits until `pattern` appears in the launcher's tritonserver log past its first `after` bytes; every match
+    there (an earlier stream's line may still come after `after`: the gate writes it once that stream ends)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = re.search(pattern, launcher.triton_log.read_text(errors="replace"))
+        found = re.findall(pattern, launcher.triton_log.read_bytes()[after:].decode(errors="replace"))
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -74,6 +71,7 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_gets_every_final(l
     warm = run_concurrently(launcher.grpc_url, [dict(prompt="warm", num_inference_steps=4, preview_interval=1, **size)]
                             * requests)  # the same load, read: tritonserver's allocations for it are made
     assert all(result.num_final == 1 and not result.errors for result in warm)
+    log_size = launcher.triton_log.stat().st_size
     pids = _pids(launcher)
     before = {name: rss_bytes(pid) for name, pid in pids.items()}
     peak = dict(before)
@@ -126,9 +124,10 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_gets_every_final(l
         assert shown == sorted(shown) and len(set(shown)) == len(shown) and max(shown, default=0) < steps
     for name in pids:
         assert growth[name] < MAX_UNSENT + RSS_SLACK, (name, growth)
-    dropped = _log_match(launcher, r"grpc gate: a stream ended with (\d+) intermediate responses dropped")
-    assert dropped, "the gate logged no drop"
-    assert int(dropped.group(1)) == requests * (steps - 1) - sum(map(len, previews.values())) > 0
+    expected = requests * (steps - 1) - sum(map(len, previews.values()))
+    dropped = _log_match(launcher, rf"grpc gate: a stream ended with {expected} intermediate responses dropped",
+                         log_size)
+    assert expected > 0 and dropped, (expected, _log_match(launcher, r"a stream ended with (\d+)", log_size, 0))
 
 
 def _raw_request(request_id: str, **inputs) -> service_pb2.ModelInferRequest:
@@ -139,8 +138,12 @@ def _raw_request(request_id: str, **inputs) -> service_pb2.ModelInferRequest:
     return request
 
 
-def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(launcher):
-    """Stops the module's launcher: one idle stream (its request finished) and one request held in the engine."""
+def test_sigterm_to_the_whole_tree_ends_idle_streams_at_once_and_running_requests_with_one_final(launcher):
+    """Stops the module's launcher with SIGTERM to every process of its tree at once (systemd's control-group kill,
+    `docker stop` of a container whose init is not the launcher): tritonserver, the gate and the front door get it
+    too. One idle stream (its request finished), and four requests held in the engine (three gRPC streams, one
+    front door request): each gets one final naming the shutdown after the gate's drain, tritonserver waits for
+    them (its exit timeout is EXIT_TIMEOUT_SECS, not cut short under them: it crashed), and nothing is left."""
     channel = grpc.insecure_channel(launcher.grpc_url)
     outgoing: "queue.Queue" = queue.Queue()
     idle = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(outgoing.get, None))
@@ -157,26 +160,29 @@ def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(l
         idle_end["at"] = time.monotonic()
 
     launcher.budget.hold()
-    busy = RequestStream(launcher.grpc_url).send("busy", prompt="held", num_inference_steps=50, height=32, width=32)
+    busy, *others = [RequestStream(launcher.grpc_url).send(name, prompt="held", num_inference_steps=50, height=32,
+                                                           width=32) for name in ("busy", "busy-2", "busy-3")]
     front: dict = {}  # a front door request, held too: it reaches tritonserver through the gate
     body = json.dumps({"prompt": "held", "num_inference_steps": 50, "height": 32, "width": 32}).encode()
     front_door = threading.Thread(target=lambda: front.update(reply=raw_post(
         launcher.front, f"/v2/models/{MODEL}/generate", body, timeout=EXIT_TIMEOUT_S + 30)))
     front_door.start()
     try:
-        assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 2.0, model=MODEL) == 2.0
+        assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 4.0, model=MODEL) == 4.0
         reader = threading.Thread(target=read_idle)
         reader.start()
         start = time.monotonic()
-        launcher.process.send_signal(signal.SIGTERM)
+        tree = launcher.signal_tree(signal.SIGTERM)
         result = busy.collect(timeout=EXIT_TIMEOUT_S + 30)
+        other_results = [other.collect(timeout=EXIT_TIMEOUT_S + 30) for other in others]
         code = launcher.process.wait(timeout=EXIT_TIMEOUT_S + 30)
         took = time.monotonic() - start
         reader.join(10)
         front_door.join(10)
     finally:
         outgoing.put(None)
-        busy.close()
+        for stream in (busy, *others):
+            stream.close()
         channel.close()
     print(f"idle stream ended {idle_end['at'] - start:.1f} s after SIGTERM, the running request's final came "
           f"{busy.final_at - start:.1f} s after, the launcher exited after {took:.1f} s")
@@ -185,11 +191,16 @@ def test_sigterm_ends_idle_streams_at_once_and_running_requests_with_one_final(l
     assert idle_end["at"] - start < DRAIN_S - 2.0  # at once, not with the running request
     assert result.num_final == 1 and not result.responses, (result.responses, result.errors)
     assert "UNAVAILABLE: [request id: busy] server shutting down" in str(result.error)
+    for other, other_result in zip(others, other_results):
+        assert other_result.num_final == 1 and not other_result.responses, other_result.errors
+        assert f"UNAVAILABLE: [request id: {other.request_id}] server shutting down" in str(other_result.error)
     assert busy.final_at - start >= DRAIN_S - 1.0  # it had the drain to finish
     status, reply = front["reply"]
     assert status == 503 and b"server shutting down" in reply, (status, reply)
     assert took < EXIT_TIMEOUT_S + 10.0
     triton_log = launcher.triton_log.read_text(errors="replace")
     assert f"successfully unloaded '{MODEL}'" in triton_log and f"{MODEL}: stopped" in triton_log
-    assert "Exiting immediately" not in triton_log
-    assert f"grpc gate: 2 requests still running after the {DRAIN_S:g} s drain ended with UNAVAILABLE" in triton_log
+    assert "Exiting immediately" not in triton_log and "Signal (11)" not in triton_log
+    assert f"grpc gate: 4 requests still running after the {DRAIN_S:g} s drain ended with UNAVAILABLE" in triton_log
+    left = [pid for pid in tree if running(pid)]
+    assert not left, f"left running: {[(pid, command_lines().get(pid)) for pid in left]}"

@@ -237,12 +237,21 @@ def test_a_bad_limit_stops_the_launcher_before_it_starts_anything(monkeypatch, c
         capsys.readouterr().err
 
 
-def test_the_launcher_stops_when_the_gate_exits(monkeypatch, capsys):
-    """As for the front door: a supervisor above the launcher (docker, the kubelet) restarts it all."""
+def test_a_gate_that_exits_is_started_again_and_one_that_cannot_start_stops_the_launcher(monkeypatch, capsys):
+    """A dead gate is restarted alone (tests/serving/test_supervision.py kills a real one); when its start fails,
+    the launcher stops with exit code 1, and a supervisor above it (docker, the kubelet) restarts it all."""
     class DeadGate(_Child):
+        starts = 0
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.process = SimpleNamespace(poll=lambda: 1, returncode=1)
+            self.process = SimpleNamespace(poll=lambda: -9, returncode=-9)
+
+        def start(self):
+            DeadGate.starts += 1
+            if DeadGate.starts > 1:
+                raise launcher.TritonServerError("the gRPC gate exited with code 1 on port 1")
+            return self
 
     from engine_lib.serving import supervisor  # noqa: PLC0415
 
@@ -262,8 +271,10 @@ def test_the_launcher_stops_when_the_gate_exits(monkeypatch, capsys):
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     assert launcher.serve(["serve"]) == 1
-    output = capsys.readouterr().out
-    assert "launcher: the gRPC gate exited (code 1); stopping" in output and "stopping the gRPC gate" in output
+    captured = capsys.readouterr()
+    assert "launcher: the gRPC gate exited (code -9); restarting it" in captured.out
+    assert "launcher: the gRPC gate did not start again" in captured.err and DeadGate.starts == 2
+    assert "stopping the gRPC gate" in captured.out
 
 
 def test_a_gate_that_cannot_listen_fails_its_start(tmp_path):

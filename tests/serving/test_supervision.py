@@ -1,7 +1,8 @@
 """`make serve`'s launcher as a hostile client finds it, each case through a real tritonserver.
 
-One launcher process (supervisor, tritonserver, front door) serves the qwen_image tiny model for the
-module; the tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL.
+One launcher process (supervisor, tritonserver, gate, front door) serves the qwen_image tiny model for the
+module, with a short exit timeout (EXIT_TIMEOUT_SECS: the gate's drain is GATE_DRAIN_MARGIN_S shorter); the
+tests run in file order, one stops it with SIGTERM, and the last starts its own to SIGKILL.
 Requests that must still be running when a test acts are held by the engine's tick budget.
 """
 
@@ -11,9 +12,12 @@ import http.client
 import http.server
 import json
 import os
+import queue
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,19 +25,39 @@ from types import SimpleNamespace
 from typing import Callable
 
 import pytest
+import tritonclient.grpc as grpcclient
 
+from client.grpc_transport import stop_stream
 from engine_lib.serving import supervisor
-from engine_lib.serving.launcher import proc_stat
-from engine_lib.serving.supervisor import Supervisor, in_flight
+from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S, proc_stat, unready_ports
+from engine_lib.serving.supervisor import Backoff, Supervisor, in_flight
 
-from .conftest import model_path, module_launcher, running
+from .conftest import free_port, model_path, module_launcher, running
 from .launched import MODEL, Launcher, raw_post
-from .streaming import RequestStream, metric, post_json, run_request, scrape, sse_events, wait_for_metric
+from .streaming import (RequestStream, close_all, is_final_response, make_inputs, metric, post_json, run_request, scrape,
+                        sse_events, wait_for_metric)
 
 LABELS = {"model": MODEL}
 
 
-launcher = module_launcher("launcher")
+EXIT_TIMEOUT_S = 8
+DRAIN_S = EXIT_TIMEOUT_S - GATE_DRAIN_MARGIN_S
+launcher = module_launcher("launcher", env={"EXIT_TIMEOUT_SECS": str(EXIT_TIMEOUT_S)})
+
+
+def hold_four(launcher, steps: int = 50) -> tuple[list[RequestStream], threading.Thread, dict]:
+    """Four requests held in the engine: three gRPC streams through the gate and one front door request (its
+    reply lands in the dict)."""
+    launcher.budget.hold()
+    streams = [RequestStream(launcher.grpc_url).send(f"held-{i}", prompt="held", num_inference_steps=steps,
+                                                     height=32, width=32) for i in range(3)]
+    reply: dict = {}
+    front = threading.Thread(target=lambda: reply.update(reply=post_json(
+        f"{launcher.front_url}/v2/models/{MODEL}/generate", {"prompt": "held", "num_inference_steps": steps,
+                                                             "height": 32, "width": 32}, timeout=60)))
+    front.start()
+    assert wait_for_metric(launcher.metrics_url, "diffusion_requests_waiting", 4.0, **LABELS) == 4.0
+    return streams, front, reply
 
 
 def test_ports_listen_on_loopback_only(launcher):
@@ -48,6 +72,44 @@ def test_ports_listen_on_loopback_only(launcher):
     loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1, ::ffff:127.0.0.1
     for port in (launcher.http, launcher.grpc, launcher.metrics, launcher.front):
         assert listening.get(port) and listening[port] <= loopback, (port, listening.get(port))
+
+
+def test_readiness_asks_every_public_port(launcher):
+    """The probes' readiness (`launcher ready`): tritonserver ready, the gate's port and the front door's
+    /health (200 only while tritonserver is ready through the gate)."""
+    assert unready_ports(launcher.environ) == []
+    probe = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "ready"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, **launcher.environ})
+    assert (probe.returncode, probe.stdout) == (0, "ready\n"), probe
+    elsewhere = {**launcher.environ, "GRPC_PORT": str(free_port())}
+    assert unready_ports(elsewhere) == [f"the gRPC gate (127.0.0.1:{elsewhere['GRPC_PORT']})"]
+
+
+@pytest.mark.parametrize("child", ["gate", "front door"])
+def test_a_killed_gate_or_front_door_is_restarted_alone(launcher, child):
+    """kill -9 of the gate or of the front door: that child alone starts again on its port (tritonserver and its
+    models serve on), and readiness says not ready until its port serves again."""
+    name = {"gate": "the gRPC gate", "front door": "the front door"}[child]
+    before = launcher.pids()
+    restarts = metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS)
+    os.kill(before[child], signal.SIGKILL)
+    killed, probes = time.monotonic(), 0
+    while unready_ports(launcher.environ):
+        probes += 1
+        assert time.monotonic() - killed < 60, launcher.log()[-2000:]
+        time.sleep(0.1)
+    # Ready again: the port serves (a request through the gate, the front door's /health).
+    result = run_request(launcher.grpc_url, prompt="after", num_inference_steps=2, height=32, width=32)
+    assert result.num_final == 1 and not result.errors, result.errors
+    status, _ = post_json(f"{launcher.front_url}/v2/models/{MODEL}/generate",
+                          {"prompt": "after", "num_inference_steps": 2, "height": 32, "width": 32})
+    assert status == 200
+    assert probes > 0, "readiness said ready right after the kill"
+    assert f"launcher: {name} exited (code -9); restarting it" in launcher.log()
+    after = launcher.pids()
+    assert after["tritonserver"] == before["tritonserver"] and after[child] != before[child]
+    assert metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS) == restarts
+    print(f"{child} serving again {time.monotonic() - killed:.1f} s after its kill ({probes} probes said not ready)")
 
 
 def test_the_front_door_generate_equals_tritons_own(launcher):
@@ -93,7 +155,17 @@ def test_hostile_bodies_are_refused_by_the_front_door(launcher):
         {"prompt": "a", "id": "x" * 100_000}).encode())
     assert status == 400 and b"id must be a string of at most" in reply
     assert raw_post(launcher.front, "/v2/models/nope/generate", b'{"prompt": "a"}')[0] == 404
-    assert "restart" not in launcher.log()
+    assert "restarting tritonserver" not in launcher.log()
+
+
+def test_a_body_declared_over_the_limit_gets_its_413_before_it_arrives(launcher):
+    """Content-Length: 5000000 and a few bytes of it: refused at once, not after the body's 30 s timeout."""
+    with socket.create_connection(("127.0.0.1", launcher.front)) as connection:
+        connection.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 5000000\r\n\r\n{\"prompt\": \"")
+        connection.settimeout(10)  # a third of the body timeout
+        reply = connection.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply, reply
 
 
 def test_a_body_that_crashes_tritonserver_is_survived(launcher):
@@ -109,6 +181,36 @@ def test_a_body_that_crashes_tritonserver_is_survived(launcher):
     assert metric(scrape(launcher.metrics_url), "diffusion_server_restarts", **LABELS) == 1
     assert not before & launcher.shm_regions(), "the dead server's shared memory is still there"
     print(f"serving again {took:.1f} s after the crash was noticed")
+
+
+def test_sigterm_to_tritonserver_alone_ends_each_running_request_once_and_restarts_it(launcher):
+    """An operator's SIGTERM to tritonserver itself, four requests running: tritonserver waits for them (its exit
+    timeout is EXIT_TIMEOUT_SECS), the gate ends each with one final naming the shutdown after its drain, the
+    models unload and tritonserver exits 0 (it crashed with 'Signal (11)' when its exit timeout ran out under
+    them), and the supervisor starts it again."""
+    log_size = launcher.triton_log.stat().st_size
+    streams, front, reply = hold_four(launcher)
+    server = launcher.pids()["tritonserver"]
+    try:
+        os.kill(server, signal.SIGTERM)
+        results = [stream.collect(timeout=EXIT_TIMEOUT_S + 30) for stream in streams]
+        front.join(EXIT_TIMEOUT_S + 30)
+    finally:
+        close_all(streams, launcher.budget)
+    for stream, result in zip(streams, results):
+        assert result.num_final == 1 and not result.responses, (stream.request_id, result.errors)
+        assert f"UNAVAILABLE: [request id: {stream.request_id}] server shutting down" in str(result.error)
+    status, body = reply["reply"]
+    assert status == 503 and b"server shutting down" in body, (status, body)
+    took = launcher.wait_serving(120)
+    assert "launcher: tritonserver received signal 15 from outside the launcher; restarting" in launcher.log()
+    assert "launcher: tritonserver exited with code 0 after its drain" in launcher.log()
+    assert not running(server)
+    triton_log = launcher.triton_log.read_bytes()[log_size:].decode(errors="replace")
+    assert f"successfully unloaded '{MODEL}'" in triton_log and f"{MODEL}: stopped" in triton_log
+    assert "Exiting immediately" not in triton_log and "Signal (11)" not in triton_log
+    assert "grpc gate: 4 requests still running after the" in triton_log
+    print(f"serving again {took:.1f} s after the finals")
 
 
 def test_a_killed_stub_ends_its_requests_and_comes_back(launcher):
@@ -173,8 +275,23 @@ def test_an_abandoned_http_stream_stops_costing_compute(launcher):
     print(f"cancelled {time.monotonic() - left:.1f} s after the client left")
 
 
-def test_sigterm_with_open_keep_alive_connections_exits_0(launcher):
-    """Stops the module's launcher."""
+def test_sigterm_after_cancelled_streams_with_keep_alive_connections_and_running_requests_exits_0(launcher):
+    """Stops the module's launcher (SIGTERM to it alone, as `docker stop` sends it). Before: 30 requests through
+    the gate, each stream cancelled (stop_stream(cancel_requests=True)) after its final, which must leave
+    nothing that keeps the model from unloading; idle keep-alive connections to tritonserver and the front
+    door; four running requests, released once the stop began: each ends with exactly one final."""
+    for i in range(30):
+        client = grpcclient.InferenceServerClient(launcher.grpc_url)
+        finals: "queue.Queue" = queue.Queue()
+        client.start_stream(callback=lambda result, error: finals.put((result, error)))
+        try:
+            client.async_stream_infer(MODEL, make_inputs(prompt=f"cancelled after its final {i}",
+                                                         num_inference_steps=2, height=32, width=32))
+            result, error = finals.get(timeout=60)
+            assert error is None and is_final_response(result), error
+        finally:
+            stop_stream(client, cancel=True)
+            client.close()
     keep_alive = []
     for port in (launcher.http, launcher.front):
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -186,14 +303,26 @@ def test_sigterm_with_open_keep_alive_connections_exits_0(launcher):
         keep_alive.append(connection)  # open and idle
     regions = launcher.shm_regions()
     assert regions
+    streams, front, reply = hold_four(launcher, steps=6)
     start = time.monotonic()
     launcher.process.send_signal(signal.SIGTERM)
+    launcher.budget.release()
+    results = [stream.collect(timeout=EXIT_TIMEOUT_S + 30) for stream in streams]
+    front.join(EXIT_TIMEOUT_S + 30)
+    close_all(streams)
     code = launcher.process.wait(timeout=60)
     took = time.monotonic() - start
     for connection in keep_alive:
         connection.close()
+    for stream, result in zip(streams, results):  # each its image, or (a slow machine) the drain's UNAVAILABLE
+        assert result.num_final == 1, (stream.request_id, result.errors)
+        assert (not result.errors and result.final.as_numpy("image").shape == (1, 32, 32, 3)
+                or "server shutting down" in str(result.error)), (stream.request_id, result.errors)
+    status, body = reply["reply"]
+    assert status == 200 or (status == 503 and b"server shutting down" in body), (status, body)
     triton_log = launcher.triton_log.read_text(errors="replace")
     assert code == 0, launcher.log()[-3000:]
+    assert took < EXIT_TIMEOUT_S + 10
     assert f"successfully unloaded '{MODEL}'" in triton_log and f"{MODEL}: stopped" in triton_log
     assert "Exiting immediately" not in triton_log
     assert not launcher.shm_regions()
@@ -305,11 +434,13 @@ class FakeServer:
 
     def __init__(self, steps: list[dict], stop: threading.Event, metrics_url: str = "http://127.0.0.1:1/metrics"):
         self.steps, self.stop_event, self.looks = steps, stop, 0
-        self.process = SimpleNamespace(poll=lambda: self.step.get("exited"), returncode=None)
+        self.process = SimpleNamespace(poll=lambda: self.step.get("exited"), returncode=None, pid=1000)
         self.unloaded_cleanly, self.leaked_shm, self.signals, self.stops = None, [], 0, []
         self.metrics_url = metrics_url
 
     step = property(lambda self: self.steps[min(self.looks, len(self.steps) - 1)])
+    signalled = property(lambda self: self.step.get("signalled"))  # a signal from outside started its shutdown
+    stopping_on_its_own = property(lambda self: self.signalled is not None)
     loaded_models = property(lambda self: frozenset(self.step.get("loaded", ())))
     load_failed = property(lambda self: self.step.get("failed", False))
     instances = property(lambda self: frozenset(self.step.get("instances", ())))
@@ -325,6 +456,9 @@ class FakeServer:
 
     def is_ready(self) -> bool:
         return self.step.get("ready", False)
+
+    def is_live(self) -> bool:
+        return self.step.get("live", True)
 
     def stub_pids(self) -> dict[int, str]:
         live = dict(self.step.get("stubs", {}))
@@ -346,10 +480,27 @@ class FakeServer:
         pass
 
 
-def supervise(*scripts: list[dict], metrics_url: str = "http://127.0.0.1:1/metrics", drain_s: float = 0.2):
+FAKE_POLL_S = 1e-6  # the supervisor's poll over fake servers
+
+
+class RecordedStop(threading.Event):
+    """The supervisor's stop event, recording each wait that is a backoff's pause (any wait but the polls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pauses: list[float] = []
+
+    def wait(self, timeout=None):
+        if timeout != FAKE_POLL_S:
+            self.pauses.append(timeout)
+        return super().wait(timeout)
+
+
+def supervise(*scripts: list[dict], metrics_url: str = "http://127.0.0.1:1/metrics", drain_s: float = 0.2,
+              clock=time.monotonic, stopping: list | None = None):
     """A supervisor over fake servers following `scripts` (one per start): its exit code, its log, the servers
-    made and those it reported ready."""
-    stop = threading.Event()
+    made and those it reported ready. `clock`: the supervisor's; `stopping` gets the servers on_stopping saw."""
+    stop = RecordedStop()
     made: list[FakeServer] = []
     ready: list[FakeServer] = []
     log: list[str] = []
@@ -358,8 +509,10 @@ def supervise(*scripts: list[dict], metrics_url: str = "http://127.0.0.1:1/metri
         made.append(FakeServer(scripts[restarts], stop, metrics_url))
         return made[-1]
 
-    code = Supervisor(make_server, stop, on_ready=ready.append, log=log.append, poll_s=0, stub_drain_s=drain_s).run()
-    return code, [line for line in log if "stopped" not in line], made, ready
+    code = Supervisor(make_server, stop, on_ready=ready.append, log=log.append, poll_s=FAKE_POLL_S, stub_drain_s=drain_s,
+                      clock=clock, on_stopping=(stopping if stopping is not None else []).append).run()
+    supervise.pauses = stop.pauses
+    return code, [line for line in log if "stopped" not in line and "after its drain" not in line], made, ready
 
 
 @pytest.fixture
@@ -450,3 +603,80 @@ def test_the_drain_ends_once_the_other_models_hold_no_request(no_backoff):
     assert log == ["launcher: the Python stub of echo_0_0 (pid 20) died; restarting tritonserver (restart 1)"]
     assert len(scrapes) >= 4 and busy in scrapes[2], "ended before the other model's request"
     assert len(scrapes) <= 12, f"the drain went on for {len(scrapes)} scrapes"
+
+
+def test_a_signal_from_outside_has_the_gate_end_the_requests_and_the_server_restarts(no_backoff):
+    stopping: list = []
+    code, log, made, ready = supervise([READY, {**READY, "signalled": 15}], [READY], stopping=stopping)
+    assert log == ["launcher: tritonserver received signal 15 from outside the launcher; restarting tritonserver "
+                   "(restart 1)"]
+    assert stopping == [made[0]] and made[0].stops == [{"grace_s": None, "drain": False}], "its own exit is waited for"
+    assert ready == made and code == 0
+
+
+class SteppingClock:
+    """A clock that moves `step` seconds each time it is read."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_server_that_stops_answering_its_health_endpoint_is_restarted(no_backoff):
+    """Asked once a second of the supervisor's clock (2 s pass per look here): restarted once 10 s pass
+    unanswered, not before."""
+    mute = {**READY, "live": False}
+    code, log, made, ready = supervise([READY, *[mute] * 12, READY], [READY], clock=SteppingClock(1.0))
+    assert len(log) == 1 and re.fullmatch(r"launcher: tritonserver \(pid \S+\) did not answer its health endpoint "
+                                          r"for 1\d s; restarting tritonserver \(restart 1\)", log[0]), log
+    assert made[0].stops == [{"grace_s": 0, "drain": False}] and ready == made and code == 0
+    code, log, made, ready = supervise([READY, *[mute] * 3, READY], clock=SteppingClock(1.0))
+    assert log == [] and len(made) == 1, "restarted before its health endpoint was unanswered for 10 s"
+
+
+def test_the_backoff_grows_while_restarts_fail_quickly_and_resets_after_a_healthy_run():
+    """Timing policies as shipped (BACKOFF_S, HEALTHY_AFTER_S), on a clock the test moves."""
+    now = [0.0]
+    backoff = Backoff(clock=lambda: now[0])
+    assert [backoff.failed() for _ in range(3)] == [0.0, 1.0, 2.0]  # failed starts: growing
+    backoff.up()
+    now[0] += supervisor.HEALTHY_AFTER_S - 1
+    assert backoff.failed() == 4.0, "a short run is no success"
+    backoff.up()
+    now[0] += supervisor.HEALTHY_AFTER_S
+    assert backoff.failed() == 0.0, "a healthy run resets the backoff"
+    assert [backoff.failed() for _ in range(2)] == [0.0, 1.0]
+
+
+def test_a_healthy_server_restarts_without_a_pause_each_time_it_dies():
+    """Through the supervisor, its backoff on: each server serves for HEALTHY_AFTER_S (the clock moves 100 s per
+    read) before its stub dies, so no restart waits."""
+    dying = {**READY, "stubs": {20: "echo_0_0"}}
+    code, log, made, ready = supervise([READY, dying], [READY, dying], [READY, dying], [READY],
+                                       clock=SteppingClock(100.0))
+    assert len(made) == 4 and code == 0, log
+    assert supervise.pauses == [0.0, 0.0, 0.0]
+
+
+def test_unreadable_metrics_never_count_as_drained():
+    """A dead stub's drain reads the other models' gauges; a scrape that fails says nothing, so the drain lasts
+    its whole `stub_drain_s` (scrapes every 0.2 s) instead of ending after DRAINED_FOR_S."""
+    scrapes: list[int] = []
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            scrapes.append(1)
+            self.send_error(500)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken) as metrics:
+        threading.Thread(target=metrics.serve_forever, daemon=True).start()
+        supervise([READY, {**READY, "stubs": {21: "slow_0_0"}}], [READY], drain_s=3.0,
+                  metrics_url=f"http://127.0.0.1:{metrics.server_port}/metrics")
+        metrics.shutdown()
+    assert len(scrapes) >= 8, f"the drain ended after {len(scrapes)} failed scrapes"

@@ -13,10 +13,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--triton", default="127.0.0.1:8001", help="tritonserver's gRPC address")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT") or 9000))
+    parser.add_argument("--drain-s", type=float, default=5.0,
+                        help="on SIGTERM, how long running requests may still take (the launcher passes the gate's drain)")
     args = parser.parse_args(argv)
     import uvicorn
 
     from engine_lib.serving.openai_api.app import create_app
+    from engine_lib.serving.openai_api.http_limits import DRAIN_MARGIN_S, KEEP_ALIVE_S, HeaderTimeoutProtocol
     from engine_lib.serving.openai_api.keys import FrontDoorKeys
 
     try:
@@ -25,7 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"openai front door: {exc}", file=sys.stderr)
         return 2
     app = create_app(args.triton, keys)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=HeaderTimeoutProtocol,
+                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=args.drain_s + DRAIN_MARGIN_S)
     return 0
 
 
