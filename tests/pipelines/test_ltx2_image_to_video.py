@@ -20,6 +20,7 @@ from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
+from tests.hostile_images import encode
 from parity_checks import FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse, run_preempting
 from test_ltx2 import NO_GUIDANCE, run
 
@@ -79,6 +80,10 @@ def test_solo_is_the_image_to_video_pipelines_own(adapter, reference, inputs):
 def test_validation_and_keys(adapter):
     with pytest.raises(InvalidInputError, match="input 'image': is not a PNG"):
         parse(adapter, params() | {"image": b"not an image"})
+    for width, height in ((1, 64), (64, 1)):  # the pipeline's H.264 re-compression would crop it to no rows
+        with pytest.raises(InvalidInputError, match=f"input 'image': {width}x{height} is too small: at least 2 pixels"):
+            parse(adapter, params() | {"image": encode(Image.new("RGB", (width, height)))})
+    assert parse(adapter, params() | {"image": encode(Image.new("RGB", (2, 64)))}).image.size == (2, 64)
     # the transformer takes a timestep per token: requests with and without an image share every forward
     assert adapter.step_key(parse(adapter, params())) == adapter.step_key(parse(adapter, text_only(params())))
 

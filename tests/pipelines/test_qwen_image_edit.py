@@ -81,6 +81,12 @@ def test_validation(adapter):
         parse(adapter, {k: v for k, v in params().items() if k != "image"})
     with pytest.raises(InvalidInputError, match="input 'image': is not a PNG"):
         parse(adapter, params() | {"image": b"not an image"})
+    # Edit gives its vision encoder the VAE's image: 1x4096 is resized to 0x65536, 3x512 to 64x13376 (209:1)
+    for width, height, says in ((1, 4096, "0x65536"), (3, 512, "64x13376"), (1, 200, "64x14496")):
+        with pytest.raises(InvalidInputError, match=f"input 'image': {width}x{height} is too far from square: "
+                                                    f"the pipeline resizes it to {says}"):
+            parse(adapter, params() | {"image": png(width, height, (0, 0, 0))})
+    assert adapter.vae_sizes(parse(adapter, params() | {"image": png(1, 150, (0, 0, 0))})) == [(96, 12544)]  # 131:1
 
 
 def test_step_batch_of_different_images_and_prompts_matches_solo(adapter, solo):
@@ -133,3 +139,7 @@ def test_edit_plus_with_two_images_matches_diffusers_bitwise():
         parse(plus, params() | {"image": [IMAGES[0]] * (MAX_IMAGES + 1)})
     with pytest.raises(InvalidInputError, match="input 'image': is not a PNG"):
         parse(plus, params() | {"image": [IMAGES[0], b"not an image"]})
+    with pytest.raises(InvalidInputError, match="input 'image': 4096x1 is too far from square"):
+        parse(plus, params() | {"image": [IMAGES[0], png(4096, 1, (0, 0, 0))]})
+    # Edit-Plus's vision encoder sees 3x512 at 32x5024 (157:1): taken
+    assert plus.vision_sizes(parse(plus, params() | {"image": [png(3, 512, (0, 0, 0))]})) == [(32, 5024)]
