@@ -7,17 +7,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import resource
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 
 import psycopg
 import pytest
 
-from engine_lib.serving.openai_api.store import (RESTARTED, STALE_S, PostgresStore, SQLiteStore, StoreFull,
-                                                 open_store)
+from engine_lib.serving.openai_api.store import (ORPHAN_AGE_S, RESTARTED, STALE_S, PostgresStore, SQLiteStore,
+                                                 StoreFull, open_store)
 
 from .postgres import postgres_bin, throwaway_cluster
 
@@ -39,12 +41,15 @@ def environment(request, tmp_path):
     """The environment of a front door on a fresh store: SQLite in the data dir, or a new PostgreSQL database."""
     env = {"DIFFUSION_DATA_DIR": str(tmp_path / "data")}
     if request.param == "postgres":
-        server = request.getfixturevalue("postgres_server")
-        name = f"store_{next(databases)}"
-        with psycopg.connect(server, autocommit=True) as admin:
-            admin.execute(f"CREATE DATABASE {name}")
-        env["JOB_STORE_URL"] = server.rsplit("/", 1)[0] + f"/{name}"
+        env["JOB_STORE_URL"] = new_database(request.getfixturevalue("postgres_server"))
     return env
+
+
+def new_database(server_url: str) -> str:
+    name = f"store_{next(databases)}"
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
 
 
 @pytest.fixture
@@ -179,11 +184,12 @@ def test_another_hosts_job_fails_only_once_its_heartbeat_is_stale(stores):
     elsewhere.runner = "another-host/1"  # its pid cannot be checked from here
     job = elsewhere.add_job("alice", {}, max_jobs=5)
     here = stores(clock=lambda: now[0])
+    orphan = here.add_job("alice", {}, max_jobs=5)  # this process's own, whose task ended without a word
     now[0] += STALE_S - 1
     elsewhere.heartbeat([job.id])
     now[0] += STALE_S - 1
     here.sweep()
-    assert here.job("alice", job.id).status == "queued"
+    assert here.job("alice", job.id).status == "queued" and here.job("alice", orphan.id).status == "failed"
     now[0] += 2
     here.sweep()
     assert here.job("alice", job.id).status == "failed"
@@ -199,4 +205,32 @@ def test_sqlite_commits_every_change_in_a_transaction(tmp_path):
     assert status == "completed" and (tmp_path / "artifacts" / artifact).read_bytes() == VIDEO
     assert not reader.in_transaction and not store._connection.in_transaction
     reader.close()
+    store.close()
+
+
+def test_a_result_file_no_row_names_is_removed_once_old(stores):
+    """A process killed between writing a result and committing it leaves a file (or a temporary) no row names:
+    the next start removes it once it is old enough not to be another replica's write in flight."""
+    store = stores()
+    kept = store.put_artifact("alice", b"png", "image/png", ttl_s=60)
+    old, old_temporary, fresh = (store.artifacts_dir / name for name in ("file_old", ".file_gone.tmp", "file_new"))
+    for path in (old, old_temporary, fresh):
+        path.write_bytes(b"partial")
+    for path in (old, old_temporary):
+        os.utime(path, (time.time() - 2 * ORPHAN_AGE_S,) * 2)
+    stores()
+    assert artifacts(store) == sorted([kept.id, "file_new"])
+
+
+def test_a_postgresql_connection_lost_fails_one_call_and_the_next_reconnects(postgres_server, tmp_path):
+    url = new_database(postgres_server)
+    store = PostgresStore(url, tmp_path)
+    job = store.add_job("alice", {}, max_jobs=5)
+    with psycopg.connect(url, autocommit=True) as admin:
+        (killed,), = admin.execute("SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE "
+                                   "datname = current_database() AND pid <> pg_backend_pid()").fetchall()
+    assert killed >= 1
+    with pytest.raises(psycopg.OperationalError):
+        store.job("alice", job.id)
+    assert store.job("alice", job.id).status == "queued"
     store.close()

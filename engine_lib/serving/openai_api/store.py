@@ -30,7 +30,7 @@ import socket
 import sqlite3
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -43,6 +43,7 @@ RESTARTED = "server restarted"
 RUNNING = ("queued", "in_progress")
 DEFAULT_MAX_BYTES = 10 << 30
 RESULT_TTL_S = 3600.0  # how long a finished job (and its video) is kept
+ORPHAN_AGE_S = 3600.0
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,"
     " request TEXT NOT NULL, status TEXT NOT NULL, progress INTEGER NOT NULL, completed_at DOUBLE PRECISION,"
@@ -122,6 +123,7 @@ class Store:
         with self._transaction() as run:
             self._create_schema(run)
         self.sweep()
+        self.remove_orphans()
 
     # -- the database: subclasses ------------------------------------------------------------------------------
 
@@ -255,8 +257,18 @@ class Store:
         with self._transaction() as run:
             for job_id, runner, heartbeat_at in run("SELECT id, runner, heartbeat_at FROM jobs WHERE status IN "
                                                     "('queued', 'in_progress')"):
-                if runner != self.runner and (runner_gone(runner) or heartbeat_at < now - STALE_S):
+                if runner_gone(runner) or heartbeat_at < now - STALE_S:  # this process's own: if its task died
                     self._fail(run, job_id, restarted_error())
+
+    def remove_orphans(self) -> None:
+        """Remove the files no row names that are over ORPHAN_AGE_S old: left by a process killed between
+        writing a result and committing it (younger ones may be another replica's, about to be committed)."""
+        named = {row[0] for row in self._read("SELECT id FROM artifacts")}
+        for path in self.artifacts_dir.iterdir():
+            artifact_id = path.name.removeprefix(".").removesuffix(".tmp")
+            with suppress(FileNotFoundError):
+                if artifact_id not in named and path.stat().st_mtime < time.time() - ORPHAN_AGE_S:
+                    path.unlink()
 
     def expire(self) -> None:
         """Delete the expired jobs and artifacts: rows, then files."""
@@ -350,18 +362,22 @@ class PostgresStore(Store):
     def __init__(self, url: str, data_dir: os.PathLike | str, **options):
         import psycopg  # noqa: PLC0415 (only a shared store needs it)
 
-        self._connection = psycopg.connect(url, autocommit=True)
+        self._connect = lambda: psycopg.connect(url, autocommit=True)
+        self._connection = self._connect()
         super().__init__(data_dir, **options)
 
     @contextmanager
     def _transaction(self):
-        with self._lock, self._connection.transaction():
-            cursor = self._connection.cursor()
+        with self._lock:
+            if self._connection.closed:  # lost (the server restarted, a network cut): the call that saw it failed
+                self._connection = self._connect()
+            with self._connection.transaction():
+                cursor = self._connection.cursor()
 
-            def run(statement, *args):
-                cursor.execute(self._sql(statement), args)
-                return cursor.fetchall() if cursor.description else []
-            yield run
+                def run(statement, *args):
+                    cursor.execute(self._sql(statement), args)
+                    return cursor.fetchall() if cursor.description else []
+                yield run
 
     def _create_schema(self, run) -> None:
         run("SELECT pg_advisory_xact_lock(1953723757)")  # replicas starting together create the tables once
