@@ -14,8 +14,10 @@ served. A write that fails (a full disk) fails the job with a clear error instea
 
 A running job records its runner (host and pid) and a heartbeat its front door renews every HEARTBEAT_S. Any
 front door's sweep (at its start, then at every read) marks `failed` with "server restarted" a running job whose
-runner is gone: its pid is dead on this host, or its heartbeat is older than STALE_S (another host's replica).
-Resubmitting instead would run a request twice that a client may already have given up on.
+runner is gone: its pid is dead on this host, or its heartbeat is older than STALE_S (another host's replica, or
+a task of this process that died). Resubmitting instead would run a request twice that a client may already have
+given up on. A start also removes the result files no row names (a process killed between a write and its
+commit) once they are ORPHAN_AGE_S old.
 
 Expiry deletes the row and the file. `max_bytes` (DIFFUSION_DATA_MAX_BYTES) bounds the artifacts' bytes: when
 they are at it, expired ones are removed first, then new work is refused (StoreFull, an HTTP 507).
