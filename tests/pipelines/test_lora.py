@@ -57,13 +57,13 @@ def assert_within_one_level(actual: np.ndarray, expected: np.ndarray, what: str 
 
 
 def diffusers_with_lora(adapter, model_dir, lora_dir, name, scale, inputs) -> np.ndarray:
-    """What diffusers makes of the same request with the LoRA active at `scale`."""
+    """What diffusers makes of the same request with the LoRA active at `scale` (its images, or its video)."""
     pipeline_cls = getattr(diffusers, registry.get_adapter_class(adapter.name).pipeline_class)
     pipe = pipeline_cls.from_pretrained(str(model_dir), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(lora_dir / f"{name}.safetensors"), adapter_name=name)
     pipe.set_adapters([name], [scale])
-    return pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np").images
+    return getattr(pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np"), adapter.outputs[0].pipe_output)
 
 
 @pytest.mark.parametrize("name", ["toy_a", "toy_all"], ids=["attention", "every-layer"])

@@ -137,3 +137,26 @@ def test_hostile_inputs_are_refused_naming_the_input(adapters, pipeline, preset,
     with pytest.raises(InvalidInputError) as info:
         parse(adapter, inputs_for(adapter, **inputs))
     assert says in str(info.value)
+
+
+def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapters):
+    """A LoRA (on every layer of `transformer`, where diffusers' Wan loader puts it) alone is bitwise diffusers'
+    `set_adapters`; with other LoRAs and none, joining at different ticks on different experts, each row keeps its
+    own LoRA within its expert's forward and every video is within 1 level of its solo run."""
+    from test_lora import assert_within_one_level, diffusers_with_lora
+
+    from engine_lib.tiny_models import ensure_loras
+
+    adapter = get(adapters, "wan")
+    lora_dir = ensure_loras("wan", registry.default_model_dir("wan"))
+    lora = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {"lora_dir": str(lora_dir)})
+    inputs = inputs_for(lora, lora_name="toy_all", lora_scale=0.6)
+    alone = solo_steps(lora, inputs)
+    expected = diffusers_with_lora(lora, registry.default_model_dir("wan"), lora_dir, "toy_all", 0.6, inputs)
+    np.testing.assert_array_equal(alone, to_uint8(expected))
+    assert not np.array_equal(alone, solo_steps(lora, inputs_for(lora))), "the LoRA changes the video"
+    cases = {"all": inputs, "none": inputs_for(lora, seed=8), "b": inputs_for(lora, lora_name="toy_b", seed=9)}
+    mixed = drive_steps(lora, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
+    assert max(mixed.forward_sizes) == 3
+    for rid, p in cases.items():
+        assert_within_one_level(mixed.images[rid], solo_steps(lora, p), rid)
