@@ -46,6 +46,7 @@ RUNNING = ("queued", "in_progress")
 DEFAULT_MAX_BYTES = 10 << 30
 RESULT_TTL_S = 3600.0  # how long a finished job (and its video) is kept
 ORPHAN_AGE_S = 3600.0
+CONNECT_TIMEOUT_S = 5
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,"
     " request TEXT NOT NULL, status TEXT NOT NULL, progress INTEGER NOT NULL, completed_at DOUBLE PRECISION,"
@@ -364,7 +365,8 @@ class PostgresStore(Store):
     def __init__(self, url: str, data_dir: os.PathLike | str, **options):
         import psycopg  # noqa: PLC0415 (only a shared store needs it)
 
-        self._connect = lambda: psycopg.connect(url, autocommit=True)
+        # A bounded connect: the store is called from the front door's event loop.
+        self._connect = lambda: psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
         self._connection = self._connect()
         super().__init__(data_dir, **options)
 
