@@ -177,6 +177,12 @@ class Applied:
     compiler: Optional[CompileCounter] = None
     notes: list = field(default_factory=list)
 
+    def compile_seconds(self) -> float:
+        """Seconds dynamo spent compiling so far (tracing, guards and the backend), in this process."""
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
     def counters(self) -> dict[str, float]:
         """The adapter's monotone totals: recompilations (diffusion_compile_recompiles_total)."""
         if self.compiler is None:
@@ -220,9 +226,13 @@ def _place(pipe: Any, device: Any, offload: str) -> None:
 
 
 def _modules(pipe: Any) -> dict[str, Any]:
+    """A pipeline's torch modules by component name (our own model code: its attributes; a bare module: "model")."""
     import torch
 
-    return {name: part for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)}
+    if isinstance(pipe, torch.nn.Module):
+        return {"model": pipe}
+    parts = getattr(pipe, "components", None) or vars(pipe)
+    return {name: part for name, part in parts.items() if isinstance(part, torch.nn.Module)}
 
 
 def _set_attention(pipe: Any, device: Any, backend: str) -> None:
@@ -291,3 +301,17 @@ def refuse_levers(adapter_cls: Any, levers: Levers) -> None:
         changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
+
+
+def describe(adapter: Any) -> str:
+    """The load log's account of the levers: what is on, the compile time so far (the warm-up's) and the bytes of
+    every component's weights."""
+    applied = getattr(adapter, "levers", None)
+    on = [f"{name}={value}" for name, value in vars(applied.levers).items()
+          if value != getattr(Levers(), name)] if applied is not None else []
+    text = f"levers {' '.join(on) or 'none'}"
+    if applied is not None and applied.compiler is not None:
+        text += (f", compiled {applied.compiler.graphs} graph(s) in {applied.compile_seconds():.1f} s, "
+                 f"{applied.compiler.recompiles} recompilation(s)")
+    sizes = ", ".join(f"{name} {size / 2**20:.2f} MiB" for name, size in weight_bytes(adapter.pipe).items())
+    return f"{text}; weight bytes: {sizes}"

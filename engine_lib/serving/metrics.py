@@ -35,6 +35,9 @@ GAUGES = {
     "num_streams": ("diffusion_open_streams", "Engine output streams still open"),
     "num_rank_states": ("diffusion_rank_states", "Request states the parallel workers hold, all ranks (counted when the "
                         "engine goes idle and every second while it runs; 0 without workers)"),
+    "workers_down": ("diffusion_parallel_workers_down", "1 while the model's parallel worker group is broken (a rank "
+                     "died or sent no heartbeat), until it restarts; 0 without workers; `launcher ready` says not "
+                     "ready meanwhile"),
 }
 HISTOGRAMS = {
     "batch_size": ("diffusion_batch_size", "Requests per engine tick in its denoise forward (requests only "
@@ -108,13 +111,28 @@ class ModelMetrics:
                             labels={**labels, "outcome": outcome}) for outcome in ("computed", "reused")},
                         ("counters", "frames_generated"): make(
                             "diffusion_frames_generated_total", "Video frames generated (finished requests of video "
-                            "pipelines)", family.COUNTER).Metric(labels=labels)}
+                            "pipelines)", family.COUNTER).Metric(labels=labels),
+                        ("counters", "compile_recompiles"): make(
+                            "diffusion_compile_recompiles_total", "Times torch.compile compiled a compiled part of "
+                            "the model again after a guard failed (a new shape that was not dynamic, a changed "
+                            "module); 0 without compile", family.COUNTER).Metric(labels=labels)}
         self._totals_seen = dict.fromkeys(self._totals, 0.0)
+        self._labels, self._weights = labels, []
+        self._weights_family = make("diffusion_weight_bytes", "Bytes of each component's weights (parameters and "
+                                    "buffers; a quantized weight counts its data and scales)", family.GAUGE)
         # Set once: the launcher's supervisor starts each server with its restart count so far.
         self._restarts = make("diffusion_server_restarts", "Times the launcher restarted this tritonserver after "
                               "it or a Python stub died", family.GAUGE).Metric(labels=labels)
         self._restarts.set(float(_env_int("DIFFUSION_SERVER_RESTARTS")))
         self._thread = threading.Thread(target=self._run, name=f"{model_name}-metrics", daemon=True)
+
+    def weight_bytes(self, by_component: dict) -> None:
+        """Set once at load, before `start`: the bytes each component's weights hold (quantized: their int8/fp8 data
+        and scales)."""
+        gauge = self._weights_family
+        self._weights = [gauge.Metric(labels={**self._labels, "component": name}) for name in by_component]
+        for metric, value in zip(self._weights, by_component.values()):
+            metric.set(float(value))
 
     def start(self, stats: Optional[Callable[[], Any]] = None) -> None:
         if stats is not None:
@@ -190,6 +208,6 @@ class ModelMetrics:
             self._sample()  # final gauges: what the closed engine still holds
         except Exception as exc:  # noqa: BLE001
             self._log(f"metrics update failed: {exc!r}")
-        self._outcomes, self._gauges, self._histograms, self._restarts = {}, {}, {}, None
+        self._outcomes, self._gauges, self._histograms, self._restarts, self._weights = {}, {}, {}, None, []
         self._waiting_by_priority, self._preemptions, self._batch_retries, self._totals = {}, None, None, {}
         self._families = []

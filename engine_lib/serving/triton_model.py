@@ -83,6 +83,7 @@ class TritonPythonModel:
 
         # Heavy (torch + diffusers): imported once the configuration is known to be valid.
         from engine_lib.engine import DiffusionEngine  # noqa: PLC0415
+        from engine_lib.pipelines import levers  # noqa: PLC0415
         from engine_lib.pipelines.registry import resolve_model_path  # noqa: PLC0415
         from engine_lib.testing import hooks_from_environment  # noqa: PLC0415
 
@@ -94,6 +95,8 @@ class TritonPythonModel:
             self.adapter = self.engine.adapter
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None
+        loaded_levers = levers.describe(self.adapter)
+        self.metrics.weight_bytes(levers.weight_bytes(self.adapter.pipe))
         self.sender = ResponseSender(pb_utils, self.engine.abort, self.metrics, _log, self.model_name,
                                      outputs={spec.name: spec for spec in self.adapter.outputs},
                                      clock=self.engine.clock)
@@ -106,7 +109,7 @@ class TritonPythonModel:
              f"model_path={resolve_model_path(self.config)} "
              f"device={self.adapter.device} dtype={self.adapter.dtype} mode={self.engine.mode.value} "
              f"step_execution={c.step_execution} max_num_seqs={c.max_num_seqs} max_queue={c.max_queue} "
-             f"in {time.monotonic() - start:.1f} s")
+             f"in {time.monotonic() - start:.1f} s; {loaded_levers}")
 
     def execute(self, requests: list) -> None:
         """Admit each request and return at once; every request ends with exactly one FINAL response."""

@@ -1,14 +1,27 @@
 """Admission order through a real tritonserver (step mode, two running slots): a request of another
 size joins the running batch, and a short compatible request passes an incompatible head instead of
-waiting behind it. Order-based, held by the tick budget."""
+waiting behind it. Order-based, held by the tick budget.
+
+The server also runs GPU levers a CPU has (int8 weights, an attention backend), which order does not depend
+on; the last test checks them as served: images, the weight bytes gauge, the recompilation counter (0 without
+compile; compiled: tests/pipelines/test_levers.py, where dynamo's tracing takes seconds per shape) and the load
+log."""
 
 from __future__ import annotations
 
+import math
+import re
+
+from safetensors import safe_open
+
+from engine_lib.tiny_models import ensure_model
+
 from .conftest import module_server
-from .streaming import RequestStream, close_all, run_held, wait_for_metric
+from .streaming import RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape, wait_for_metric
 
-
-step_server = module_server("scheduling", step_execution="true", max_num_seqs="2", mixed_size_batching="true")
+LEVERS = dict(quantization="int8_weight_only", attention_backend="_native_math")
+step_server = module_server("scheduling", step_execution="true", max_num_seqs="2", mixed_size_batching="true",
+                            **LEVERS)
 
 
 def final_order(streams: list[RequestStream]) -> list[str]:
@@ -72,3 +85,30 @@ def test_a_compatible_request_passes_an_incompatible_head(step_server):
     assert order == ["short", "long", "head"]
     for stream in streams:
         assert not stream.result.errors and stream.result.num_final == 1, stream.result.errors
+
+
+def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recompiles(step_server):
+    """int8 weights at most 0.35x of the checkpoint's float32 transformer (by the gauge), two sizes (one with CFG,
+    one with a LoRA) sharing forwards, and the load log naming the levers and the weight bytes."""
+    url, labels = step_server.grpc_url, {"model": "qwen_image"}
+    log = step_server.log_text()
+    assert re.search(r"levers quantization=int8_weight_only attention_backend=_native_math; weight bytes: .*"
+                     r"transformer [\d.]+ MiB", log), log[-2000:]
+    before = metric(scrape(step_server.metrics_url), "diffusion_compile_recompiles_total", **labels)
+    requests = [dict(prompt="a red car", height=64, width=48, num_inference_steps=3, seed=7, num_images=2),
+                dict(prompt="a bowl of fruit", height=32, width=64, num_inference_steps=4, seed=8,
+                     lora_name="toy_a", lora_scale=0.7, negative_prompt="blurry", true_cfg_scale=3.3)]
+    results = run_concurrently(url, requests, prefix="levers")
+    for request, result in zip(requests, results):
+        assert not result.errors and result.num_final == 1, result.errors
+        assert result.final.as_numpy("image").shape == (request.get("num_images", 1), request["height"],
+                                                          request["width"], 3)
+    samples = scrape(step_server.metrics_url)
+    with safe_open(str(ensure_model("qwen_image", "tiny") / "transformer" / "diffusion_pytorch_model.safetensors"),
+                   "pt") as weights:
+        float32 = sum(math.prod(weights.get_slice(key).get_shape()) * 4 for key in weights.keys())
+    served = metric(samples, "diffusion_weight_bytes", component="transformer", **labels)
+    assert 0 < served <= 0.35 * float32, (served, float32)
+    assert metric(samples, "diffusion_weight_bytes", component="vae", **labels) > 0
+    assert metric(samples, "diffusion_compile_recompiles_total", **labels) == before == 0
+
