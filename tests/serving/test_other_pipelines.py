@@ -36,6 +36,10 @@ MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
 HELD = MIXED_SIZES + ("bagel", "hunyuan_image3")  # with a tick budget (`server.budgets`, `run_together`)
 SIZE_32 = ("qwen_image_edit", "qwen_image_edit_plus")  # sizes are multiples of 32 (their tiny VAE downsamples 16x)
+# Served with cfg_batching=false, diffusers' own CFG execution (two forwards), so that a CFG request is bitwise
+TWO_CFG_FORWARDS = ("flux2",)
+# Inputs the parity request adds: CFG on, at scales that are not exactly FP32 (Z-Image's served default is Turbo's 0)
+PARITY_EXTRA = {"z_image": dict(guidance_scale=0.6, negative_prompt="blurry"), "flux2": dict(guidance_scale=2.7)}
 SLOW_PROMPT = "a slow river"  # an ltx2 request with it sleeps 1 s at each block boundary of its ticks (SlowPrompt)
 
 
@@ -63,6 +67,8 @@ def start_models_server(tmp_path_factory) -> ProbedServer:
         text = set_parameter(config.read_text(), "model_path", str(model_dirs[name]))
         if name in MIXED_SIZES:
             text = set_parameter(text, "mixed_size_batching", "true")
+        if name in TWO_CFG_FORWARDS:
+            text = set_parameter(text, "cfg_batching", "false")
         config.write_text(text)
     srv = ProbedServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        address="127.0.0.1", log_path=tmp / "tritonserver.log", exit_timeout_s=30,
@@ -149,7 +155,7 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
     adapter = registry.load_adapter(EngineConfig(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
                                                  dtype="float32"))
     inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=3, seed=11,  # every model's size
-                  **adapter.example_inputs())
+                  **adapter.example_inputs(), **PARITY_EXTRA.get(model, {}))
     params = adapter.input_schema(EngineConfig()).parse(inputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -319,7 +325,8 @@ def test_qwen_image_edit_plus_edits_two_images_and_refuses_none_hostile_or_too_m
 def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
     """The official SDK's `images.edit` on the front door gives the gRPC image of the same inputs (bitwise; SD3's
     image-to-image, streamed with two partial images too, and FLUX.1 Kontext's edit); a model without an image input is a 400 naming `model`, random bytes a 400 naming `image`, a body over the
-    edit cap a 413, and the front door serves on."""
+    edit cap a 413, and the front door serves on; `images.generate` on Z-Image and FLUX.2 [klein] gives their
+    gRPC images too."""
     import openai
 
     from engine_lib.serving.openai_api.app import MAX_EDIT_BODY_BYTES
@@ -359,8 +366,45 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
             client.images.edit(model="sd3", image=("big.png", b"\0" * MAX_EDIT_BODY_BYTES), prompt="x")
         assert info.value.status_code == 413
         assert "sd3" in [m.id for m in client.models.list()]
+        for model, body in (("z_image", {"seed": 2, "num_inference_steps": 3, "guidance_scale": 0.6}),
+                            ("flux2", {"seed": 3, "num_inference_steps": 2, "guidance_scale": 2.7})):
+            result = client.images.generate(model=model, prompt="a lighthouse", size="64x48", n=2, extra_body=body)
+            expected = run_request(server.grpc_url, model=model, request_id=f"{model}-generate", prompt="a lighthouse",
+                                   width=64, height=48, num_images=2, **body)
+            for served, image in zip(result.data, expected.final.as_numpy("image"), strict=True):
+                np.testing.assert_array_equal(decode(served.b64_json), image, err_msg=model)
     finally:
         door.stop()
+
+
+def test_z_image_serves_turbos_defaults_and_refuses_bad_inputs_by_name(server):
+    """A request that leaves steps and guidance out runs Z-Image-Turbo's 8 steps without CFG (the model's config),
+    bitwise diffusers' Turbo call; out-of-range inputs get INVALID_ARG naming them, and the server serves on."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.interface import to_uint8
+
+    adapter = registry.load_adapter(EngineConfig(pipeline="z_image", model_path=str(tiny_model_dirs()["z_image"]),
+                                                 device="cpu", dtype="float32"))
+    result = run_request(server.grpc_url, model="z_image", request_id="turbo", prompt="a red kite", height=48,
+                         width=64, seed=5)
+    assert not result.errors and int(result.final.as_numpy("num_steps")[0]) == 8, result.errors
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = adapter.pipe("a red kite", height=48, width=64, num_inference_steps=8, guidance_scale=0.0,
+                                generator=torch.Generator().manual_seed(5), output_type="np").images
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(result.final.as_numpy("image"), to_uint8(expected))
+    for name, value, says in (("guidance_scale", -0.3, "[0, 100]"), ("max_sequence_length", 1025, "[1, 1024]"),
+                              ("height", 52, "multiple of 8")):
+        bad = run_request(server.grpc_url, model="z_image", request_id=f"bad-{name}", prompt="x",
+                          num_inference_steps=2, **{name: value})
+        assert bad.num_final == 1 and bad.errors and name in str(bad.errors[0]) and says in str(bad.errors[0]), \
+            (name, bad.errors)
+    flux2 = run_request(server.grpc_url, model="flux2", request_id="bad-negative", prompt="x", num_inference_steps=2,
+                        negative_prompt="blurry")
+    assert flux2.errors and "negative_prompt" in str(flux2.errors[0])
 
 
 def test_sd3_refuses_each_hostile_image_and_mask_by_name_then_inpaints(server):
