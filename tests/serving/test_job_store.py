@@ -4,12 +4,9 @@ cap counts its own jobs, expiry removes exactly what is due, and a job whose run
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
-import resource
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -97,30 +94,36 @@ def test_a_completed_job_outlives_its_store_and_deleting_it_removes_row_and_file
     assert first.job("alice", job.id) is None and artifacts(first) == [] and first.used_bytes() == 0
 
 
-@contextlib.contextmanager
-def file_size_limit(max_bytes: int):
-    """Writes past `max_bytes` in a file fail with EFBIG, as writes on a full disk fail with ENOSPC."""
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
+def run_store(code: str, environment: dict) -> str:
+    """Run `code` in a new Python process with `store`, the store `environment` names; its output."""
+    prelude = "import json, os, sys\nfrom engine_lib.serving.openai_api.store import open_store\n" \
+              "store = open_store(json.loads(sys.argv[1]))\n"
+    return subprocess.run([sys.executable, "-c", prelude + code, json.dumps(environment)], capture_output=True,
+                          text=True, check=True).stdout
 
 
-def test_a_result_that_cannot_be_written_fails_its_job_and_leaves_nothing(stores):
+# In a process of its own: a file size limit would hold for every child this one starts meanwhile.
+FULL_DISK = """
+import errno, resource, signal
+job = store.add_job("alice", {"model": "ltx2"}, max_jobs=2)
+big = bytes(range(256)) * 4608  # 1.2 MB: past the limit, which the database's own small writes stay within
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, as on a full disk (ENOSPC)
+resource.setrlimit(resource.RLIMIT_FSIZE, (len(big) // 4, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+store.complete(job.id, big, "video/mp4")
+try:
+    store.put_artifact("alice", big, "image/png", 60)
+except OSError as exc:
+    print(job.id, errno.errorcode[exc.errno])
+"""
+
+
+def test_a_result_that_cannot_be_written_fails_its_job_and_leaves_nothing(stores, environment):
+    job_id, error = run_store(FULL_DISK, environment).split()
+    assert error == "EFBIG"  # the image URL's write raised (507 at the front door); the process went on
     store = stores()
-    job = store.add_job("alice", {"model": "ltx2"}, max_jobs=2)
-    big = VIDEO * 512  # 1.2 MB: past the limit, which the database's own small writes stay within
-    with file_size_limit(len(big) // 4):
-        store.complete(job.id, big, "video/mp4")
-        with pytest.raises(OSError):
-            store.put_artifact("alice", big, "image/png", 60)
-    failed = store.job("alice", job.id)
+    failed = store.job("alice", job_id)
     assert failed.status == "failed" and failed.artifact is None and failed.error["code"] == "storage_full"
-    assert "DIFFUSION_DATA_DIR" in failed.error["message"]
+    assert "DIFFUSION_DATA_DIR" in failed.error["message"] and "File too large" in failed.error["message"]
     assert artifacts(store) == [] and store.used_bytes() == 0  # no file, no temporary, no row naming one
 
 
@@ -168,11 +171,8 @@ def test_a_full_store_expires_first_then_refuses(stores):
 
 def test_a_job_whose_front_door_died_fails_as_server_restarted_at_the_next_start(stores, environment):
     """The job's runner is a real process that exits (as a SIGKILLed front door) while its job runs."""
-    code = ("import os, sys, json; from engine_lib.serving.openai_api.store import open_store; "
-            "store = open_store(json.loads(sys.argv[1])); job = store.add_job('alice', {}, 5); "
-            "store.progress(job.id, 30); print(job.id, flush=True); os._exit(0)")
-    job_id = subprocess.run([sys.executable, "-c", code, json.dumps(environment)], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    job_id = run_store("job = store.add_job('alice', {}, 5); store.progress(job.id, 30); print(job.id, flush=True); "
+                       "os._exit(0)", environment).strip()
     job = stores().job("alice", job_id)
     assert (job.status, job.error["message"], job.error["code"]) == ("failed", RESTARTED, "server_restarted")
     assert job.expires_at is not None
