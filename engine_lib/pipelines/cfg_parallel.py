@@ -6,7 +6,9 @@ with the same latents, timesteps and per-row inputs. Each rank runs the transfor
 its half, rank 1's prediction is gathered to rank 0, and rank 0 combines the two with the
 adapter's own `_combine_cfg`, the operations of the single-process path, and returns the guided
 prediction to the driver. Only the transformer runs on the ranks, so the engine's contracts
-(keys, pauses, previews, decode groups) are unchanged.
+(keys, pauses, previews, decode groups) are unchanged. Each row runs under its own LoRA on both
+ranks (the call's row plan), and a request's step cache of a branch lives on that branch's rank
+(rank_states.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
+from engine_lib.pipelines.rank_states import RankStates, RowFacts
 
 SIDES = ("cond", "uncond")  # rank r runs the rows of SIDES[r]
 
@@ -26,9 +29,9 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-            scale: float) -> torch.Tensor:
-    """The guided prediction of a tick, computed on the ranks, on the latents' device."""
-    args = [(latents, timestep, text[side], rows, scale) for side in SIDES]
+            scale: float, facts: list[RowFacts], plan: list) -> torch.Tensor:
+    """The guided prediction of a tick, computed on the ranks, on the latents' device (`plan`: each row's LoRA)."""
+    args = [(latents, timestep, text[side], rows, scale, facts, plan) for side in SIDES]
     return group.call("forward", args).to(latents.device)
 
 
@@ -37,18 +40,23 @@ class CfgRank:
 
     def __init__(self, adapter, rank: int, world_size: int):
         self.adapter, self.rank = adapter, rank
+        self.held = RankStates()
 
     def held_states(self) -> int:
-        """Request states this rank holds: none (every request's state stays on the driver)."""
-        return 0
+        """Requests whose step cache (of this rank's branch) this rank holds."""
+        return len(self.held)
+
+    def free(self, request_ids: list[str]) -> None:
+        self.held.free(request_ids)
 
     @torch.inference_mode()
-    def forward(self, latents, timestep, text, rows, scale):
+    def forward(self, latents, timestep, text, rows, scale, facts, plan):
         side = SIDES[self.rank]
         failed = None
         try:
-            with self.adapter._cache_context(side):
-                pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, [])
+            states = self.held.states(facts)
+            with self.adapter._cache_context(side), self.adapter.loras.rows(plan):
+                pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, states)
         except Exception as error:
             failed, pred = error, torch.zeros_like(latents)
         agree(failed, latents.device)  # every rank learns whether both forwards ran: they stay in step

@@ -35,9 +35,11 @@ from engine_lib import interface
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
-from engine_lib.pipelines import cfg_parallel, sequence_parallel, taylorseer
-from engine_lib.pipelines.capabilities import make
+from engine_lib.parallel import WorkerError
+from engine_lib.pipelines import cfg_parallel, rank_states, sequence_parallel, taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
+from engine_lib.pipelines.capabilities import make
+from engine_lib.pipelines.rank_states import RowFacts
 from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
@@ -76,13 +78,12 @@ IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, i
                 interface.output_format("png"), interface.PRIORITY, *LORA_INPUTS)
 
 
-def ranks_without_row_features(capabilities):
-    """`capabilities` with per-row LoRAs and step caches refused on the ranks of cfg_parallel and
-    sequence_parallel (which run the transformer's plain forward)."""
-    for kind in ("cfg_parallel", "sequence_parallel"):
-        for feature in ("lora", "first_block", "taylorseer"):
-            capabilities = capabilities.refuse(kind, feature, "the ranks run the transformer without per-row LoRAs "
-                                               "or step caches")
+def without_sequence_parallel_caches(capabilities):
+    """`capabilities` with the step caches refused under sequence_parallel: the ranks' first blocks see a share of
+    the tokens each, so their cache decisions are not one process's yet."""
+    for feature in ("first_block", "taylorseer"):
+        capabilities = capabilities.refuse("sequence_parallel", feature, "each rank would decide its cache from "
+                                           "its own share of the tokens")
     return capabilities
 
 
@@ -201,6 +202,14 @@ class FlowMatchAdapter(DiffusersAdapter):
             return sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
         return super().start_workers(model_path, options)
 
+    def release(self, state: FlowMatchState) -> None:
+        """The ranks drop the request's step caches (they hold those of the forwards they run)."""
+        if self.workers is not None and not self.workers.broken and rank_states.caches(state.params):
+            try:
+                self.workers.call_all("free", [([state.request_id],)] * self.workers.world_size)
+            except WorkerError:
+                pass  # the group is broken: the engine starts a new one, which holds nothing
+
     @staticmethod
     def row_lora(params: SamplingParams) -> RowLora:
         return (params.lora_name, float(params.lora_scale)) if params.lora_name else None
@@ -259,8 +268,8 @@ class FlowMatchAdapter(DiffusersAdapter):
                      states: list[FlowMatchState]) -> torch.Tensor:
         """One transformer call, exactly as the pipeline's denoising loop makes it: `_forward`, under the
         TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
-        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps)
-        assert seer is None or "packing" not in rows, "TaylorSeer keeps a request's size in its step key"
+        seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps, self.loras)
+        assert seer is None or "packing" not in rows, "TaylorSeer with mixed_size_batching is refused (capabilities)"
         with taylorseer.attending(seer):
             return self._forward(latents, timestep, text, rows, states, seer)
 
@@ -354,19 +363,21 @@ class FlowMatchAdapter(DiffusersAdapter):
         text = self._text_inputs(input_batch)
         plan = [self.row_lora(s.params) for s in states for _ in range(s.num_rows)]
         with self.loras.rows(plan):
-            return self._denoise(latents, timestep, text, rows, states, do_cfg.pop())
+            return self._denoise(latents, timestep, text, rows, states, do_cfg.pop(), plan)
 
     def _denoise(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-                 states: list[FlowMatchState], do_cfg: bool) -> torch.Tensor:
+                 states: list[FlowMatchState], do_cfg: bool, plan: list) -> torch.Tensor:
         scale = None
         if do_cfg:
             scales = {self.cfg_scale(s.params) for s in states}
             assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
             scale = scales.pop()
         if self.workers is not None and self.sequence_parallel_size > 1:  # every rank its tokens
-            return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching)
+            return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching,
+                                             RowFacts.of(states), plan)
         if self.workers is not None and scale is not None:  # cond rows on rank 0, uncond rows on rank 1
-            return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale)
+            return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale, RowFacts.of(states),
+                                        plan)
         return self._predict(latents, timestep, text, rows, states, scale)
 
     def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
+from engine_lib.pipelines.rank_states import RankStates, RowFacts
 
 
 def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
@@ -39,10 +40,11 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-            scale: Optional[float], cfg_batching: bool) -> torch.Tensor:
-    """A tick's prediction (guided with a CFG `scale`), computed on the ranks, on the latents' device."""
+            scale: Optional[float], cfg_batching: bool, facts: list[RowFacts], plan: list) -> torch.Tensor:
+    """A tick's prediction (guided with a CFG `scale`), computed on the ranks, on the latents' device (`plan`:
+    each row's LoRA)."""
     sides = ("cond",) if scale is None else ("cfg",) if cfg_batching else ("cond", "uncond")
-    args = (latents, timestep, {side: text[side] for side in sides}, rows, scale, cfg_batching)
+    args = (latents, timestep, {side: text[side] for side in sides}, rows, scale, cfg_batching, facts, plan)
     return group.call("forward", [args] * group.world_size).to(latents.device)
 
 
@@ -78,17 +80,22 @@ class SequenceRank:
     def __init__(self, adapter, rank: int, world_size: int):
         self.adapter, self.rank, self.world_size = adapter, rank, world_size
         enable_ulysses(adapter.pipe.transformer, world_size, adapter.device)
+        self.held = RankStates()
 
     def held_states(self) -> int:
-        """Request states this rank holds: none (every request's state stays on the driver)."""
-        return 0
+        """Requests whose step cache (of this rank's tokens) this rank holds."""
+        return len(self.held)
+
+    def free(self, request_ids: list[str]) -> None:
+        self.held.free(request_ids)
 
     @torch.inference_mode()
-    def forward(self, latents, timestep, text, rows, scale, cfg_batching):
+    def forward(self, latents, timestep, text, rows, scale, cfg_batching, facts, plan):
         failed, shard = None, None
         self.adapter.cfg_batching = cfg_batching  # the driver's: it sent the text of those forwards
         try:
-            shard = self.adapter._predict(latents, timestep, text, rows, [], scale)
+            with self.adapter.loras.rows(plan):
+                shard = self.adapter._predict(latents, timestep, text, rows, self.held.states(facts), scale)
         except Exception as error:
             failed = error
         agree(failed, latents.device)  # every rank learns whether all forwards ran: they stay in step

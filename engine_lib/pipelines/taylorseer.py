@@ -117,8 +117,8 @@ def attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 class Plan:
     """One forward's row groups and the attention modules they skip on the steps they predict."""
 
-    def __init__(self, modules: list[torch.nn.Module], groups: list[Group]):
-        self.modules, self.groups = modules, groups
+    def __init__(self, modules: list[torch.nn.Module], groups: list[Group], loras=None):
+        self.modules, self.groups, self.loras = modules, groups, loras  # loras: the rows' LoRA library
         self.view = [(g, g.rows) for g in groups]  # the groups the modules see now, and their rows in the call
 
     @contextlib.contextmanager
@@ -164,10 +164,11 @@ class Plan:
         if len(computing) == len(self.view):
             out = forward(**kwargs)
         elif computing:
-            index = to_device([r for s in computing for r in range(s.start, s.stop)],
-                              kwargs["hidden_states"].device)
-            out = forward(**{name: value.index_select(0, index) if name in PER_ROW and isinstance(
-                value, torch.Tensor) and value.shape[0] == total else value for name, value in kwargs.items()})
+            rows = [r for s in computing for r in range(s.start, s.stop)]
+            index = to_device(rows, kwargs["hidden_states"].device)
+            with contextlib.nullcontext() if self.loras is None else self.loras.only(rows):  # each row its LoRA
+                out = forward(**{name: value.index_select(0, index) if name in PER_ROW and isinstance(
+                    value, torch.Tensor) and value.shape[0] == total else value for name, value in kwargs.items()})
         single = isinstance(out, torch.Tensor)
         outputs = (out,) if single else out
         pieces, taken = [], 0
@@ -189,9 +190,10 @@ class Plan:
 
 
 def plan(transformer: torch.nn.Module, states: list, branches: tuple[str, ...],
-         tally: Optional[Counter] = None) -> Optional[Plan]:
+         tally: Optional[Counter] = None, loras=None) -> Optional[Plan]:
     """The plan of a forward whose rows are `branches` halves (each every state's rows in batch order); None
-    when no state uses TaylorSeer. `tally` counts each TaylorSeer group's decision ("computed", "reused")."""
+    when no state uses TaylorSeer. `tally` counts each TaylorSeer group's decision ("computed", "reused");
+    `loras`: the rows' LoRA library (the rows that compute attend under their own LoRAs)."""
     if not any(caches(s.params) for s in states):
         return None
     modules = attention_modules(transformer)
@@ -207,7 +209,7 @@ def plan(transformer: torch.nn.Module, states: list, branches: tuple[str, ...],
             groups.append(Group(rows, state.step_index, factors))
             if tally is not None:
                 tally["computed" if computes(state.step_index) else "reused"] += 1
-    return Plan(modules, groups)
+    return Plan(modules, groups, loras)
 
 
 def attending(seer: Optional[Plan]):

@@ -102,6 +102,22 @@ def test_flux_solo_and_in_a_step_batch_joined_at_different_ticks_equals_the_sing
     assert_same_run(flux_sp, flux, joining_batch(flux, max_sequence_length=7))  # 7 text tokens: 4 and 3
 
 
+def mixed_loras(single, **inputs) -> dict:
+    """A joining batch whose rows run under two LoRAs (one at scale 0.7, two images) and none."""
+    batch = joining_batch(single, **inputs)
+    loras = [dict(lora_name="toy_a", lora_scale=0.7, num_images=2), dict(lora_name="toy_b"), {}]
+    return {rid: (at, parse(single, {**p, **lora})) for (rid, (at, p)), lora in zip(batch.items(), loras)}
+
+
+@pytest.mark.parametrize("pipeline", ["qwen_image", "flux"])
+def test_mixed_loras_in_a_step_batch_joined_at_different_ticks_equal_the_single_process_run(pipeline, request):
+    """Each row's LoRA on every rank's share of its tokens (Qwen-Image with true CFG in one forward of 2B rows)."""
+    single, parallel = request.getfixturevalue(pipeline.split("_")[0]), request.getfixturevalue(
+        pipeline.split("_")[0] + "_sp")
+    inputs = CFG if pipeline == "qwen_image" else dict(max_sequence_length=7)
+    assert_same_run(parallel, single, mixed_loras(single, **inputs))
+
+
 def test_what_the_ranks_cannot_run_is_refused_naming_the_input(qwen_sp):
     refused = {"max_sequence_length": dict(max_sequence_length=1), "height": dict(height=8, width=8)}
     for name, inputs in refused.items():

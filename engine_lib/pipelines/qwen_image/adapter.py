@@ -23,7 +23,7 @@ import torch
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
                                              FlowMatchState, TextParts, max_sequence_length,
-                                             ranks_without_row_features)
+                                             without_sequence_parallel_caches)
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
@@ -58,7 +58,7 @@ class QwenImageAdapter(FlowMatchAdapter):
     )
     state_class = QwenImageState
     pads_text = True
-    capabilities = ranks_without_row_features(FlowMatchAdapter.capabilities.with_features(
+    capabilities = without_sequence_parallel_caches(FlowMatchAdapter.capabilities.with_features(
         "mixed_sizes", "first_block", "taylorseer", "cfg_parallel", "sequence_parallel"))
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 

@@ -60,8 +60,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     state_class = QwenImageEditState
     step_key_skips = ()
     # its image's tokens join the sequence (cut off after the forward): no sequence parallel, no packing yet
-    capabilities = QwenImageAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
-                                                         "taylorseer").with_features("image_input")
+    capabilities = (QwenImageAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
+                                                          "taylorseer").with_features("image_input")
+                    .refuse("cfg_parallel", "lora", "not checked on the ranks with the image's tokens yet"))
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
 
     @classmethod

@@ -1,0 +1,71 @@
+"""What the ranks of cfg_parallel and sequence_parallel keep of each request: its step caches.
+
+The driver keeps every request's state; a rank runs the transformer for the batch's rows. A request's per-row
+features reach the ranks with each call: its LoRA as the call's row plan (each rank's own LoRA library loads it),
+its cache settings and step index as `RowFacts`. The first-block cache's residuals and TaylorSeer's factors are
+those of the forwards a rank runs (its CFG branch, its share of the tokens), so they live on the rank, held by
+request id (`RankStates`) until the driver's `release` frees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_lib.pipelines import step_cache, taylorseer
+from engine_lib.request import SamplingParams
+
+CACHE_INPUTS = ("cache", "cache_threshold")
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What the ranks' cache decisions read of one request of a forward (its rows in batch order)."""
+
+    request_id: str
+    num_rows: int
+    step_index: int
+    cache: dict  # its cache inputs by name
+
+    @classmethod
+    def of(cls, states: list) -> list["RowFacts"]:
+        return [cls(s.request_id, s.num_rows, s.step_index, {name: s.params.get(name) for name in CACHE_INPUTS})
+                for s in states]
+
+
+def caches(params) -> bool:
+    """Whether a request keeps a step cache (first-block or TaylorSeer), whose state then lives on the ranks."""
+    return step_cache.caches(params) or taylorseer.caches(params)
+
+
+@dataclass
+class RankState:
+    """The part of a request's state a rank's forward reads (`row_groups` and `taylorseer.plan`)."""
+
+    request_id: str
+    params: SamplingParams
+    num_rows: int
+    step_index: int
+    step_cache: dict = field(default_factory=dict)
+
+
+class RankStates:
+    """One rank's step caches by request id (owned by the rank's handler thread)."""
+
+    def __init__(self):
+        self._caches: dict[str, dict] = {}
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def states(self, facts: list[RowFacts]) -> list[RankState]:
+        """The forward's states; a request that caches gets (or keeps) its step cache here."""
+        out = []
+        for fact in facts:
+            params = SamplingParams(fact.cache)
+            held = self._caches.setdefault(fact.request_id, {}) if caches(params) else {}
+            out.append(RankState(fact.request_id, params, fact.num_rows, fact.step_index, held))
+        return out
+
+    def free(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._caches.pop(request_id, None)
