@@ -222,24 +222,32 @@ def test_think_and_recaption_on_the_ranks_equal_the_single_process(ep, expected_
     outputs, chunks, ranks = run_ticks(ep, TEXT_RUNS[run], lambda runner: held(ep, "held_bytes"))
     expected_outputs, expected_chunks, single_bytes = expected_texts[run]
     assert_same_outputs(outputs, chunks, expected_outputs, expected_chunks)
+    print(f"\n{run}: bytes each rank holds, tick by tick {[r[0] for r in ranks]}; one process's KV caches "
+          f"{[kv for kv, _ in single_bytes]}, residuals {[res for _, res in single_bytes]}")
     assert ranks == [[kv // 2 + residuals] * 2 for kv, residuals in single_bytes] and single_bytes[0][0] > 0
     assert held(ep) == [0, 0] and held(ep, "held_bytes") == [0, 0]
 
 
-def test_the_vocabulary_split_head_gives_the_single_process_logits(ep, single):
-    """Every logit, those on both sides of the ranks' vocabulary boundary included, within 1e-5 of one process's."""
+def test_the_vocabulary_split_head_gives_the_single_process_logits_and_a_forward_run_again_grows_once(ep, single):
+    """Every logit, those on both sides of the ranks' vocabulary boundary included, within 1e-5 of one process's.
+    The same token's forward run again (a batch retried row by row: the driver still counts the cache's old
+    length) gives the same logits and leaves each rank's cache one token longer, not two."""
     context = single.thinker.text_ids("a boundary", "think")
     local = single.thinker.start(context, 4)
     remote = ep.thinker.start(context, 4)
+    token = torch.tensor([[context[-1]]])
     try:
-        [expected], _ = single.thinker.head.logits(single.pipe.model, [local.cache], torch.tensor([[context[-1]]]))
-        [logits] = ep.pipe.model.text_logits([remote.cache], torch.tensor([[context[-1]]]))
+        [expected], new = single.thinker.head.logits(single.pipe.model, [local.cache], token)
+        [logits] = ep.pipe.model.text_logits([remote.cache], token)
+        once = held(ep, "held_bytes")
+        [again] = ep.pipe.model.text_logits([remote.cache], token)
     finally:
         ep.pipe.model.free([remote.cache])
     boundary = tensor_parallel.block(single.pipe.model.config.vocab_size, 1, 2).start
     assert logits.shape == expected.shape and 0 < boundary < len(expected)
-    assert (logits - expected).abs().max() <= LATENT_BOUND
-    assert held(ep) == [0, 0]
+    assert (logits - expected).abs().max() <= LATENT_BOUND and torch.equal(again, logits)
+    grown = held_bytes(single.thinker.head.grown(local.cache, new[0]))
+    assert held(ep, "held_bytes") == [0, 0] and once == [grown // 2] * 2
 
 
 def test_a_text_phase_preempted_on_the_ranks_resumes_and_a_cancelled_one_frees_every_shard(ep, expected_texts):
@@ -303,6 +311,7 @@ def test_the_first_block_cache_on_the_ranks_decides_as_one_process(ep, expected_
     latents, images = step_latents(ep, {rid: (at, parse(ep, p)) for rid, (at, p) in CACHE_RUNS[run].items()})
     expected_latents, expected_images, expected_decisions = expected_cached[run]
     assert {k: v - before[k] for k, v in decisions(ep).items()} == expected_decisions
+    print(f"\n{run}: decisions on the ranks {expected_decisions}")
     assert expected_decisions["cache_steps_reused"] >= 3
     for rid in CACHE_RUNS[run]:
         assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
