@@ -159,8 +159,11 @@ class VideoJobs:
         """Tell the other front doors on the store, every HEARTBEAT_S, that this one still runs its jobs."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            if self._tasks:
-                self.store.heartbeat(list(self._tasks))
+            try:
+                if self._tasks:
+                    self.store.heartbeat(list(self._tasks))
+            except Exception as exc:  # noqa: BLE001 - a database away for a while: beat again next time
+                log.warning("video jobs' heartbeat not stored: %s", exc)
 
     async def close(self) -> None:
         """Shutdown: cancel every running job's Triton request; the jobs fail as after a restart."""
