@@ -249,6 +249,28 @@ def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(serv
         torch.set_num_threads(threads)
 
 
+def test_sd3_takes_an_image_in_every_base64_form_and_at_the_byte_and_pixel_limits(server):
+    """One PNG as its bytes and as each base64 form clients write (MIME lines, CRLF, spaces, URL-safe, unpadded,
+    data: URLs) gives one image, bitwise; a PNG of random pixels between 6 and 8 MiB as MIME base64 (10.4 MB of
+    text) and a 4096 x 4096 PNG as an unpadded URL-safe data: URL are served."""
+    from tests.hostile_images import base64_forms, encode, near_the_byte_limit
+
+    picture = encode(Image.fromarray(np.random.default_rng(6).integers(0, 256, (40, 48, 3), dtype=np.uint8)))
+    square = encode(Image.new("RGB", (4096, 4096), (30, 60, 90)), compress_level=1)
+    cases = {"bytes": picture, **base64_forms(picture), "near-8-MiB": base64_forms(near_the_byte_limit())["mime-lines"],
+             "4096x4096": base64_forms(square)["data-url-url-safe-unpadded"]}
+    inputs = dict(prompt="a harbour", height=64, width=64, num_inference_steps=5, seed=4, guidance_scale=1.0,
+                  strength=0.2)
+    results = {name: run_request(server.grpc_url, model="sd3", request_id=name, image=image, **inputs)
+               for name, image in cases.items()}
+    for name, result in results.items():
+        assert not result.errors and result.num_final == 1, (name, result.errors)
+        assert int(result.final.as_numpy("num_steps")[0]) == 1, name
+    for name in base64_forms(picture):
+        np.testing.assert_array_equal(results[name].final.as_numpy("image"), results["bytes"].final.as_numpy("image"),
+                                      err_msg=name)
+
+
 def test_flux_kontext_refuses_a_request_without_its_image_or_with_a_bad_one(server):
     """Kontext edits an image (its served edit is test_served_outputs_are_the_pipelines_own's, on the adapter's
     example image): none, random bytes or an image under the size multiple (8 on the tiny model) get INVALID_ARG
