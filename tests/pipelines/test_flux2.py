@@ -88,3 +88,16 @@ def test_the_vae_statistics_shape_the_image(adapter, reference):
         latents = adapter._unpack(state.latents, 64, 64)
         plain = adapter.pipe.vae.decode(adapter.pipe._unpatchify_latents(latents), return_dict=False)[0]
         assert image_diff(plain.numpy(), adapter._vae_decode(latents).numpy()) > 1e-2
+
+
+@pytest.mark.parametrize("pipeline", ["flux2", "z_image"])
+@pytest.mark.parametrize("parameter, value", [("sequence_parallel_size", 2), ("cfg_parallel", True)])
+def test_ranks_are_refused_at_load_naming_the_parameter(pipeline, parameter, value):
+    """Neither runs on ranks yet (docs/deployment.md): the load fails before the weights, naming the parameter."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
+    from engine_lib.request import ConfigError
+
+    with pytest.raises(ConfigError, match=f"parameter '{parameter}'"):
+        load_adapter(EngineConfig(pipeline=pipeline, device="cpu", dtype="float32", devices="cpu,cpu",
+                                  **{parameter: value}))
