@@ -8,20 +8,10 @@ text features (so it has 28 layers, 36 in the release). `is_distilled` false: th
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Mapping
 
+from engine_lib.pipelines.flux.tiny import FLUX_SCHEDULER_CONFIG
 from engine_lib.pipelines.tiny_parts import qwen3_tokenizer, seeded, tiny_qwen3
-
-# FLUX.2 [klein]'s scheduler/scheduler_config.json: dynamic shifting (the pipeline computes mu empirically).
-FLUX2_SCHEDULER_CONFIG: Dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
 
 TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
 
@@ -68,7 +58,8 @@ def build(preset: Mapping[str, Any], seed: int):
             block.attn.add_v_proj.weight.mul_(preset["gains"]["text_values"])
     tokenizer = qwen3_tokenizer()
     return Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
+        # FLUX.2 [klein]'s scheduler config is FLUX.1's (dynamic shifting; the pipeline computes mu empirically)
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=tiny_qwen3(seed, tokenizer, text_hidden, max(TEXT_LAYERS) + 1, causal_lm=True),
         tokenizer=tokenizer,
