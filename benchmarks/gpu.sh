@@ -5,6 +5,8 @@
 # (the image of docker/Dockerfile has both). Results: benchmarks/results/gpu/<scenario>.json and .md.
 # step-cache (`bash benchmarks/gpu.sh step-cache`) runs its first_block arm at CACHE_THRESHOLD when set: the
 # threshold that reuses about half the steps differs per preset, and its table counts the steps reused.
+# levers (`bash benchmarks/gpu.sh levers`) compares eager, regional compile (inductor), int8 and fp8 (dynamic e4m3,
+# SM 8.9+) weights and compile+fp8, each with the step cache off and on, against eager float32 in-process.
 # With more than one GPU it then runs the parallel configurations against one GPU (benchmarks/parallel.py:
 # cfg_parallel and sequence_parallel_size=2 for Qwen-Image, sequence_parallel_size=2 for Flux,
 # tensor_parallel_size for HunyuanImage-3.0): benchmarks/results/gpu/parallel.json and .md; `parallel` as the

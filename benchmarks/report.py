@@ -260,9 +260,15 @@ def think_tables(result: dict) -> list[str]:
                            f"{names[0]} req/s / its, per round"])]
 
 
+def levers_tables(result: dict) -> list[str]:
+    from benchmarks import levers
+
+    return levers.tables(result, table, num)
+
+
 TABLES = {"closed": closed_tables, "poisson": poisson_tables, "priority": priority_tables,
           "perf_analyzer": perf_analyzer_tables, "profile": profile_tables, "packing": packing_tables,
-          "cache": cache_tables, "think": think_tables}
+          "cache": cache_tables, "think": think_tables, "levers": levers_tables}
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:

@@ -327,9 +327,17 @@ def run_think(sc: Scenario, log_dir: Path) -> dict:
                      c, sc.repeats, model_path(sc, sc.systems[0].pipeline))
 
 
+def run_levers(sc: Scenario, log_dir: Path) -> dict:
+    """Each GPU lever's time per step, weight bytes and images against eager float32 (benchmarks/levers.py)."""
+    from benchmarks import levers
+
+    return levers.run(model_path(sc, "qwen_image"), *in_process_device(), sc.sizes[0], sc.steps[0],
+                      sc.concurrency[0], sc.repeats)
+
+
 RUNNERS = {"closed": run_closed, "poisson": run_poisson, "priority": run_priority,
            "perf_analyzer": run_perf_analyzer, "profile": run_profile, "packing": run_packing, "cache": run_cache,
-           "think": run_think}
+           "think": run_think, "levers": run_levers}
 
 
 def run_scenario(sc: Scenario, out_dir: Path, img_dir: Path, command: str, log_dir: Path) -> dict:

@@ -13,7 +13,7 @@ it is sent (`kind`):
 * perf_analyzer: Triton's perf_analyzer against the first system, next to the load generator;
 * cache: closed loop on the first system, the same requests with the step cache off and at `cache_threshold`,
   the two arms interleaved round by round;
-* profile, packing: in-process measurements of the pipeline itself, no server (that is their point);
+* profile, packing, levers: in-process measurements of the pipeline itself, no server (that is their point);
 * think: in-process, BAGEL requests thinking before their image mixed with plain ones in a closed loop, each
   system the same engine (its parameters) with its `adapter` settings, the text and denoise forwards counted.
 
@@ -141,6 +141,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         "helios", "helios: one request at a time, streamed by chunk", "helios",
         engine(step_execution="true", max_num_seqs=1)),), preset="tiny", sizes=(64,), steps=(4,), num_frames=97,
              concurrency=(1,), per_client=6),
+    # Each lever of engine_lib/pipelines/levers.py alone and combined, with the step cache off and on (in-process).
+    Scenario("levers", "GPU levers: eager, compile, int8, fp8, compile+fp8, each with and without first_block "
+             "(in-process)", "levers", sizes=(128,), steps=(8,), concurrency=(4,), repeats=3),
     # Every other request thinks (a thought of up to 24 tokens, then 8 denoise steps); the baseline is the same
     # engine with at most one request decoding per tick (BagelAdapter.max_text_rows, a benchmark-only setting).
     Scenario("think", "BAGEL think and plain requests at concurrency 8: one loop vs text phases one at a time "

@@ -1,0 +1,127 @@
+"""The `levers` scenario: what each GPU lever does to one denoise step (in-process, engine_lib/pipelines/levers.py).
+
+Qwen-Image on the scenario's preset, loaded through the engine's own loader once per arm: eager, compile
+(regional), int8 (weight-only), fp8 (dynamic e4m3 on CUDA; weight-only elsewhere: the dynamic form needs SM 8.9+),
+compile+fp8, each with the step cache off and at `cache=first_block`. One wave of `batch` requests runs once to
+warm up (the compile happens there), then `repeats` timed waves; per arm:
+
+* time per step: the median wave's seconds / steps (the batch shares each step);
+* weight bytes of the transformer (what `diffusion_weight_bytes` reports);
+* PSNR and the largest uint8 level difference of every image against eager float32 without the cache (on CUDA the
+  reference is the same eager arm in float32, loaded once).
+
+A lever this device or the installed packages cannot run is recorded with the load's refusal, not raised.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ARMS = {"eager": {}, "compile": {"compile": "regional"}, "int8": {"quantization": "int8_weight_only"},
+        "fp8": {"quantization": "fp8"}, "compile+fp8": {"compile": "regional", "quantization": "fp8"}}
+CACHES = {"": {}, " + first_block": {"cache": "first_block"}}
+
+
+def arm_parameters(arm: str, device: str) -> dict:
+    """The config parameters of one arm on `device` (fp8 is weight-only off CUDA; COMPILE_BACKEND overrides
+    inductor, e.g. aot_eager where inductor's C++ build takes too long)."""
+    params = dict(ARMS[arm])
+    if params.get("quantization") == "fp8" and device != "cuda":
+        params["quantization"] = "fp8_weight_only"
+    if "compile" in params:
+        params["compile_backend"] = os.environ.get("COMPILE_BACKEND", "inductor")
+    return params
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wave(adapter, inputs: list[dict]) -> tuple[float, list[np.ndarray]]:
+    from engine_lib.request import DiffusionRequest
+    from engine_lib.runner import ModelRunner
+
+    from engine_lib.config import EngineConfig
+
+    schema = adapter.input_schema(EngineConfig())
+    requests = [DiffusionRequest(f"r{i}", schema.parse(p)) for i, p in enumerate(inputs)]
+    start = time.perf_counter()
+    result = ModelRunner(adapter).run_to_completion(requests)
+    _sync(adapter.device.type)
+    seconds = time.perf_counter() - start
+    if result.errors:
+        raise RuntimeError(next(iter(result.errors.values())))
+    return seconds, [result.outputs[r.request_id]["image"] for r in requests]
+
+
+def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch: int, repeats: int) -> dict:
+    import torch
+
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines import levers
+    from engine_lib.pipelines.registry import load_adapter
+    from engine_lib.request import ConfigError
+
+    base = EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False,
+                        max_num_seqs=batch, max_loras=1)
+    prompts = ["a red car", "a bowl of fruit", "a cat on a sofa", "a lighthouse at dusk"]
+    inputs = [{"prompt": prompts[i % len(prompts)], "height": size, "width": size, "num_inference_steps": steps,
+               "seed": i} for i in range(batch)]
+    reference = load_adapter(base.replace(dtype="float32"))
+    _, expected = _wave(reference, inputs)
+    del reference
+    points = []
+    for arm in ARMS:
+        params = arm_parameters(arm, device)
+        try:
+            adapter = load_adapter(base.replace(**params))
+        except ConfigError as exc:
+            points.append({"arm": arm, "parameters": params, "refused": str(exc)})
+            continue
+        for cache_label, cache in CACHES.items():
+            sent = [{**p, **cache} for p in inputs]
+            warm_s, _ = _wave(adapter, sent)
+            timed = [_wave(adapter, sent) for _ in range(repeats)]
+            images = timed[-1][1]
+            levels = max(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) for a, b in zip(images, expected))
+            psnrs = [_psnr(a, b) for a, b in zip(images, expected)]
+            points.append({"arm": arm + cache_label, "parameters": {**params, **cache}, "warmup_s": warm_s,
+                           "step_s": statistics.median(s for s, _ in timed) / steps,
+                           "transformer_bytes": levers.weight_bytes(adapter.pipe)["transformer"],
+                           "psnr_db": min(psnrs), "max_levels": levels,
+                           "recompiles": adapter.counters().get("compile_recompiles", 0.0)})
+        del adapter
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"levers": {"size": size, "steps": steps, "batch": batch, "device": device, "dtype": dtype,
+                       "points": points}}
+
+
+def _psnr(image: np.ndarray, reference: np.ndarray) -> float:
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * float(np.log10(255.0 ** 2 / mse))
+
+
+def tables(result: dict, table, num) -> list[str]:
+    """The scenario's table (report.py's `table` and `num`)."""
+    lv = result["levers"]
+    eager = next((p for p in lv["points"] if p["arm"] == "eager"), None)
+    rows = []
+    for p in lv["points"]:
+        if "refused" in p:
+            rows.append([p["arm"], "refused: " + p["refused"], "", "", "", "", ""])
+            continue
+        speed = num(eager["step_s"] / p["step_s"], 2, "x") if eager else ""
+        rows.append([p["arm"], num(p["step_s"], 4), speed, f"{p['transformer_bytes'] / 2**20:.1f}",
+                     num(p["psnr_db"], 1), str(p["max_levels"]), num(p["warmup_s"], 1)])
+    return [table(rows, [f"{lv['batch']} x {lv['size']}x{lv['size']}, {lv['steps']} steps, {lv['device']} "
+                         f"{lv['dtype']}", "s per step", "vs eager", "transformer MiB",
+                         "PSNR dB (worst image, vs eager float32)", "max levels", "warm-up s (compile)"])]
