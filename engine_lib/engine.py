@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[DiffusionOutput], None]
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # the waits before each next try to restart a broken worker group
+WORKERS_CHECK_EVERY_S = 1.0  # an idle engine checks its parallel workers' liveness (parallel.py heartbeats) this often
 RANK_STATES_EVERY_S = 1.0  # while the engine runs, the parallel workers' request states are counted this often
 
 
@@ -66,6 +67,7 @@ class EngineStats:
     phase_seconds: Optional[Mapping[str, float]] = None  # seconds per phase so far (engine_lib/phases.py)
     counters: Optional[Mapping[str, float]] = None  # the adapter's monotone totals (prompt cache hits, ...)
     num_rank_states: int = 0  # request states the parallel workers hold, all ranks (counted: _count_rank_states)
+    workers_down: int = 0  # 1 while the parallel worker group is broken, until it restarts
 
 
 class OutputStream:
@@ -126,6 +128,7 @@ class DiffusionEngine:
         # when it tries to start a new one.
         self._workers_down: Optional[str] = None
         self._restart_at = 0.0
+        self._workers_checked_at = 0.0
         self._failed_restarts = 0
         self._rank_states, self._rank_states_at = 0, 0.0
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
@@ -283,17 +286,19 @@ class DiffusionEngine:
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
                                self.scheduler.num_preempted, self.clock.totals(),
                                {**self.adapter.counters(), "frames_generated": self.runner.frames_generated},
-                               self._rank_states)
+                               self._rank_states, int(self._workers_down is not None))
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._pending_aborts or self.scheduler.has_requests
-                           or self._restart_due()):
-                    self._cond.wait(None if self._workers_down is None else self._restart_at - time.monotonic())
+                           or self._restart_due() or self._workers_check_due()):
+                    self._cond.wait(self._idle_wait_s())
                 if self._closed:
                     return
+                # idle: only the workers' liveness is due
+                check_only = not (self._pending_aborts or self.scheduler.has_requests or self._restart_due())
                 aborted = self.scheduler.abort(self._pending_aborts)
                 self._pending_aborts.clear()
                 expired = self.scheduler.expire(time.monotonic())
@@ -306,6 +311,8 @@ class DiffusionEngine:
                 self._emit_final(request, error=request.error)
                 logger.info("request %s timed out before it started", request.request_id)
             self._check_workers()  # (a worker that died since the last tick breaks the group here)
+            if check_only:
+                continue
             if self._restart_due():
                 self._restart_workers()
             self._count_rank_states(idle=not has_work)
@@ -368,6 +375,7 @@ class DiffusionEngine:
         state the engine holds (running or paused: what the ranks held is lost) ends with one final error, and
         the group restarts before the next tick; the requests still waiting run on the new group."""
         workers = getattr(self.adapter, "workers", None)
+        self._workers_checked_at = time.monotonic()
         if workers is None or self._workers_down is not None or not workers.check():
             return
         error = PipelineError(f"the model's parallel workers failed: {workers.broken}")
@@ -394,6 +402,17 @@ class DiffusionEngine:
             self._rank_states = sum(workers.call_all("held_states", [()] * workers.world_size))
         except WorkerError:  # (a dead worker: _check_workers acts on it)
             pass
+
+    def _workers_check_due(self) -> bool:
+        """Idle, a live worker group is still checked every WORKERS_CHECK_EVERY_S: a rank that died or went silent
+        breaks it (and readiness says so) before a request finds out."""
+        return (self._workers_down is None and getattr(self.adapter, "workers", None) is not None
+                and time.monotonic() - self._workers_checked_at >= WORKERS_CHECK_EVERY_S)
+
+    def _idle_wait_s(self) -> Optional[float]:
+        if self._workers_down is not None:
+            return self._restart_at - time.monotonic()
+        return WORKERS_CHECK_EVERY_S if getattr(self.adapter, "workers", None) is not None else None
 
     def _restart_due(self) -> bool:
         return self._workers_down is not None and time.monotonic() >= self._restart_at

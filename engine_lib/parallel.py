@@ -5,7 +5,9 @@ the scheduler steps, and hands each rank its part of a tick's work over that ran
 sends back the result (the ranks exchange tensors among themselves with torch.distributed: gloo
 on CPU, NCCL on CUDA). Every rank answers every call, so the driver and the ranks stay in step.
 
-A worker that dies, or does not answer within the timeout, fails the call with `WorkerError`
+A worker that dies, stops sending its heartbeat (a thread of its own beats every HEARTBEAT_EVERY_S: a rank
+stopped with SIGSTOP, or hung whole, is found within HEARTBEAT_TIMEOUT_S, not at the collectives' timeout of
+minutes), or does not answer within the timeout, fails the call with `WorkerError`
 instead of hanging the engine; the group is then broken and every later call fails at once
 (the engine then ends the requests whose state it held and starts a new group: engine.py). A
 handler that raises fails only its call: every rank still answers it. `close()` stops the workers
@@ -25,6 +27,8 @@ import os
 import pickle
 import socket
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -36,6 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0  # a call that takes longer fails the group
 LOAD_TIMEOUT_S = 1800.0  # each rank loads the whole pipeline (a large checkpoint from disk)
 STOP_TIMEOUT_S = 10.0
+HEARTBEAT_EVERY_S = 0.5  # each rank's heartbeat thread writes one empty message this often
+HEARTBEAT_TIMEOUT_S = 5.0  # a rank silent this long breaks the group (a busy rank's thread still beats)
 
 
 class WorkerError(RuntimeError):
@@ -98,16 +104,22 @@ class WorkerGroup:
         if not os.path.basename(sys.executable).startswith("python"):  # embedded (Triton's Python backend stub)
             context.set_executable(os.path.join(sys.prefix, "bin", "python3"))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._conns, self.processes = [], []
+        self._conns, self._beats, self.processes = [], [], []
         for rank, device in enumerate(devices):
             ours, theirs = context.Pipe()
+            beats, beat = context.Pipe(duplex=False)
             process = context.Process(target=_worker_main, name=f"parallel-rank{rank}", daemon=True,
                                       args=(rank, self.world_size, str(device), torch.get_num_threads(), backend,
-                                            init_method, timeout_s, setup, theirs))
+                                            init_method, timeout_s, setup, theirs, beat))
             process.start()
             theirs.close()
+            beat.close()
             self._conns.append(ours)
+            self._beats.append(beats)
             self.processes.append(process)
+        # Each rank's last heartbeat (None: none yet, its imports still running; only the load timeout applies).
+        # The driver's thread only.
+        self._heard: list[Optional[float]] = [None] * self.world_size
         try:
             self._replies(LOAD_TIMEOUT_S)  # each rank's "ready" once it has joined the group and built its handler
         except BaseException:
@@ -139,9 +151,12 @@ class WorkerGroup:
         replies, errors = {}, []
         waiting = dict(enumerate(self._conns))
         sentinels = [p.sentinel for p in self.processes]
+        deadline = time.monotonic() + timeout_s
         while waiting:
-            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=timeout_s)
-            if not ready:
+            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels],
+                                                    timeout=min(HEARTBEAT_EVERY_S, max(0.0, deadline - time.monotonic())))
+            self._check_heartbeats()
+            if not ready and time.monotonic() >= deadline:
                 self._fail(f"rank(s) {sorted(waiting)} did not answer within {timeout_s:g} s")
             for rank, conn in list(waiting.items()):
                 if conn in ready:
@@ -160,13 +175,29 @@ class WorkerGroup:
         return [replies[rank] for rank in range(self.world_size)]
 
     def check(self) -> Optional[str]:
-        """Why the group is broken (None: it is not); a worker that died since the last call breaks it now."""
+        """Why the group is broken (None: it is not); a worker that died or went silent since the last call breaks
+        it now."""
         if not self.broken:
             try:
                 self._check_alive()
+                self._check_heartbeats()
             except WorkerError:
                 pass
         return self.broken
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for rank, beats in enumerate(self._beats):
+            try:
+                while beats.poll():
+                    beats.recv_bytes()
+                    self._heard[rank] = now
+            except (EOFError, OSError):
+                continue  # its process ended: _check_alive says how
+        silent = [rank for rank, heard in enumerate(self._heard) if heard is not None and now - heard > HEARTBEAT_TIMEOUT_S]
+        if silent:
+            self._fail(f"rank(s) {silent} (pid {', '.join(str(self.processes[r].pid) for r in silent)}) sent no "
+                       f"heartbeat for {HEARTBEAT_TIMEOUT_S:g} s")
 
     def _check_alive(self) -> None:
         for rank, process in enumerate(self.processes):
@@ -190,9 +221,9 @@ class WorkerGroup:
             if process.is_alive():
                 process.kill()
                 process.join()
-        for conn in self._conns:
+        for conn in [*self._conns, *self._beats]:
             conn.close()
-        self._conns, self.broken = [], self.broken or "closed"
+        self._conns, self._beats, self.broken = [], [], self.broken or "closed"
 
 
 def _free_port() -> int:
@@ -201,10 +232,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _beat(conn) -> None:
+    """A rank's heartbeat, from a thread of its own: it beats while the rank computes or waits in a collective,
+    and stops only with the whole process (stopped, hung, gone)."""
+    while True:
+        try:
+            conn.send_bytes(b"")
+        except OSError:
+            return  # the driver is gone
+        time.sleep(HEARTBEAT_EVERY_S)
+
+
 def _worker_main(rank: int, world_size: int, device: str, threads: int, backend: str, init_method: str,
-                 timeout_s: float, setup: Callable, conn) -> None:
+                 timeout_s: float, setup: Callable, conn, beat) -> None:
     """One rank: join the group, build the handler, then answer calls until "stop" (or the driver is gone)."""
     import torch.distributed as dist
+
+    threading.Thread(target=_beat, args=(beat,), name="heartbeat", daemon=True).start()
 
     device = torch.device(device)
     if device.type == "cuda":

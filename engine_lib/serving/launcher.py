@@ -992,10 +992,13 @@ def unready_ports(environ: Mapping[str, str] = os.environ, timeout_s: float = 2.
     """The public ports of a launcher started with `environ` that do not serve now (empty: ready).
 
     tritonserver's own readiness is not enough: it says ready before the gate and the front door listen, while
-    one of them restarts, and (its HTTP port on loopback) says nothing about them. So: tritonserver's
-    /v2/health/ready, the gate's port taking a connection, and the front door's /health, which answers 200
-    only while tritonserver is ready through the gate.
+    one of them restarts, and (its HTTP port on loopback) says nothing about them, nor about a model whose
+    parallel worker group is broken (a Python model cannot change it). So: tritonserver's /v2/health/ready,
+    its metrics (no model's diffusion_parallel_workers_down at 1), the gate's port taking a connection, and
+    the front door's /health, which answers 200 only while tritonserver is ready through the gate.
     """
+    from engine_lib.serving.supervisor import LABEL, SAMPLE  # noqa: PLC0415 (it imports this module)
+
     host = connect_host(environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS)
     http_host = connect_host(environ.get("TRITON_HTTP_ADDRESS", "").strip() or DEFAULT_ADDRESS)
     port = lambda name, default: int(environ.get(name, "").strip() or default)  # noqa: E731
@@ -1006,7 +1009,15 @@ def unready_ports(environ: Mapping[str, str] = os.environ, timeout_s: float = 2.
     if port("OPENAI_PORT", 9000):
         checks[f"the front door (http://{host}:{port('OPENAI_PORT', 9000)}/health)"] = \
             f"http://{host}:{port('OPENAI_PORT', 9000)}/health"
+    metrics = f"http://{host}:{port('METRICS_PORT', 8002)}/metrics"
     unready = []
+    try:
+        with urllib.request.urlopen(metrics, timeout=timeout_s) as reply:
+            samples = SAMPLE.findall(reply.read().decode(errors="replace"))
+        unready += [f"the parallel workers of {dict(LABEL.findall(labels)).get('instance', labels)}"
+                    for name, labels, value in samples if name == "diffusion_parallel_workers_down" and float(value)]
+    except (urllib.error.URLError, OSError):
+        unready.append(f"tritonserver's metrics ({metrics})")
     for name, target in checks.items():
         try:
             if isinstance(target, tuple):

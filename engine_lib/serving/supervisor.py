@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 HEALTHY_AFTER_S = 60.0  # a server up this long resets the backoff
 HEALTH_EVERY_S = 1.0  # how often a ready server's /v2/health/live is asked
-HEALTH_TIMEOUT_S = 10.0  # unanswered this long: the server is stuck (a busy server answers within 2 s)
+HEALTH_TIMEOUT_S = 30.0  # unanswered this long: the server is stuck (a busy server answers within 2 s; a host so
+# loaded that tritonserver's HTTP threads starve must not cost a restart)
 RESTARTS_ENV = "DIFFUSION_SERVER_RESTARTS"
 # The gauges of requests a model still holds: Triton's queue, and the engine's own (engine_lib/serving/metrics.py).
 IN_FLIGHT_GAUGES = ("nv_inference_pending_request_count", "diffusion_requests_waiting", "diffusion_requests_running",

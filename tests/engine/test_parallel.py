@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine_lib.parallel import WorkerError, WorkerGroup
+from engine_lib.parallel import DEFAULT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, WorkerError, WorkerGroup
 
 
 class Probe:
@@ -66,4 +66,22 @@ def test_a_silent_worker_fails_the_call_at_the_timeout_and_breaks_the_group(grou
     finally:
         os.kill(group.processes[1].pid, signal.SIGCONT)
     group.close()
+    assert not any(process.is_alive() for process in group.processes)
+
+
+def test_a_stopped_rank_fails_the_call_at_its_heartbeat_not_at_the_timeout():
+    """SIGSTOP of rank 1 while rank 0 waits for it in a collective: its heartbeat thread stops with it, so the call
+    fails after HEARTBEAT_TIMEOUT_S with the group broken, not after the call's own timeout (the shipped 300 s)
+    or the collectives'. An idle engine asks `check()` each second, which reads the same heartbeats."""
+    group = WorkerGroup(Probe, [torch.device("cpu")] * 2, timeout_s=DEFAULT_TIMEOUT_S)
+    try:
+        assert group.call("ranks", [(torch.tensor([1.0]),)] * 2).tolist() == [[1.0], [2.0]]
+        os.kill(group.processes[1].pid, signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=rf"rank\(s\) \[1\] \(pid {group.processes[1].pid}\) sent no heartbeat "
+                                              rf"for {HEARTBEAT_TIMEOUT_S:g} s"):
+            group.call("ranks", [(torch.tensor([1.0]),)] * 2)
+        assert group.check() == group.broken and "sent no heartbeat" in group.broken
+    finally:
+        os.kill(group.processes[1].pid, signal.SIGCONT)
+        group.close()
     assert not any(process.is_alive() for process in group.processes)

@@ -67,7 +67,8 @@ class Launcher:
     @property
     def environ(self) -> dict[str, str]:
         """The port variables a probe in its environment reads (`launcher ready`)."""
-        return {"HTTP_PORT": str(self.http), "GRPC_PORT": str(self.grpc), "OPENAI_PORT": str(self.front)}
+        return {"HTTP_PORT": str(self.http), "GRPC_PORT": str(self.grpc), "OPENAI_PORT": str(self.front),
+                "METRICS_PORT": str(self.metrics)}
 
     def ready(self) -> bool:
         return http_status(f"{self.triton_url}/v2/health/ready") == 200
