@@ -196,8 +196,8 @@ def _high(spec: InputSpec) -> str:
 def _allowed(spec: InputSpec) -> str:
     if spec.content == "image":
         files = f"1 to {spec.max_count} files, each a" if spec.max_count else "one"
-        return (f"{files} PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB and "
-                f"{images.MAX_IMAGE_PIXELS} pixels")
+        return (f"{files} PNG, JPEG or WebP file (or its base64), at most {images.MAX_IMAGE_BYTES >> 20} MiB, "
+                f"{images.MAX_IMAGE_PIXELS} pixels and {images.MAX_IMAGE_SIDE} a side")
     if spec.datatype == "BOOL":
         return "`true`, `false`"
     if spec.datatype == "BYTES":
