@@ -52,6 +52,15 @@ def test_cfg_runs_the_empty_prompt_and_a_negative_prompt_is_refused(adapter):
     assert info.value.input_name == "negative_prompt" and "does not use" in str(info.value)
 
 
+def test_the_step_cache_and_an_image_are_refused_by_name(adapter):
+    """diffusers' first-block cache fails on this transformer and image conditioning is not built
+    (docs/pipelines.md): neither is an input."""
+    for name, value in (("cache", "first_block"), ("image", b"x")):
+        with pytest.raises(InvalidInputError) as info:
+            parse(adapter, params(**{name: value}))
+        assert info.value.input_name == name and "does not use" in str(info.value)
+
+
 def test_a_step_distilled_checkpoint_runs_without_cfg_and_refuses_guidance(adapter, monkeypatch):
     from diffusers.configuration_utils import FrozenDict
 

@@ -17,6 +17,7 @@ import torch
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.z_image.adapter import ZImageAdapter
+from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
                            load_tiny_adapter, parse, pipe_reference, solo_steps)
 
@@ -115,3 +116,10 @@ def test_a_lora_on_every_layer_holds_rows_of_different_captions_in_one_forward(a
         alone = solo_steps(adapter, p, float_output=True)
         assert_close_images(together.images[name], alone, to_uint8)
     assert image_diff(together.images["second"], reference(params(PROMPTS[2], steps=3, seed=2))) > 1e-2
+
+
+def test_the_step_cache_is_refused_by_name(adapter):
+    """diffusers' first-block cache does not run on Z-Image's transformer (docs/pipelines.md): no `cache` input."""
+    with pytest.raises(InvalidInputError) as info:
+        parse(adapter, params(cache="first_block"))
+    assert info.value.input_name == "cache" and "does not use" in str(info.value)
