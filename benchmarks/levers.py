@@ -10,7 +10,8 @@ warm up (the compile happens there), then `repeats` timed waves; per arm:
 * PSNR and the largest uint8 level difference of every image against eager float32 without the cache (on CUDA the
   reference is the same eager arm in float32, loaded once).
 
-A lever this device or the installed packages cannot run is recorded with the load's refusal, not raised.
+A lever this device or the installed packages cannot run is recorded with the load's refusal (or the run's
+failure), not raised.
 """
 
 from __future__ import annotations
@@ -88,8 +89,13 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
             continue
         for cache_label, cache in CACHES.items():
             sent = [{**p, **cache} for p in inputs]
-            warm_s, _ = _wave(adapter, sent)
-            timed = [_wave(adapter, sent) for _ in range(repeats)]
+            try:
+                warm_s, _ = _wave(adapter, sent)
+                timed = [_wave(adapter, sent) for _ in range(repeats)]
+            except Exception as exc:  # noqa: BLE001 - one arm's failure (a backend's compile) is its row
+                points.append({"arm": arm + cache_label, "parameters": {**params, **cache},
+                               "refused": f"failed: {type(exc).__name__}: {str(exc)[:200]}"})
+                continue
             images = timed[-1][1]
             levels = max(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) for a, b in zip(images, expected))
             psnrs = [_psnr(a, b) for a, b in zip(images, expected)]
@@ -125,3 +131,43 @@ def tables(result: dict, table, num) -> list[str]:
     return [table(rows, [f"{lv['batch']} x {lv['size']}x{lv['size']}, {lv['steps']} steps, {lv['device']} "
                          f"{lv['dtype']}", "s per step", "vs eager", "transformer MiB",
                          "PSNR dB (worst image, vs eager float32)", "max levels", "warm-up s (compile)"])]
+
+
+# The transformers of the releases (their config.json on the hub), for `python -m benchmarks.levers`: what each
+# lever leaves of their weights (docs/deployment.md).
+RELEASES = {
+    "Qwen-Image (qwen_image)": ("QwenImageTransformer2DModel", dict(
+        num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, in_channels=64,
+        out_channels=16, patch_size=2, axes_dims_rope=[16, 56, 56])),
+    "FLUX.1 [dev] (flux)": ("FluxTransformer2DModel", dict(
+        num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+        pooled_projection_dim=768, in_channels=64, guidance_embeds=True, axes_dims_rope=[16, 56, 56])),
+    "Stable Diffusion 3.5 Large (sd3)": ("SD3Transformer2DModel", dict(
+        sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+        joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+        pos_embed_max_size=192, qk_norm="rms_norm")),
+}
+BYTES_PER_WEIGHT = {"bfloat16": 2.0, "int8 / fp8": 1.0, "int4 / nf4": 0.5}  # Linear weights; the rest stays bf16
+
+
+def release_memory() -> list[dict]:
+    """Each release's transformer built on the meta device: its parameters, the share in Linear weights (what
+    quantization converts) and its GiB under each weight format (scales, about 1/in_features, left out)."""
+    import diffusers
+    import torch
+
+    rows = []
+    for name, (cls, config) in RELEASES.items():
+        with torch.device("meta"):
+            model = getattr(diffusers, cls)(**config)
+        total = sum(p.numel() for p in model.parameters())
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        rows.append({"release": name, "params_b": total / 1e9, "linear_share": linear / total,
+                     **{fmt: (linear * size + (total - linear) * 2) / 2**30 for fmt, size in BYTES_PER_WEIGHT.items()}})
+    return rows
+
+
+if __name__ == "__main__":
+    for row in release_memory():
+        print(f"{row['release']}: {row['params_b']:.2f} B parameters ({row['linear_share']:.1%} in Linear weights); "
+              + ", ".join(f"{fmt} {row[fmt]:.1f} GiB" for fmt in BYTES_PER_WEIGHT))
