@@ -229,3 +229,29 @@ def test_hostile_files_are_refused_naming_image_or_mask(http, monkeypatch):
                               data={"model": "m", "prompt": "x"})
             assert reply.status_code == 200, (name, reply.text)
     assert len(EditGateway.sent) == len(odd_but_valid())
+
+
+def test_an_edit_answered_as_urls_serves_each_png_to_its_key_only(monkeypatch, tmp_path):
+    """response_format "url" on an edit: without OPENAI_PUBLIC_URL the URL is under the address asked; it serves
+    the PNG the same edit gets inline, to the key that made it (another key: 404, none: 401)."""
+    import base64
+
+    from engine_lib.serving.openai_api.keys import FrontDoorKeys
+    from engine_lib.serving.openai_api.store import SQLiteStore
+
+    monkeypatch.setattr(app_module, "TritonGateway", EditGateway)
+    monkeypatch.delenv("OPENAI_PUBLIC_URL", raising=False)
+    app = app_module.create_app("fake:1", FrontDoorKeys("alice", {"bob": 1}), SQLiteStore(tmp_path))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        alice = openai.OpenAI(api_key="alice", base_url="http://testserver/v1", http_client=http, max_retries=0)
+        ask = dict(model="m", image=("in.png", io.BytesIO(PNG), "image/png"), prompt="in winter", size="16x8",
+                   extra_body={"seed": 2, "url_ttl": 90})
+        url = alice.images.edit(response_format="url", **ask).data[0].url
+        ask["image"], ask["extra_body"] = ("in.png", io.BytesIO(PNG), "image/png"), {"seed": 2}
+        inline = alice.images.edit(**ask).data[0].b64_json
+        assert url.startswith("http://testserver/v1/files/file_") and url.endswith("/content")
+        reply = http.get(url, headers={"Authorization": "Bearer alice"})
+        assert reply.status_code == 200 and reply.headers["content-type"] == "image/png"
+        assert reply.content == base64.b64decode(inline)
+        assert http.get(url, headers={"Authorization": "Bearer bob"}).status_code == 404
+        assert http.get(url).status_code == 401
