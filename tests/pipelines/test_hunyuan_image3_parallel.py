@@ -85,15 +85,17 @@ def tp() -> HunyuanImage3Adapter:
     adapter.close()
 
 
-def held(adapter, what: str = "held_states") -> list[int]:
-    """Each rank's count of KV caches held (`held_bytes`: their bytes)."""
-    return adapter.workers.call_all(what, [()] * adapter.workers.world_size)
+def held(adapter, what: str = "held_states", *args) -> list[int]:
+    """Each rank's count of KV caches held (`held_bytes`: the bytes of those, of the first-block residuals and of
+    the padded copies the ranks keep for the next forward; `held_bytes`, False: without those copies)."""
+    return adapter.workers.call_all(what, [args] * adapter.workers.world_size)
 
 
 @pytest.mark.parametrize("layout,run", [("ep", "solo"), ("ep", "batch"), ("tp", "batch")])
 def test_every_step_equals_the_single_process_run(request, layout, expected, run):
     """Solo, and three requests joining a step batch at different ticks (with and without CFG, two sizes): every
-    step's latents within LATENT_BOUND, the images within 1 uint8 level; each finished request's caches freed."""
+    step's latents within LATENT_BOUND, the images within 1 uint8 level; each finished request's caches freed, and
+    the padded copies of them the ranks kept for the next forward."""
     parallel = request.getfixturevalue(layout)
     calls = parallel.workers.calls
     latents, images = step_latents(parallel, {rid: (at, parse(parallel, p)) for rid, (at, p) in RUNS[run].items()})
@@ -103,7 +105,7 @@ def test_every_step_equals_the_single_process_run(request, layout, expected, run
         assert np.abs(latents[rid] - expected_latents[rid]).max() <= LATENT_BOUND, rid
         levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
         assert levels.max() <= 1, rid
-    assert parallel.workers.calls > calls and held(parallel) == [0, 0]
+    assert parallel.workers.calls > calls and held(parallel) == [0, 0] and held(parallel, "held_bytes") == [0, 0]
 
 
 @pytest.mark.parametrize("layout", ["ep", "tp"])
@@ -169,7 +171,7 @@ def test_an_aborted_request_frees_every_ranks_caches(ep):
         assert _wait(lambda: engine.stats().num_runner_states == 0)
     finally:
         engine.close()
-    assert held(ep) == [0, 0]
+    assert held(ep) == [0, 0] and held(ep, "held_bytes") == [0, 0]
 
 
 _wait = functools.partial(conftest.wait_until, timeout=60.0)
@@ -219,7 +221,7 @@ def test_think_and_recaption_on_the_ranks_equal_the_single_process(ep, expected_
     1 level. At every tick each rank holds exactly half the bytes of the single process's KV caches (its heads'
     share: the text's cache while it decodes, then the image's contexts) and the same first-block residuals, and
     nothing once they end."""
-    outputs, chunks, ranks = run_ticks(ep, TEXT_RUNS[run], lambda runner: held(ep, "held_bytes"))
+    outputs, chunks, ranks = run_ticks(ep, TEXT_RUNS[run], lambda runner: held(ep, "held_bytes", False))
     expected_outputs, expected_chunks, single_bytes = expected_texts[run]
     assert_same_outputs(outputs, chunks, expected_outputs, expected_chunks)
     print(f"\n{run}: bytes each rank holds, tick by tick {[r[0] for r in ranks]}; one process's KV caches "

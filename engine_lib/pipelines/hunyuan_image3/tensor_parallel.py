@@ -281,9 +281,10 @@ class TensorParallelRank:
         """Prompt KV caches held (a request with CFG holds two; one in its text phase, its text's)."""
         return len(self.caches)
 
-    def held_bytes(self) -> int:
-        """The bytes of every KV cache shard and first-block cache residual this rank holds."""
-        return held_bytes(self.caches, self.residuals)
+    def held_bytes(self, padded: bool = True) -> int:
+        """The bytes of every KV cache shard and first-block cache residual this rank holds, and (`padded`) of the
+        padded copies of the last forward's caches it keeps for the next one."""
+        return held_bytes(self.caches, self.residuals, self._rows[1] if padded else None)
 
     @torch.inference_mode()
     def prefill(self, key: str, ids: torch.Tensor) -> None:
