@@ -8,6 +8,8 @@ every video stays within one uint8 level of its solo run.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -54,13 +56,19 @@ def inputs_for(adapter, **changes) -> dict:
 
 
 class ExpertRows:
-    """The rows each expert's forwards saw, tick by tick ([(expert, rows), ...] per forward)."""
+    """The rows each expert's forwards saw, in order ([(expert, rows), ...] per call of `part` of each expert: the
+    transformer, or a module of its last block, which a step the first-block cache skips does not call)."""
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, part=lambda model: model):
         self.forwards: list[tuple[int, int]] = []
-        self.handles = [model.register_forward_pre_hook(
-            lambda module, args, kwargs, k=k: self.forwards.append((k, kwargs["hidden_states"].shape[0])),
+        self.handles = [part(model).register_forward_pre_hook(
+            lambda module, args, kwargs, k=k: self.forwards.append(
+                (k, (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[0])),
             with_kwargs=True) for k, model in enumerate(adapter.experts)]
+
+    def take(self) -> list[tuple[int, int]]:
+        taken, self.forwards = self.forwards, []
+        return taken
 
     def close(self):
         for handle in self.handles:
@@ -160,3 +168,38 @@ def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapt
     assert max(mixed.forward_sizes) == 3
     for rid, p in cases.items():
         assert_within_one_level(mixed.images[rid], solo_steps(lora, p), rid)
+
+
+def test_the_first_block_cache_is_diffusers_hook_on_each_expert_and_shares_a_step_batch(adapters):
+    """Alone: the decisions (rows into each expert's last block) and the video of diffusers' FirstBlockCache hook
+    on both transformers, bitwise; each expert keeps its own residuals, so its first step computes. Then a cached
+    request, one without the cache and one cached at another threshold without CFG, joining at ticks 0, 1, 2, each
+    within 1 level of its solo run, with fewer rows through the last blocks than without the cache."""
+    from step_cache_checks import diffusers_cache
+
+    adapter = get(adapters, "wan")
+    cached = inputs_for(adapter, num_inference_steps=6, cache="first_block", cache_threshold=0.1)
+    tails = ExpertRows(adapter, part=lambda model: model.blocks[-1].ffn)  # (the hook's skipped blocks are called)
+    try:
+        ours = solo_steps(adapter, cached, float_output=True)
+        ours_rows = tails.take()
+        with contextlib.ExitStack() as hooks:
+            for model in adapter.experts:
+                hooks.enter_context(diffusers_cache(model, 0.1))
+            expected = pipe_reference(adapter)(cached)
+        assert ours_rows == tails.take() and len(ours_rows) < 12, ours_rows  # 6 steps x cond, uncond
+        assert {k for k, _ in ours_rows} == {0, 1}
+        np.testing.assert_array_equal(ours, expected)
+        cases = {"cached": cached, "plain": inputs_for(adapter, num_inference_steps=6, seed=4),
+                 "cached-0.3": inputs_for(adapter, num_inference_steps=5, seed=5, guidance_scale=1.0,
+                                          cache="first_block", cache_threshold=0.3)}
+        mixed = drive_steps(adapter, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
+        rows_together = sum(n for _, n in tails.take())
+        assert max(mixed.forward_sizes) == 3
+        alone = {rid: solo_steps(adapter, p) for rid, p in cases.items()}
+        assert rows_together < 6 * 2 + 6 * 2 + 5, "the cached requests skipped blocks in the shared batch"
+    finally:
+        tails.close()
+    for rid in cases:
+        levels = np.abs(mixed.images[rid].astype(int) - alone[rid].astype(int))
+        assert levels.max() <= 1, (rid, levels.max())

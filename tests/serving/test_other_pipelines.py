@@ -836,7 +836,8 @@ def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's own deprecation of videos
 def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request(server, tmp_path):
     """The official SDK's `videos.create`, polled with `retrieve`, ends with an mp4 of the asked frames (1 s at
-    8 fps: 9) and its sound track; deleting a running job cancels its Triton request (the model counts it)."""
+    8 fps: 9) and its sound track; deleting a running job cancels its Triton request (the model counts it). A Wan job
+    beside it: 1 s at the front door's 24 frames per second is 25 frames (Wan's 4k + 1), with no sound track."""
     import openai
 
     from engine_lib.serving.mp4 import probe_mp4
@@ -849,10 +850,15 @@ def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request
         video = client.videos.create(model="ltx2", prompt="a waterfall", size="64x32", seconds="1",
                                      extra_body={"frame_rate": 8, "num_inference_steps": 2, "seed": 1})
         assert video.status in ("queued", "in_progress") and video.seconds == "1"
+        wan = client.videos.create(model="wan", prompt="a lighthouse", size="48x32", seconds="1",
+                                   extra_body={"num_inference_steps": 2, "seed": 1, "guidance_scale": 1.0})
         done = client.videos.poll(video.id, poll_interval_ms=100)  # retrieve until it is completed or failed
         assert done.status == "completed" and done.progress == 100, done.error
         mp4 = client.videos.download_content(video.id).content
         assert probe_mp4(mp4) == {"frames": 9, "height": 32, "width": 64, "audio_streams": 1}
+        assert client.videos.poll(wan.id, poll_interval_ms=100).status == "completed"
+        assert probe_mp4(client.videos.download_content(wan.id).content) == \
+            {"frames": 25, "height": 32, "width": 48, "audio_streams": 0}
         cancelled = metric(scrape(server.metrics_url), "diffusion_requests_total", model="ltx2", outcome="cancelled")
         slow = client.videos.create(model="ltx2", prompt=SLOW_PROMPT, size="32x32", seconds="1",
                                     extra_body={"frame_rate": 8, "num_inference_steps": 2})
@@ -1010,23 +1016,3 @@ def test_wan_refuses_bad_inputs_naming_them(server, model, inputs, says):
     result = run_request(server.grpc_url, model=model, request_id="bad", prompt="x", **inputs)
     assert not result.responses and len(result.errors) == 1
     assert result.error.message().startswith(f"INVALID_ARG: [request id: bad] {says}"), result.error.message()
-
-
-@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's own deprecation of videos
-def test_the_front_door_video_jobs_run_wan(server, tmp_path):
-    """`videos.create` on Wan: 1 s at the front door's 24 frames per second is 25 frames (4k + 1)."""
-    from engine_lib.serving.mp4 import probe_mp4
-
-    from .test_openai import front_door, sdk
-
-    door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
-    try:
-        client = sdk(door)
-        video = client.videos.create(model="wan", prompt="a lighthouse", size="48x32", seconds="1",
-                                     extra_body={"num_inference_steps": 2, "seed": 1, "guidance_scale": 1.0})
-        done = client.videos.poll(video.id, poll_interval_ms=100)
-        assert done.status == "completed", done.error
-        assert probe_mp4(client.videos.download_content(video.id).content) == \
-            {"frames": 25, "height": 32, "width": 48, "audio_streams": 0}
-    finally:
-        door.stop()

@@ -27,6 +27,7 @@ adds its image condition to the same steps.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -36,6 +37,7 @@ import torch
 from engine_lib import interface
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
+from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
 from engine_lib.request import InvalidInputError, SamplingParams
@@ -63,6 +65,7 @@ WAN_INPUTS = (
     interface.output_format("mp4"),
     interface.PRIORITY,
     *LORA_INPUTS,
+    *step_cache.CACHE_INPUTS,
 )
 
 
@@ -78,6 +81,7 @@ class WanState(RequestState):
     image_embeds: Optional[torch.Tensor] = None  # Wan2.1 image to video: the CLIP image tokens [1, T, D]
     condition: Optional[torch.Tensor] = None  # image to video: mask and image latents (or the image's latents)
     mask: Optional[torch.Tensor] = None  # expand_timesteps image to video: 0 on the first latent frame, else 1
+    step_cache: dict = field(default_factory=dict)  # "<cond|uncond><expert>" -> step_cache.BranchCache
 
     @property
     def num_rows(self) -> int:
@@ -97,7 +101,7 @@ class WanAdapter(DiffusersAdapter):
     outputs = (VIDEO, FRAME_RATE)
     state_class = WanState
     # previews: progress responses (no frames)
-    capabilities = make("request_batch", "step_execution", "previews", "lora")
+    capabilities = make("request_batch", "step_execution", "previews", "lora", "first_block")
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
     def __init__(self, pipe, device, dtype, options=None):
@@ -106,6 +110,11 @@ class WanAdapter(DiffusersAdapter):
         ratio = pipe.config.boundary_ratio
         self.boundary_timestep = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
+        self.cache_steps: Counter = Counter()  # first-block cache decisions per request, branch and expert
+
+    def counters(self) -> dict[str, float]:
+        return {**super().counters(), "cache_steps_computed": self.cache_steps["computed"],
+                "cache_steps_reused": self.cache_steps["reused"]}
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property
@@ -216,27 +225,35 @@ class WanAdapter(DiffusersAdapter):
 
     def _guided(self, model, members: list[WanState], expert: int) -> list[torch.Tensor]:
         """One expert's predictions for its rows: one forward over all of them, one over those with CFG."""
-        cond = self._forward(model, members, "cond")
+        cond = self._forward(model, members, "cond", expert)
         cfg = [i for i, s in enumerate(members) if "uncond" in s.text]
         guided = list(cond.split(1))
         if cfg:
             with self.loras.only(cfg):
-                uncond = self._forward(model, [members[i] for i in cfg], "uncond").split(1)
+                uncond = self._forward(model, [members[i] for i in cfg], "uncond", expert).split(1)
             for i, u in zip(cfg, uncond):
                 p = members[i].params
                 scale = p.guidance_scale if expert == 0 or p.guidance_scale_2 is None else p.guidance_scale_2
                 guided[i] = u + float(scale) * (guided[i] - u)
         return guided
 
-    def _forward(self, model, members: list[WanState], side: str) -> torch.Tensor:
-        """One transformer call over `members`, as the pipeline makes it for one request (`side`: the text)."""
+    def _forward(self, model, members: list[WanState], side: str, expert: int) -> torch.Tensor:
+        """One transformer call over `members`, as the pipeline makes it for one request (`side`: the text); with
+        the first-block cache where a member asks for it, each request, branch and expert deciding alone (diffusers'
+        hook keeps a state per cache context of each transformer)."""
+        from engine_lib.pipelines.wan.first_block import cached_forward
+
         image = [s.image_embeds for s in members if s.image_embeds is not None]
+        inputs = dict(hidden_states=torch.cat([self._model_input(s) for s in members]),
+                      timestep=torch.cat([self._timestep(s) for s in members]),
+                      encoder_hidden_states=torch.cat([s.text[side]["embeds"] for s in members]),
+                      encoder_hidden_states_image=torch.cat(image) if image else None)
+        groups = step_cache.row_groups(members, (f"{side}{expert}",), tally=self.cache_steps)
+        if groups is not None:
+            return cached_forward(model, self.loras, inputs["hidden_states"], inputs["timestep"],
+                                  inputs["encoder_hidden_states"], inputs["encoder_hidden_states_image"], groups)
         with model.cache_context(side):
-            return model(hidden_states=torch.cat([self._model_input(s) for s in members]),
-                         timestep=torch.cat([self._timestep(s) for s in members]),
-                         encoder_hidden_states=torch.cat([s.text[side]["embeds"] for s in members]),
-                         encoder_hidden_states_image=torch.cat(image) if image else None,
-                         attention_kwargs=None, return_dict=False)[0]
+            return model(**inputs, attention_kwargs=None, return_dict=False)[0]
 
     @torch.inference_mode()
     def step_scheduler(self, state: WanState, noise_pred: torch.Tensor) -> None:
