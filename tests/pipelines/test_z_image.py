@@ -43,6 +43,7 @@ def reference(adapter):
 
 class TestZImageParity(FlowMatchParitySuite):
     BASE = dict(max_sequence_length=TEXT_LENGTH)
+    SEEDS = (0, 1)  # two seeds x two step counts x CFG on and off are bitwise; a third seed adds time, not cases
     NO_CFG = dict(guidance_scale=0.0)
     CFG = dict(guidance_scale=0.6, negative_prompt="bad quality, blurry")
     PADS_TEXT = True  # captions keep only their own tokens: a longer one pads the others in a forward
