@@ -66,6 +66,7 @@ def _wave(adapter, inputs: list[dict]) -> tuple[float, list[np.ndarray]]:
 def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch: int, repeats: int) -> dict:
     import torch
 
+    from benchmarks.report import psnr
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines import levers
     from engine_lib.pipelines.registry import load_adapter
@@ -98,7 +99,7 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
                 continue
             images = timed[-1][1]
             levels = max(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) for a, b in zip(images, expected))
-            psnrs = [_psnr(a, b) for a, b in zip(images, expected)]
+            psnrs = [psnr(a, b) for a, b in zip(images, expected)]
             points.append({"arm": arm + cache_label, "parameters": {**params, **cache}, "warmup_s": warm_s,
                            "step_s": statistics.median(s for s, _ in timed) / steps,
                            "transformer_bytes": levers.weight_bytes(adapter.pipe)["transformer"],
@@ -109,28 +110,6 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
             torch.cuda.empty_cache()
     return {"levers": {"size": size, "steps": steps, "batch": batch, "device": device, "dtype": dtype,
                        "points": points}}
-
-
-def _psnr(image: np.ndarray, reference: np.ndarray) -> float:
-    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * float(np.log10(255.0 ** 2 / mse))
-
-
-def tables(result: dict, table, num) -> list[str]:
-    """The scenario's table (report.py's `table` and `num`)."""
-    lv = result["levers"]
-    eager = next((p for p in lv["points"] if p["arm"] == "eager"), None)
-    rows = []
-    for p in lv["points"]:
-        if "refused" in p:
-            rows.append([p["arm"], "refused: " + p["refused"], "", "", "", "", ""])
-            continue
-        speed = num(eager["step_s"] / p["step_s"], 2, "x") if eager else ""
-        rows.append([p["arm"], num(p["step_s"], 4), speed, f"{p['transformer_bytes'] / 2**20:.1f}",
-                     num(p["psnr_db"], 1), str(p["max_levels"]), num(p["warmup_s"], 1)])
-    return [table(rows, [f"{lv['batch']} x {lv['size']}x{lv['size']}, {lv['steps']} steps, {lv['device']} "
-                         f"{lv['dtype']}", "s per step", "vs eager", "transformer MiB",
-                         "PSNR dB (worst image, vs eager float32)", "max levels", "warm-up s (compile)"])]
 
 
 # The transformers of the releases (their config.json on the hub), for `python -m benchmarks.levers`: what each

@@ -261,9 +261,19 @@ def think_tables(result: dict) -> list[str]:
 
 
 def levers_tables(result: dict) -> list[str]:
-    from benchmarks import levers
-
-    return levers.tables(result, table, num)
+    lv = result["levers"]
+    eager = next((p for p in lv["points"] if p["arm"] == "eager"), None)
+    rows = []
+    for p in lv["points"]:
+        if "refused" in p:
+            rows.append([p["arm"], p["refused"], "", "", "", "", ""])
+            continue
+        speed = num(eager["step_s"] / p["step_s"], 2, "x") if eager else ""
+        rows.append([p["arm"], num(p["step_s"], 4), speed, f"{p['transformer_bytes'] / 2**20:.1f}",
+                     num(p["psnr_db"], 1), str(p["max_levels"]), num(p["warmup_s"], 1)])
+    return [table(rows, [f"{lv['batch']} x {lv['size']}x{lv['size']}, {lv['steps']} steps, {lv['device']} "
+                         f"{lv['dtype']}", "s per step", "vs eager", "transformer MiB",
+                         "PSNR dB (worst image, vs eager float32)", "max levels", "warm-up s (compile)"])]
 
 
 TABLES = {"closed": closed_tables, "poisson": poisson_tables, "priority": priority_tables,

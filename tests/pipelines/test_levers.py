@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.report import psnr
 from engine_lib.config import EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
@@ -42,11 +43,6 @@ def inputs(adapter, **changes) -> dict:
 
 def levels(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
-    return 10 * np.log10(255.0 ** 2 / max(mse, 1e-12))
 
 
 # -- quantization ----------------------------------------------------------------------------------
