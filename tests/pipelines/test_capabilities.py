@@ -121,3 +121,11 @@ def test_a_request_of_a_combination_that_runs_passes_the_check():
     config = config_of("qwen_image", "mixed_sizes")
     params = adapter.input_schema(config).parse({"prompt": "a cat", "cache": "first_block", "preview_interval": 1})
     assert params.cache == "first_block"
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "flux", "sd3"])
+def test_a_taylorseer_request_under_mixed_size_batching_is_refused_not_kept_at_its_size(name):
+    """Packed forwards of mixed sizes do not run TaylorSeer: the request is refused at admission, naming both."""
+    with pytest.raises(InvalidInputError, match="'cache'=taylorseer") as refused:
+        tiny(name).input_schema(config_of(name, "mixed_sizes")).parse({"prompt": "a cat", "cache": "taylorseer"})
+    assert refused.value.input_name == "cache" and "'mixed_size_batching'=true" in str(refused.value)
