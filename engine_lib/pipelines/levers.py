@@ -295,12 +295,18 @@ def weight_bytes(pipe: Any) -> dict[str, int]:
             for name, module in _modules(pipe).items()}
 
 
-def refuse_levers(adapter_cls: Any, levers: Levers) -> None:
-    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers."""
-    if levers.any and not hasattr(adapter_cls, "pipeline_class"):
-        changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
+def refuse_levers(adapter_cls: Any, levers: Levers, world_size: int = 1) -> None:
+    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers, and
+    the parallel ranks load their own copies of the model without them."""
+    if not levers.any:
+        return
+    changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
+    if not hasattr(adapter_cls, "pipeline_class"):
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
+    if world_size > 1:
+        raise ConfigError(f"parameter '{changed[0]}': not with several ranks yet (each rank loads its own copy of "
+                          "the model without the levers); set it to its default or run one rank")
 
 
 def describe(adapter: Any) -> str:
