@@ -170,8 +170,9 @@ def run_ticks(adapter, arrivals: dict[str, tuple[int, dict]], measure=lambda run
 
 def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, dict]:
     """The adapter's step contract tick by tick, as the runner calls it (requests join at their tick), for
-    adapters whose state keeps `latents`: each request's latents after every step (stacked), and its final image.
-    `arrivals`: request id -> (tick, parsed params)."""
+    adapters whose state keeps `latents`: each request's latents after every step (stacked; a text phase's ticks
+    left out, its last one giving the initial noise), and its final image. `arrivals`: request id -> (tick, parsed
+    params)."""
     states, latents, images, tick = {}, {}, {}, 0
     while len(images) < len(arrivals):
         for rid, (at, p) in arrivals.items():
@@ -184,7 +185,8 @@ def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, d
             batch = InputBatch.gather(active)
             for state, v in zip(active, batch.split(adapter.denoise_step(batch, states=active))):
                 adapter.step_scheduler(state, v)
-                latents.setdefault(state.request_id, []).append(state.latents.clone())
+                if not getattr(state, "decoding", False):
+                    latents.setdefault(state.request_id, []).append(state.latents.clone())
         done = [s for s in active if s.denoise_completed]
         for state, out in zip(done, adapter.post_decode(done) if done else []):
             image = out["image"]  # float images, as a tensor on the device or numpy

@@ -19,7 +19,7 @@ import torch
 
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.model import QueryRows
-from engine_lib.pipelines.bagel.pipeline import Guidance, guide
+from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, Guidance, guide
 from engine_lib.pipelines.step_cache import threshold
 from engine_lib.request import InvalidInputError
 from parity_checks import load_tiny_adapter, parse, step_latents
@@ -45,13 +45,17 @@ def tail_tokens(adapter):
 
 def reference(adapter: BagelAdapter, inputs: dict) -> tuple[torch.Tensor, Counter]:
     """`BagelPipeline.__call__`'s loop for one request, each branch its own forward, under diffusers'
-    FirstBlockCache math per branch: its final latents and its decisions."""
+    FirstBlockCache math per branch: its final latents and its decisions. With `think` the thought comes first,
+    as `__call__` decodes and adds it; its image-CFG branch (`cfg_img_scale` > 1) is the prompt without it."""
     p, pipe, model = parse(adapter, inputs), adapter.pipe, adapter.pipe.model
     g = Guidance(p.guidance_scale, p.cfg_img_scale, tuple(p.cfg_interval), p.cfg_renorm_type, p.cfg_renorm_min)
-    context = pipe.encode(p.prompt, p.height, p.width)
+    context = pipe.encode(p.prompt, p.height, p.width, GEN_THINK_SYSTEM_PROMPT if p.think else "")
+    if p.think:
+        thought = pipe.generate_text(context.cond, p.max_new_tokens, p.temperature, p.seed)
+        pipe.add_thought(context, pipe.text(thought.ids), p.cfg_img_scale)
     x = pipe.initial_noise(p.seed, context)
     timesteps, dts = pipe.schedule(p.num_inference_steps, p.timestep_shift)
-    run_layers, decisions, branches = model.run_layers, Counter(), {"cond": {}, "uncond": {}}
+    run_layers, decisions, branches = model.run_layers, Counter(), {"cond": {}, "uncond": {}, "img": {}}
 
     def first_block_cache(state: dict):
         def layers(hidden, rows, which):
@@ -71,15 +75,16 @@ def reference(adapter: BagelAdapter, inputs: dict) -> tuple[torch.Tensor, Counte
         return layers
 
     for t, dt in zip(timesteps, dts):
-        contexts = [("cond", context.cond, context.cond.length)]
-        contexts += [("uncond", context.uncond, 0)] if g.active(float(t)) else []
+        contexts = [("cond", context.cond)]
+        if g.active(float(t)):
+            contexts += [("uncond", context.uncond)] + ([("img", context.img)] if context.img is not None else [])
         v = {}
-        for branch, kv, position in contexts:
-            rows = QueryRows.build([kv], [position], [context.grid], model.config.max_latent_size,
+        for branch, kv in contexts:
+            rows = QueryRows.build([kv], [kv.length], [context.grid], model.config.max_latent_size,
                                    (pipe.start_of_image, pipe.end_of_image), pipe.device)
             with mock.patch.object(model, "run_layers", first_block_cache(branches[branch])):
                 v[branch] = model.velocity(rows, x[None], t[None])[0]
-        x = x - (guide(v["cond"], v["uncond"], g) if "uncond" in v else v["cond"]) * dt
+        x = x - (guide(v["cond"], v["uncond"], g, v.get("img")) if "uncond" in v else v["cond"]) * dt
     return x, decisions
 
 
@@ -93,18 +98,20 @@ def test_the_inputs_are_declared_with_first_block_only(adapter):
         assert info.value.input_name == name
 
 
-@pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["no_cfg", "cfg"])
-def test_a_solo_request_is_the_reference_loop_under_first_block_cache(adapter, tail_tokens, guidance):
+@pytest.mark.parametrize("guidance, think", [(1.0, {}), (4.0, {}),
+                                             (4.0, dict(think=True, max_new_tokens=8, cfg_img_scale=1.5))],
+                         ids=["no_cfg", "cfg", "think_img_cfg"])
+def test_a_solo_request_is_the_reference_loop_under_first_block_cache(adapter, tail_tokens, guidance, think):
     """The same decisions as the reference, the rows that reuse skip the last layer, and the same latents:
-    bitwise without CFG; with CFG our one forward of two rows against the reference's two forwards of one,
-    within the float bound of BAGEL's batched runs (1e-5)."""
-    inputs = cached(0.05, guidance_scale=guidance)
+    bitwise without CFG; with CFG our one forward of two rows (three after a thought with image CFG) against the
+    reference's forwards of one, within the float bound of BAGEL's batched runs (1e-5)."""
+    inputs = cached(0.05, guidance_scale=guidance, **think)
     before = Counter(adapter.cache_steps)
     latents, _ = step_latents(adapter, {"r": (0, parse(adapter, inputs))})
     decisions = Counter(adapter.cache_steps) - before
     tokens = sum(tail_tokens)
     expected, reference_decisions = reference(adapter, inputs)
-    print(f"bagel first_block 0.05, guidance {guidance:g}: {dict(decisions)}")
+    print(f"bagel first_block 0.05, guidance {guidance:g}{' after a thought' if think else ''}: {dict(decisions)}")
     assert decisions == reference_decisions and decisions["reused"] >= 1
     assert tokens == decisions["computed"] * TOKENS  # a reusing row never reaches the last layer
     if guidance == 1.0:
