@@ -17,6 +17,10 @@ in its text phase shares one forward (`Thinker.next_tokens`, each row against it
 the tick's denoise forward. Its steps are `max_new_tokens` plus `num_inference_steps`; at an end token it
 jumps to its first denoise step, its image context holding the text. New characters stream as intermediate
 responses; the final response holds the whole text and its `finish_reason`.
+
+Under tensor parallelism (tensor_parallel.py) the same code runs against the ranks: the pipeline's transformer
+is a `RankedModel` and the text head the ranks' (`RankedTextHead`), so the KV caches of the prompt, the text and
+the first-block cache's residuals live on the ranks; `release` frees them there.
 """
 
 from __future__ import annotations

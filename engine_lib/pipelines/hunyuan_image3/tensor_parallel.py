@@ -372,8 +372,8 @@ class RemoteRows:
 
 
 class RankedModel:
-    """The driver's transformer: `prefill`, `image_rows` and `predict` as `HunyuanImage3Model` has them, run on
-    the ranks (`workers`, set by `start`)."""
+    """The driver's transformer: `prefill`, `image_rows`, `predict` and `free` as `HunyuanImage3Model` has them, and
+    a think's `text_logits`, run on the ranks (`workers`, set by `start`)."""
 
     def __init__(self, config: HunyuanConfig):
         self.config = config
