@@ -79,12 +79,10 @@ IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, i
 
 
 def without_sequence_parallel_caches(capabilities):
-    """`capabilities` with the step caches refused under sequence_parallel: the ranks' first blocks see a share of
-    the tokens each, so their cache decisions are not one process's yet."""
-    for feature in ("first_block", "taylorseer"):
-        capabilities = capabilities.refuse("sequence_parallel", feature, "each rank would decide its cache from "
-                                           "its own share of the tokens")
-    return capabilities
+    """`capabilities` with the first-block cache refused under sequence_parallel: its decision reads the first
+    block's residual over every token, and each rank holds a share of them (TaylorSeer decides by step: it runs)."""
+    return capabilities.refuse("sequence_parallel", "first_block", "each rank would decide from its own share of "
+                               "the tokens")
 
 
 @dataclass
