@@ -12,7 +12,8 @@ before the request is queued, never a crash deep in a tick. What is accepted, an
   gate's 16 MiB message), MAX_IMAGE_PIXELS pixels (4096 x 4096) and MAX_IMAGE_SIDE pixels a
   side, checked on the size the header declares, before any pixel is decoded (a decompression
   bomb costs nothing; the side limit bounds the decoder's work per row: a PNG of 1 x 16777216
-  pixels, inside the area, took 1.5 s of CPU to decode, one of 2048 x 8192 takes what 4096 x 4096 does);
+  pixels, inside the area, took up to 1.5 s of CPU, one of 2048 x 8192 takes what 4096 x 4096
+  does: `python -m benchmarks.admission_images`);
 * animated files (APNG, animated WebP): the first frame, as `load_image` takes it;
 * EXIF orientation applied (`ImageOps.exif_transpose`), then `convert("RGB")`, as
   `load_image` does: alpha (LA, RGBA, palette transparency) is dropped, CMYK and palette
