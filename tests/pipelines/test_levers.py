@@ -82,6 +82,8 @@ def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
         EngineConfig.from_parameters({"quantization": "int3"})
     with pytest.raises(ConfigError, match="parameter 'compile': pipeline 'bagel' is our own model code"):
         load("bagel", compile="regional")
+    with pytest.raises(ConfigError, match="parameter 'compile': full .* use compile=regional"):
+        load(compile="full", compile_backend="eager")
     with pytest.raises(ConfigError, match="parameter 'quantization': not with several ranks yet"):
         load(quantization="int8_weight_only", cfg_parallel=True)
 
