@@ -17,7 +17,7 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, solo_steps
+from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_wave, solo_steps
 
 # 4 steps cross each two-expert preset's boundary: timesteps 999, 973, 923 | 800 (wan, boundary 875) and
 # 999, 937 | 833, 625 (wan_i2v, boundary 900)
@@ -117,6 +117,13 @@ def test_three_requests_joining_at_different_ticks_on_different_experts_match_th
     for rid, inputs in cases.items():
         levels = np.abs(mixed.images[rid].astype(int) - solo_steps(adapter, inputs).astype(int))
         assert levels.max() <= 1, (rid, levels.max())
+
+
+def test_request_mode_runs_a_wave_of_different_prompts_and_guidance_within_one_level_of_solo(adapters):
+    adapter = get(adapters, "wan_i2v")
+    wave = [inputs_for(adapter), inputs_for(adapter, prompt="a green field", seed=4, guidance_scale=6.5)]
+    for video, inputs in zip(run_wave(adapter, wave), wave):
+        assert np.abs(video.astype(int) - solo_steps(adapter, inputs).astype(int)).max() <= 1
 
 
 def test_a_drive_with_previews_sends_progress_only(adapters):
