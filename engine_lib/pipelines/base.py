@@ -391,6 +391,16 @@ class DiffusersAdapter(PipelineAdapter):
         return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses,
                 **(self.levers.counters() if self.levers else {})}
 
+    def encode_sides(self, params: SamplingParams, cfg: bool) -> dict:
+        """{"cond": {"embeds": [1, L, D]}, and "uncond" with `cfg`}: the pipeline's `encode_prompt` where it returns
+        both embeddings (the UMT5 of Wan and Helios; with CFG the negative prompt, "" when none), in the
+        transformer's dtype as their `__call__` casts them."""
+        dtype = self.pipe.transformer.dtype
+        cond, uncond = self.pipe.encode_prompt(prompt=params.prompt, negative_prompt=params.negative_prompt,
+                                               do_classifier_free_guidance=cfg, num_videos_per_prompt=1,
+                                               max_sequence_length=params.max_sequence_length, device=self.device)
+        return {"cond": {"embeds": cond.to(dtype)}, **({"uncond": {"embeds": uncond.to(dtype)}} if cfg else {})}
+
     def video_vae_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's VAE de-normalisation constants `latents_mean` and `1 / latents_std` [1, z, 1, 1, 1],
         made as the pipeline makes them, for the device once: made per decode, each would be a host-to-device

@@ -170,7 +170,7 @@ class HeliosAdapter(DiffusersAdapter):
         p, pipe = state.params, self.pipe
         state.text = self.text_cache.get_or_encode(
             (self.name, p.prompt, self.do_cfg(p), p.negative_prompt if self.do_cfg(p) else None, p.max_sequence_length),
-            lambda: self._encode(p))
+            lambda: self.encode_sides(p, self.do_cfg(p)))
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         state.scheduler = copy.deepcopy(pipe.scheduler)
         channels, spatial = pipe.transformer.config.in_channels, pipe.vae_scale_factor_spatial
@@ -185,16 +185,6 @@ class HeliosAdapter(DiffusersAdapter):
                                    config.get("max_shift", 1.15))
         state.num_frames_out = p.num_frames
         self._start_chunk(state)
-
-    def _encode(self, p: SamplingParams) -> dict:
-        dtype = self.pipe.transformer.dtype
-        cond, uncond = self.pipe.encode_prompt(prompt=p.prompt, negative_prompt=p.negative_prompt,
-                                               do_classifier_free_guidance=self.do_cfg(p), num_videos_per_prompt=1,
-                                               max_sequence_length=p.max_sequence_length, device=self.device)
-        text = {"cond": {"embeds": cond.to(dtype)}}
-        if uncond is not None:
-            text["uncond"] = {"embeds": uncond.to(dtype)}
-        return text
 
     def _start_chunk(self, state: HeliosState) -> None:
         """The next chunk's history windows, noise and schedule, as the pipeline's chunk loop begins."""

@@ -165,7 +165,7 @@ class WanAdapter(DiffusersAdapter):
         cfg = self.do_cfg(p)
         state.text = self.text_cache.get_or_encode(
             (self.name, p.prompt, cfg, p.negative_prompt if cfg else None, p.max_sequence_length),
-            lambda: self._encode(p))
+            lambda: self.encode_sides(p, cfg))
         state.generator = torch.Generator(device=self.device).manual_seed(int(p.seed))
         # The copy is request-local: UniPC keeps its step index and the last model outputs on the object.
         state.scheduler = copy.deepcopy(pipe.scheduler)
@@ -173,16 +173,6 @@ class WanAdapter(DiffusersAdapter):
         state.timesteps = state.scheduler.timesteps
         assert len(state.timesteps) == p.num_inference_steps, "total_steps assumes one timestep per step"
         self._prepare_latents(state)
-
-    def _encode(self, p: SamplingParams) -> dict:
-        dtype = self.pipe.transformer.dtype
-        cond, uncond = self.pipe.encode_prompt(prompt=p.prompt, negative_prompt=p.negative_prompt,
-                                               do_classifier_free_guidance=self.do_cfg(p), num_videos_per_prompt=1,
-                                               max_sequence_length=p.max_sequence_length, device=self.device)
-        text = {"cond": {"embeds": cond.to(dtype)}}
-        if uncond is not None:
-            text["uncond"] = {"embeds": uncond.to(dtype)}
-        return text
 
     def _prepare_latents(self, state: WanState) -> None:
         """The request's noise, as `WanPipeline.prepare_latents` draws it (image to video adds its condition)."""
