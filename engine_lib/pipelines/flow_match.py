@@ -130,8 +130,8 @@ class FlowMatchAdapter(DiffusersAdapter):
     # Padded text batches need a transformer that takes a text mask (Qwen-Image);
     # without one, equal text lengths are guaranteed by the keys instead.
     pads_text: ClassVar[bool] = False
-    # Inputs the step key leaves out, with the `mixed_size_batching` option, because the adapter batches
-    # their different values itself (Qwen-Image: height and width, with padded image tokens).
+    # Inputs (and key fields) the step key leaves out, with the `mixed_size_batching` option, because the adapter
+    # batches their different values itself (Qwen-Image: height and width, with packed image tokens).
     step_key_skips: ClassVar[tuple[str, ...]] = ()
     # Inputs of `_row_inputs` the whole batch shares (one value, not one per row: Flux's text and image ids).
     batch_inputs: ClassVar[tuple[str, ...]] = ()
@@ -220,7 +220,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         """Step mode: LoRAs apply per row, so they never split a batch; with mixed_size_batching, sizes neither."""
         skips = self.step_key_skips if self.mixed_size_batching else ()
         inputs = tuple(name for name in self.key_inputs() if name not in skips)
-        return step_batch_key(params, inputs, self.key_fields(params))
+        return step_batch_key(params, inputs, tuple(f for f in self.key_fields(params) if f[0] not in skips))
 
     def request_cost(self, params: SamplingParams) -> int:
         """Image tokens (one per size_multiple x size_multiple pixels) x images x CFG passes."""

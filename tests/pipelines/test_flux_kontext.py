@@ -106,6 +106,22 @@ def test_a_step_batch_of_different_images_and_prompts_matches_solo(adapter):
     assert image_diff(result.images["b"], result.images["c"]) > 10 * FLOAT_BOUND  # each row its own image
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(negative_prompt="blurry", true_cfg_scale=2.7)], ids=["plain", "true-cfg"])
+def test_with_mixed_size_batching_two_output_and_three_condition_sizes_share_every_forward(adapter, cfg):
+    """mixed_size_batching: requests of two output sizes (32x48, 48x32) and three condition sizes join at
+    ticks 0, 1 and 1 and share every forward (4 forwards, not the 10 of one size per forward): each row's latent
+    tokens, then its own condition's, packed with its own ids; each within the batched bound of its solo run."""
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    arrivals = [Arrival(0, "a", params(0, PROMPTS[0], seed=1, steps=4, **cfg)),
+                Arrival(1, "b", params(3, PROMPTS[1], seed=2, steps=3, height=48, width=32, **cfg)),
+                Arrival(1, "c", params(1, PROMPTS[1], seed=2, steps=3, **cfg))]
+    assert len({mixed.step_key(parse(mixed, a.params)) for a in arrivals}) == 1
+    result = drive_steps(mixed, arrivals, capacity=4, float_output=True)
+    assert result.forward_sizes == [1, 3, 3, 3], result.forward_sizes
+    for a in arrivals:
+        assert_close_images(result.images[a.request_id], solo_steps(adapter, a.params, float_output=True), to_uint8)
+
+
 def test_the_condition_lives_in_the_state_and_is_freed_on_abort(adapter):
     runner = ModelRunner(adapter)
     runner.execute_step([DiffusionRequest("r", parse(adapter, params(num_images=2)), num_steps=3)], [])

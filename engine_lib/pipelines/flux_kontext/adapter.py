@@ -15,8 +15,10 @@ Kontext is Flux (text, schedule, guidance, decode: flux/adapter.py) conditioned 
   calls it with `max_area = height x width`.
 
 Rows of one forward share their ids, so the keys hold the output size and the condition's size (the resized
-image's); requests with different images of that size, and different prompts, share steps. Neither mixed
-sizes nor the step cache are offered here.
+image's); requests with different images of that size, and different prompts, share steps. With
+`mixed_size_batching` the keys leave both out: a forward of rows of different sizes packs each row's latent
+tokens followed by its own condition tokens, with its own ids (flux/mixed_sizes.py), and cuts each row back to
+its latent tokens. The step cache is not offered here.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from engine_lib.interface import InputSpec
 from engine_lib.pipelines.flux.adapter import FluxAdapter, FluxState
+from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.step_cache import CACHE_INPUTS
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -55,9 +59,9 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_class = "FluxKontextPipeline"
     inputs = tuple(spec for spec in FluxAdapter.inputs if spec.name not in _CACHE_NAMES) + (IMAGE, AUTO_RESIZE)
     state_class = FluxKontextState
-    step_key_skips = ()  # one output size per forward: its rows share their ids
-    # its image's tokens join the sequence (cut off after the forward): no sequence parallel, no packing yet
-    capabilities = FluxAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
+    step_key_skips = ("height", "width", "condition")  # with mixed_size_batching: packed, each row its own ids
+    # its image's tokens join the sequence (cut off after the forward): no sequence parallel
+    capabilities = FluxAdapter.capabilities.without("sequence_parallel", "first_block",
                                                     "taylorseer").with_features("image_input")
 
     @classmethod
@@ -121,10 +125,29 @@ class FluxKontextAdapter(FluxAdapter):
         return latents
 
     def _row_inputs(self, states: list[FluxKontextState]) -> dict:
-        return {"guidance": self._guidance_rows(states), "condition": torch.cat([s.image_latents for s in states])}
+        rows = {"guidance": self._guidance_rows(states)}
+        if len({(s.latents.shape[1], s.image_latents.shape[1]) for s in states}) == 1:
+            return {**rows, "condition": torch.cat([s.image_latents for s in states])}
+        # rows of different output or condition sizes: each row's latent and condition tokens packed, its own ids
+        per_row = [(s, i) for s in states for i in range(s.num_rows)]
+        return {**rows, "packing": FluxPacking(self.pipe.transformer.pos_embed, states[0].txt_ids,
+                                               [s.img_ids for s, _ in per_row], self.device),
+                "condition": [s.image_latents[i:i + 1] for s, i in per_row],
+                "lengths": [s.latents.shape[1] for s, _ in per_row]}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """diffusers' forward over the latent tokens followed by the condition's, cut back to the latent tokens."""
+        """diffusers' forward over the latent tokens followed by the condition's, cut back to the latent tokens
+        (rows of different sizes: each row's, packed)."""
+        packing = rows.get("packing")
+        if packing is not None:
+            joined = [torch.cat([latents[r:r + 1, :n], condition], dim=1)
+                      for r, (n, condition) in enumerate(zip(rows["lengths"], rows["condition"]))]
+            padded = torch.cat([F.pad(row, (0, 0, 0, packing.longest - row.shape[1])) for row in joined])
+            with self.loras.packed(packing.token_rows):
+                out = packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"],
+                                     text["embeds"], packing)
+            return torch.cat([F.pad(out[r:r + 1, :n], (0, 0, 0, latents.shape[1] - n))
+                              for r, n in enumerate(rows["lengths"])])
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["condition"]], dim=1),
             timestep=timestep,
