@@ -118,3 +118,25 @@ def test_bookkeeping_edges_duplicate_ids_untracked_finals_and_bytes_being_writte
     assert still_open == {} and ghost_sent == 3
     one = len(_response("s", final=False))
     assert being_written == (2 * one, 1) and unsent == one
+
+
+def test_done_writing_ends_the_forwarded_requests_while_the_client_sends_nothing():
+    """A stream whose requests all have their finals is half-closed upstream (done_writing), not cancelled: its
+    forwarded requests end although the client neither sends nor half-closes."""
+    async def scenario():
+        stream = GateStream(1 << 20)
+        client_done = asyncio.Event()
+
+        async def requests():
+            yield _request("a")
+            await client_done.wait()  # a client that holds its stream open
+
+        forwarded = asyncio.ensure_future(_items(stream.forwarded(requests())))
+        await asyncio.sleep(0.05)
+        stream.receive(_response("a", final=True))
+        stream.done_writing.set()
+        sent = await asyncio.wait_for(forwarded, 1)
+        return sent, dict(stream.open)
+
+    sent, still_open = asyncio.run(scenario())
+    assert [service_pb2.ModelInferRequest.FromString(raw).id for raw in sent] == ["a"] and still_open == {}
