@@ -296,7 +296,7 @@ def test_an_abandoned_http_stream_stops_costing_compute(launcher):
     print(f"cancelled {time.monotonic() - left:.1f} s after the client left")
 
 
-def test_sigterm_after_cancelled_streams_with_keep_alive_connections_and_running_requests_exits_0(launcher):
+def test_sigterm_with_cancelled_streams_keep_alive_connections_and_running_requests_exits_0(launcher):
     """Stops the module's launcher (SIGTERM to it alone, as `docker stop` sends it). Before: 30 requests through
     the gate, each stream cancelled (stop_stream(cancel_requests=True)) after its final, which must leave
     nothing that keeps the model from unloading; idle keep-alive connections to tritonserver and the front
