@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from engine_lib.host_copy import to_device
@@ -118,6 +119,18 @@ class Packing:
         parts = [_attend(attn, group.of(q), group.of(k), group.of(v)).to(q.dtype).flatten(0, 1)
                  for group in self.groups]
         return torch.cat(parts).unsqueeze(0)
+
+
+def conditioned_forward(forward, latents: torch.Tensor, lengths: list[int], conditions: list[torch.Tensor],
+                        longest: int) -> torch.Tensor:
+    """A packed forward of an image-conditioned pipeline (Kontext, Qwen-Image-Edit), whose rows' tokens are their
+    own latent tokens followed by their own condition tokens: `forward(padded)` over those rows right-padded to
+    `longest` ([R, longest, C] in, the same out); each row's prediction cut back to its latent tokens, padded to
+    the latents' length. `lengths[r]`: row r's latent tokens; `conditions[r]`: its condition tokens [1, n, C]."""
+    joined = [torch.cat([latents[r:r + 1, :n], condition], dim=1)
+              for r, (n, condition) in enumerate(zip(lengths, conditions))]
+    out = forward(torch.cat([F.pad(row, (0, 0, 0, longest - row.shape[1])) for row in joined]))
+    return torch.cat([F.pad(out[r:r + 1, :n], (0, 0, 0, latents.shape[1] - n)) for r, n in enumerate(lengths)])
 
 
 def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:

@@ -101,7 +101,7 @@ def test_loras_on_rows_of_different_sizes_share_a_forward(setup, first, second):
     if not adapter.step_key_skips:
         pytest.skip(f"{adapter.name} keeps one image size per forward")
     mixed = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu", dtype="float32",
-                                      lora_dir=str(lora_dir), mixed_size_batching=True))
+                                      lora_dir=str(lora_dir), mixed_size_batching=True, step_execution=True))
     cases = {"first-32": {**BASE, "lora_name": first}, "none-64x48": {**BASE, "height": 64, "width": 48},
              "second-64": {**BASE, "lora_name": second, "height": 64, "width": 64, "seed": 6},
              "first_half-32x64": {**BASE, "lora_name": first, "lora_scale": 0.5, "height": 32, "width": 64}}

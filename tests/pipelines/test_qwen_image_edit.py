@@ -103,6 +103,23 @@ def test_step_batch_of_different_images_and_prompts_matches_solo(adapter, solo):
     assert np.abs(result.images["a"].astype(int) - result.images["b"].astype(int)).max() > 100
 
 
+def test_with_mixed_size_batching_two_output_sizes_and_two_condition_shapes_share_every_forward(adapter, solo):
+    """mixed_size_batching: a 3:2 and a 2:3 image, outputs of 64x64 and 32x96, join at ticks 0, 1 and 1 and share
+    every forward (each row's output tokens, then its own condition's, packed with its own RoPE): each within a
+    uint8 level of its solo run."""
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    mixed.loras = adapter.loras
+    arrivals = [Arrival(0, "a", parse(adapter, params(0, PROMPTS[0], seed=1))),
+                Arrival(1, "b", parse(adapter, params(3, PROMPTS[1], seed=2, height=32, width=96))),
+                Arrival(1, "c", parse(adapter, params(2, PROMPTS[2], seed=3, steps=2)))]
+    assert len({mixed.step_key(a.params) for a in arrivals}) == 1
+    result = drive_steps(mixed, arrivals, capacity=3)
+    assert result.forward_sizes == [1, 3, 3, 1], result.forward_sizes
+    for a in arrivals:
+        levels = np.abs(result.images[a.request_id].astype(np.int16) - solo(a.params).astype(np.int16))
+        assert levels.max() <= 1, (a.request_id, levels.max())
+
+
 def test_the_condition_lives_in_the_state_is_kept_across_a_pause_and_freed_on_abort(adapter, solo):
     """A running request paused for a more urgent one (one seat) ends as it does alone; an abort frees its
     condition latents."""
@@ -143,3 +160,18 @@ def test_edit_plus_with_two_images_matches_diffusers_bitwise():
         parse(plus, params() | {"image": [IMAGES[0], png(4096, 1, (0, 0, 0))]})
     # Edit-Plus's vision encoder sees 3x512 at 32x5024 (157:1): taken
     assert plus.vision_sizes(parse(plus, params() | {"image": [png(3, 512, (0, 0, 0))]})) == [(32, 5024)]
+
+
+def test_edit_plus_with_mixed_size_batching_one_and_two_images_share_every_forward():
+    """mixed_size_batching: a request of one image and one of two (three condition shapes in all, each its own
+    frame index in the row's RoPE) share every forward, each within a uint8 level of its solo run."""
+    plus = load_tiny_adapter("qwen_image_edit_plus", QwenImageEditPlusAdapter)
+    mixed = type(plus)(plus.pipe, plus.device, plus.dtype, {**plus.options, "mixed_size_batching": True})
+    mixed.loras = plus.loras
+    arrivals = [Arrival(0, "one", parse(plus, params(3, PROMPTS[0], seed=1, steps=2))),
+                Arrival(0, "two", parse(plus, params(steps=2, seed=2) | {"image": [IMAGES[0], IMAGES[3]]}))]
+    result = drive_steps(mixed, arrivals, capacity=2)
+    assert result.forward_sizes == [2, 2], result.forward_sizes
+    for a in arrivals:
+        levels = np.abs(result.images[a.request_id].astype(np.int16) - solo_steps(plus, a.params).astype(np.int16))
+        assert levels.max() <= 1, (a.request_id, levels.max())

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from engine_lib.interface import InputSpec
 from engine_lib.pipelines.flux.adapter import FluxAdapter, FluxState
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
+from engine_lib.pipelines.packing import conditioned_forward
 from engine_lib.pipelines.step_cache import CACHE_INPUTS
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -140,14 +140,12 @@ class FluxKontextAdapter(FluxAdapter):
         (rows of different sizes: each row's, packed)."""
         packing = rows.get("packing")
         if packing is not None:
-            joined = [torch.cat([latents[r:r + 1, :n], condition], dim=1)
-                      for r, (n, condition) in enumerate(zip(rows["lengths"], rows["condition"]))]
-            padded = torch.cat([F.pad(row, (0, 0, 0, packing.longest - row.shape[1])) for row in joined])
+            def forward(padded):
+                return packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"],
+                                      text["embeds"], packing)
+
             with self.loras.packed(packing.token_rows):
-                out = packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"],
-                                     text["embeds"], packing)
-            return torch.cat([F.pad(out[r:r + 1, :n], (0, 0, 0, latents.shape[1] - n))
-                              for r, n in enumerate(rows["lengths"])])
+                return conditioned_forward(forward, latents, rows["lengths"], rows["condition"], packing.longest)
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["condition"]], dim=1),
             timestep=timestep,

@@ -26,12 +26,17 @@ class QwenPacking(Packing):
     positions from its own `(frames, h, w)`, in packed order, and its text's start after its own largest
     image index."""
 
-    def __init__(self, pos_embed, img_shapes: list[tuple[int, int, int]], device: torch.device) -> None:
-        super().__init__([f * h * w for f, h, w in img_shapes], device)
+    def __init__(self, pos_embed, img_shapes: list, device: torch.device) -> None:
+        """`img_shapes[r]`: row r's `(frames, h, w)`, or a list of them (an edit's output, then its conditions:
+        the i-th at frame index i, as `QwenEmbedRope` places them)."""
+        shapes = [list(s) if isinstance(s, list) else [s] for s in img_shapes]
+        super().__init__([sum(f * h * w for f, h, w in row) for row in shapes], device)
         self.pos_embed, self.img_shapes = pos_embed, list(img_shapes)
-        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(*self.img_shapes[r], 0, device) for r in self.order])
+        self.img_freqs = torch.cat([pos_embed._compute_video_freqs(*shape, index, device)
+                                    for r in self.order for index, shape in enumerate(shapes[r])])
         # each row's text starts after its own largest image index (host ints: slicing needs no device read)
-        self.text_starts = [max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in self.img_shapes]
+        self.text_starts = [max(max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in row)
+                            for row in shapes]
 
     def _repeat(self, times: int) -> "QwenPacking":
         return QwenPacking(self.pos_embed, self.img_shapes * times, self.device)

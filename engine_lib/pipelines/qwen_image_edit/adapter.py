@@ -11,8 +11,10 @@
   `[latents, condition latents]` as its image tokens, `img_shapes` lists the output's shape and each
   condition's, and the prediction is cut back to the output's tokens;
 * batching: the condition shapes (from the images' aspect ratios) are in the keys, so requests with
-  different images and prompts but one condition shape share a step batch (sizes never mix: the packed
-  forward of mixed_sizes.py does not take condition tokens).
+  different images and prompts but one condition shape share a step batch; with `mixed_size_batching`
+  the keys leave the output size and the condition shapes out, and a forward of rows of different
+  sizes packs each row's output tokens followed by its own condition tokens, each row with its own RoPE
+  of its shapes (qwen_image/mixed_sizes.py), cut back to each row's output tokens.
 
 The first-block cache is not offered here.
 """
@@ -30,8 +32,10 @@ from PIL import Image
 
 from engine_lib import interface
 from engine_lib.interface import replace_spec
+from engine_lib.pipelines.packing import conditioned_forward
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter, QwenImageState
-from engine_lib.request import InvalidInputError, SamplingParams
+from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
+from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
 
 # diffusers' VAE_IMAGE_SIZE (1024 x 1024: Edit's __call__ writes it out) and CONDITION_IMAGE_SIZE (384 x 384,
 # Edit-Plus's text encoder), and `calculate_dimensions` (that area at an image's aspect ratio, multiples of 32).
@@ -58,12 +62,18 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = "QwenImageEditPipeline"
     inputs = tuple(spec for spec in QwenImageAdapter.inputs if spec.name not in _STEP_CACHE) + (IMAGE,)
     state_class = QwenImageEditState
-    step_key_skips = ()
-    # its image's tokens join the sequence (cut off after the forward): no sequence parallel, no packing yet
-    capabilities = (QwenImageAdapter.capabilities.without("sequence_parallel", "mixed_sizes", "first_block",
+    step_key_skips = ("height", "width", "condition")  # with mixed_size_batching: packed, each row its own RoPE
+    # its image's tokens join the sequence (cut off after the forward): no sequence parallel
+    capabilities = (QwenImageAdapter.capabilities.without("sequence_parallel", "first_block",
                                                           "taylorseer").with_features("image_input")
                     .refuse("cfg_parallel", "lora", "not checked on the ranks with the image's tokens yet"))
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
+
+    def __init__(self, pipe, device, dtype, options=None):
+        super().__init__(pipe, device, dtype, options)
+        if self.mixed_size_batching and pipe.transformer.zero_cond_t:
+            raise ConfigError("parameter 'mixed_size_batching'=true: the packed forward of mixed sizes does not run "
+                              f"this checkpoint's zero_cond_t timestep of the condition tokens ({self.name})")
 
     @classmethod
     def example_inputs(cls) -> dict:
@@ -166,12 +176,27 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return latents
 
     def _row_inputs(self, states: list[QwenImageEditState]) -> dict:
-        shapes = [[s.img_shape, *self.condition_shapes(s.params)] for s in states for _ in range(s.num_rows)]
-        return {"img_shapes": shapes, "guidance": self._guidance_rows(states),
-                "image_latents": torch.cat([s.image_latents for s in states])}
+        per_row = [(s, i) for s in states for i in range(s.num_rows)]
+        shapes = [[s.img_shape, *self.condition_shapes(s.params)] for s, _ in per_row]
+        rows = {"img_shapes": shapes, "guidance": self._guidance_rows(states)}
+        if len({tuple(row) for row in shapes}) == 1:
+            return {**rows, "image_latents": torch.cat([s.image_latents for s in states])}
+        # rows of different output or condition shapes: each row's tokens packed, with its own RoPE
+        return {**rows, "packing": QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device),
+                "condition": [s.image_latents[i:i + 1] for s, i in per_row],
+                "lengths": [s.latents.shape[1] for s, _ in per_row]}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """diffusers' forward on `[latents, condition latents]`, cut back to the output's tokens."""
+        """diffusers' forward on `[latents, condition latents]`, cut back to the output's tokens (rows of different
+        sizes: each row's, packed)."""
+        packing = rows.get("packing")
+        if packing is not None:
+            def forward(padded):
+                return packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["embeds"],
+                                      text["mask"], packing)
+
+            with self.loras.packed(packing.token_rows):
+                return conditioned_forward(forward, latents, rows["lengths"], rows["condition"], packing.longest)
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["image_latents"]], dim=1),
             timestep=timestep,
