@@ -121,15 +121,24 @@ class Packing:
         return torch.cat(parts).unsqueeze(0)
 
 
-def conditioned_forward(forward, latents: torch.Tensor, lengths: list[int], conditions: list[torch.Tensor],
-                        longest: int) -> torch.Tensor:
-    """A packed forward of an image-conditioned pipeline (Kontext, Qwen-Image-Edit), whose rows' tokens are their
-    own latent tokens followed by their own condition tokens: `forward(padded)` over those rows right-padded to
-    `longest` ([R, longest, C] in, the same out); each row's prediction cut back to its latent tokens, padded to
-    the latents' length. `lengths[r]`: row r's latent tokens; `conditions[r]`: its condition tokens [1, n, C]."""
+def condition_rows(states: list) -> dict:
+    """Per row of an image-conditioned pipeline's states (Kontext, Qwen-Image-Edit): its condition tokens
+    [1, n, C] (`condition`) and its latent token count (`lengths`), for `conditioned_forward`."""
+    per_row = [(s, i) for s in states for i in range(s.num_rows)]
+    return {"condition": [s.image_latents[i:i + 1] for s, i in per_row],
+            "lengths": [s.latents.shape[1] for s, _ in per_row]}
+
+
+def conditioned_forward(loras, forward, latents: torch.Tensor, rows: dict) -> torch.Tensor:
+    """A packed forward whose rows' tokens are their own latent tokens followed by their own condition tokens
+    (`condition_rows`): `forward(padded)` over those rows right-padded to the packing's longest ([R, longest, C]
+    in, the same out), under the rows' LoRAs; each row's prediction cut back to its latent tokens, padded to the
+    latents' length."""
+    packing, lengths = rows["packing"], rows["lengths"]
     joined = [torch.cat([latents[r:r + 1, :n], condition], dim=1)
-              for r, (n, condition) in enumerate(zip(lengths, conditions))]
-    out = forward(torch.cat([F.pad(row, (0, 0, 0, longest - row.shape[1])) for row in joined]))
+              for r, (n, condition) in enumerate(zip(lengths, rows["condition"]))]
+    with loras.packed(packing.token_rows):
+        out = forward(torch.cat([F.pad(row, (0, 0, 0, packing.longest - row.shape[1])) for row in joined]))
     return torch.cat([F.pad(out[r:r + 1, :n], (0, 0, 0, latents.shape[1] - n)) for r, n in enumerate(lengths)])
 
 

@@ -32,7 +32,7 @@ import torch
 from engine_lib.interface import InputSpec
 from engine_lib.pipelines.flux.adapter import FluxAdapter, FluxState
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
-from engine_lib.pipelines.packing import conditioned_forward
+from engine_lib.pipelines.packing import condition_rows, conditioned_forward
 from engine_lib.pipelines.step_cache import CACHE_INPUTS
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -129,23 +129,17 @@ class FluxKontextAdapter(FluxAdapter):
         if len({(s.latents.shape[1], s.image_latents.shape[1]) for s in states}) == 1:
             return {**rows, "condition": torch.cat([s.image_latents for s in states])}
         # rows of different output or condition sizes: each row's latent and condition tokens packed, its own ids
-        per_row = [(s, i) for s in states for i in range(s.num_rows)]
-        return {**rows, "packing": FluxPacking(self.pipe.transformer.pos_embed, states[0].txt_ids,
-                                               [s.img_ids for s, _ in per_row], self.device),
-                "condition": [s.image_latents[i:i + 1] for s, i in per_row],
-                "lengths": [s.latents.shape[1] for s, _ in per_row]}
+        return {**rows, **condition_rows(states), "packing": FluxPacking(
+            self.pipe.transformer.pos_embed, states[0].txt_ids, [s.img_ids for s in states for _ in range(s.num_rows)],
+            self.device)}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
         """diffusers' forward over the latent tokens followed by the condition's, cut back to the latent tokens
         (rows of different sizes: each row's, packed)."""
-        packing = rows.get("packing")
-        if packing is not None:
-            def forward(padded):
-                return packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"],
-                                      text["embeds"], packing)
-
-            with self.loras.packed(packing.token_rows):
-                return conditioned_forward(forward, latents, rows["lengths"], rows["condition"], packing.longest)
+        if "packing" in rows:
+            return conditioned_forward(self.loras, lambda padded: packed_forward(
+                self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"], text["embeds"],
+                rows["packing"]), latents, rows)
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["condition"]], dim=1),
             timestep=timestep,

@@ -32,7 +32,7 @@ from PIL import Image
 
 from engine_lib import interface
 from engine_lib.interface import replace_spec
-from engine_lib.pipelines.packing import conditioned_forward
+from engine_lib.pipelines.packing import condition_rows, conditioned_forward
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter, QwenImageState
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
@@ -176,27 +176,21 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return latents
 
     def _row_inputs(self, states: list[QwenImageEditState]) -> dict:
-        per_row = [(s, i) for s in states for i in range(s.num_rows)]
-        shapes = [[s.img_shape, *self.condition_shapes(s.params)] for s, _ in per_row]
+        shapes = [[s.img_shape, *self.condition_shapes(s.params)] for s in states for _ in range(s.num_rows)]
         rows = {"img_shapes": shapes, "guidance": self._guidance_rows(states)}
         if len({tuple(row) for row in shapes}) == 1:
             return {**rows, "image_latents": torch.cat([s.image_latents for s in states])}
         # rows of different output or condition shapes: each row's tokens packed, with its own RoPE
-        return {**rows, "packing": QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device),
-                "condition": [s.image_latents[i:i + 1] for s, i in per_row],
-                "lengths": [s.latents.shape[1] for s, _ in per_row]}
+        return {**rows, **condition_rows(states),
+                "packing": QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device)}
 
     def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
         """diffusers' forward on `[latents, condition latents]`, cut back to the output's tokens (rows of different
         sizes: each row's, packed)."""
-        packing = rows.get("packing")
-        if packing is not None:
-            def forward(padded):
-                return packed_forward(self.pipe.transformer, padded, timestep, rows["guidance"], text["embeds"],
-                                      text["mask"], packing)
-
-            with self.loras.packed(packing.token_rows):
-                return conditioned_forward(forward, latents, rows["lengths"], rows["condition"], packing.longest)
+        if "packing" in rows:
+            return conditioned_forward(self.loras, lambda padded: packed_forward(
+                self.pipe.transformer, padded, timestep, rows["guidance"], text["embeds"], text["mask"],
+                rows["packing"]), latents, rows)
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["image_latents"]], dim=1),
             timestep=timestep,
