@@ -38,7 +38,9 @@ QUANTIZATIONS = {"none": ("", "any"), "int8_weight_only": ("torchao", "any"), "i
                  "int4_weight_only": ("torchao", "cuda"), "nf4": ("bitsandbytes", "cuda")}
 OFFLOAD_MODES = ("none", "model", "group")
 # attention backends this code path runs on the CPU (the others are CUDA kernels)
-CPU_ATTENTION = ("native", "_native_math", "flex")
+CPU_ATTENTION = ("native", "_native_math")
+# backends that run but do not keep the images, with what was measured
+WRONG_ATTENTION = {"flex": "its images were 180 levels from native's on the tiny Qwen-Image (CPU, float32)"}
 FP8_DYNAMIC_CAPABILITY = (8, 9)  # e4m3 activations need SM 8.9+ (Ada, Hopper)
 
 
@@ -246,6 +248,9 @@ def _set_attention(pipe: Any, device: Any, backend: str) -> None:
         _check_attention_backend_requirements(AttentionBackendName(backend))
     except (RuntimeError, ImportError, ValueError) as exc:
         raise ConfigError(f"parameter 'attention_backend': {backend} cannot run here: {exc}") from None
+    if backend in WRONG_ATTENTION:
+        raise ConfigError(f"parameter 'attention_backend': {backend} does not keep the images here: "
+                          f"{WRONG_ATTENTION[backend]}; use native")
     if device.type != "cuda" and backend not in CPU_ATTENTION:
         raise ConfigError(f"parameter 'attention_backend': {backend} is a CUDA kernel; this instance runs on {device} "
                           f"(on the CPU: {', '.join(CPU_ATTENTION)})")

@@ -135,6 +135,8 @@ def test_an_attention_backend_this_cpu_has_gives_the_same_images_and_a_missing_k
         load(attention_backend="flash")
     with pytest.raises(ConfigError, match="parameter 'attention_backend': 'flash9' is not one of"):
         load(attention_backend="flash9")
+    with pytest.raises(ConfigError, match="parameter 'attention_backend': flex does not keep the images here"):
+        load(attention_backend="flex")
 
 
 def test_group_offload_runs_end_to_end_with_parity_and_every_leaf_onloads_to_the_device():
