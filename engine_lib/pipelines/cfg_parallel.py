@@ -13,6 +13,8 @@ ranks (the call's row plan), and a request's step cache of a branch lives on tha
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -29,10 +31,14 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-            scale: float, facts: list[RowFacts], plan: list) -> torch.Tensor:
-    """The guided prediction of a tick, computed on the ranks, on the latents' device (`plan`: each row's LoRA)."""
+            scale: float, facts: list[RowFacts], plan: list, tally: Counter) -> torch.Tensor:
+    """The guided prediction of a tick, computed on the ranks, on the latents' device (`plan`: each row's LoRA);
+    `tally` (the driver's count of step cache decisions) gets each branch's, made on its rank."""
     args = [(latents, timestep, text[side], rows, scale, facts, plan) for side in SIDES]
-    return group.call("forward", args).to(latents.device)
+    replies = group.call_all("forward", args)
+    for _, decisions in replies:
+        tally.update(decisions)
+    return replies[0][0].to(latents.device)
 
 
 class CfgRank:
@@ -51,8 +57,10 @@ class CfgRank:
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, facts, plan):
+        """Rank 0: the guided prediction; every rank: its step cache decisions of this call."""
         side = SIDES[self.rank]
         failed = None
+        self.adapter.cache_steps.clear()
         try:
             states = self.held.states(facts)
             with self.adapter._cache_context(side), self.adapter.loras.rows(plan):
@@ -62,6 +70,7 @@ class CfgRank:
         agree(failed, latents.device)  # every rank learns whether both forwards ran: they stay in step
         preds = [torch.empty_like(pred) for _ in SIDES] if self.rank == 0 else None
         dist.gather(pred.contiguous(), preds, dst=0)
+        decisions = dict(self.adapter.cache_steps)
         if self.rank != 0:
-            return None
-        return self.adapter._combine_cfg(preds[0], preds[1], scale)
+            return None, decisions
+        return self.adapter._combine_cfg(preds[0], preds[1], scale), decisions

@@ -372,10 +372,10 @@ class FlowMatchAdapter(DiffusersAdapter):
             scale = scales.pop()
         if self.workers is not None and self.sequence_parallel_size > 1:  # every rank its tokens
             return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching,
-                                             RowFacts.of(states), plan)
+                                             RowFacts.of(states), plan, self.cache_steps)
         if self.workers is not None and scale is not None:  # cond rows on rank 0, uncond rows on rank 1
             return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale, RowFacts.of(states),
-                                        plan)
+                                        plan, self.cache_steps)
         return self._predict(latents, timestep, text, rows, states, scale)
 
     def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,

@@ -21,6 +21,7 @@ parallelism is enabled (the device it names is not used; the mesh is ours, on th
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Optional
 from unittest import mock
 
@@ -40,12 +41,16 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-            scale: Optional[float], cfg_batching: bool, facts: list[RowFacts], plan: list) -> torch.Tensor:
+            scale: Optional[float], cfg_batching: bool, facts: list[RowFacts], plan: list,
+            tally: Counter) -> torch.Tensor:
     """A tick's prediction (guided with a CFG `scale`), computed on the ranks, on the latents' device (`plan`:
-    each row's LoRA)."""
+    each row's LoRA); `tally` (the driver's count of step cache decisions) gets rank 0's (every rank decides
+    alike)."""
     sides = ("cond",) if scale is None else ("cfg",) if cfg_batching else ("cond", "uncond")
     args = (latents, timestep, {side: text[side] for side in sides}, rows, scale, cfg_batching, facts, plan)
-    return group.call("forward", [args] * group.world_size).to(latents.device)
+    prediction, decisions = group.call("forward", [args] * group.world_size)
+    tally.update(decisions)
+    return prediction.to(latents.device)
 
 
 def gather_tokens(shard: torch.Tensor, tokens: int, rank: int, world_size: int) -> Optional[torch.Tensor]:
@@ -91,12 +96,15 @@ class SequenceRank:
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, cfg_batching, facts, plan):
+        """Rank 0: the prediction and its step cache decisions of this call; the other ranks: None."""
         failed, shard = None, None
         self.adapter.cfg_batching = cfg_batching  # the driver's: it sent the text of those forwards
+        self.adapter.cache_steps.clear()
         try:
             with self.adapter.loras.rows(plan):
                 shard = self.adapter._predict(latents, timestep, text, rows, self.held.states(facts), scale)
         except Exception as error:
             failed = error
         agree(failed, latents.device)  # every rank learns whether all forwards ran: they stay in step
-        return gather_tokens(shard, latents.shape[1], self.rank, self.world_size)
+        prediction = gather_tokens(shard, latents.shape[1], self.rank, self.world_size)
+        return None if prediction is None else (prediction, dict(self.adapter.cache_steps))
