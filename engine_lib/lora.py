@@ -61,6 +61,7 @@ class LoraLibrary:
         self._token_plan: Optional[list[RowLora]] = None  # within `packed`: each packed token's row's LoRA
         self._token_indices: Optional[dict] = None
         self._indices: dict[tuple, dict] = {}  # (plan, rows, device) -> _row_indices (engine thread)
+        self.refusal = ""  # set at load where the model cannot take a LoRA (why), and every lora_name is refused
 
     # -- names (admission) ---------------------------------------------------------------
     def names(self) -> list[str]:
@@ -76,6 +77,8 @@ class LoraLibrary:
         Messages name files, never the folder: they reach every client, and where it lies on disk is not theirs."""
         if not name:
             return
+        if self.refusal:
+            raise InvalidInputError("lora_name", self.refusal)
         if not NAME_PATTERN.fullmatch(name) or ".." in name:
             raise InvalidInputError("lora_name", f"{name[:64]!r} is not a LoRA name (a file stem: letters, digits, "
                                                  f"'.', '_', '-'; no path)")

@@ -432,4 +432,6 @@ class DiffusersAdapter(PipelineAdapter):
         pipe.set_progress_bar_config(disable=True)
         adapter = cls(pipe, torch.device(device), dtype, options)
         adapter.levers = applied
+        if chosen.offload != "none" and getattr(adapter, "loras", None) is not None:
+            adapter.loras.refusal = levers.OFFLOAD_LORA_REFUSAL
         return adapter

@@ -171,6 +171,11 @@ class CompileCounter:
             self.seconds += time.perf_counter() - start
 
 
+# LoRA per request on an offloaded model: group offloading keeps each leaf's weights as they were when it was
+# applied, so a LoRA loaded later came out 126 levels from the same LoRA without offload (tiny Qwen-Image).
+OFFLOAD_LORA_REFUSAL = "not on this model: offload=group keeps the weights it had before a LoRA loads"
+
+
 @dataclass
 class Applied:
     """What the levers did to one loaded pipeline: its compile counter (None: not compiled)."""

@@ -19,7 +19,7 @@ from benchmarks.report import psnr
 from engine_lib.config import EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
-from engine_lib.request import ConfigError
+from engine_lib.request import ConfigError, InvalidInputError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import Arrival, drive_steps, solo_steps
 
@@ -151,6 +151,8 @@ def test_group_offload_runs_end_to_end_with_parity_and_every_leaf_onloads_to_the
                 assert hook.group.onload_device == offloaded.device, f"{name}.{leaf_name}"
     p = inputs(eager)
     assert levels(solo_steps(offloaded, p), solo_steps(eager, p)) <= 1
+    with pytest.raises(InvalidInputError, match="lora_name.*offload=group keeps the weights"):
+        solo_steps(offloaded, {**p, "lora_name": "toy_a"})
     with pytest.raises(ConfigError, match="parameter 'offload': model .* use offload=group"):
         load(offload="model")
 
