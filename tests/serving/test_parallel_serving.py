@@ -23,10 +23,11 @@ import pytest
 from engine_lib.serving.launcher import REPO_ROOT, free_port, proc_stat
 from engine_lib.testing import hooks_environment
 from engine_lib.tiny_models import ensure_model
-from tests.conftest import TickBudget
+from tests.conftest import TickBudget, wait_until
 
 from .conftest import SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter, write_repository
-from .streaming import RequestStream, close_all, run_concurrently, run_held, run_request, wait_for_metric
+from .streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
+                        wait_for_metric)
 
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32)  # the two forwards run on the ranks
 
@@ -125,17 +126,23 @@ def test_a_cancel_mid_request_ends_its_stream_once_and_frees_its_state_on_every_
         close_all([stream], budget)
 
 
-# True CFG, a LoRA at 0.6 and the first-block cache at 0.3 on two images, next to a plain request of the same size
-# (FP32 values Triton hands over rounded: the single-process server gets the same).
+# True CFG, a LoRA at 0.6 and the first-block cache at 0.6 on two images (on the tiny model 0.3 would reuse no
+# step), next to a plain request of the same size (FP32 values Triton hands over rounded: the single-process
+# server gets the same).
 PLAIN = dict(CFG, true_cfg_scale=2.7, width=48, prompt="fruit on a table", num_inference_steps=5, seed=9,
              output_format="raw")
 COMBINED = dict(PLAIN, prompt="a red cube", lora_name="toy_a", lora_scale=0.6, cache="first_block",
-                cache_threshold=0.3, num_images=2, num_inference_steps=6, seed=4)
+                cache_threshold=0.6, num_images=2, num_inference_steps=6, seed=4)
 
 
 def test_true_cfg_a_lora_and_a_step_cache_on_the_ranks_equal_the_single_process_server(parallel_server, server):
     """Solo, then in one step batch with the plain request: each image within 1 level of the single-process
-    server's; the ranks free the request's caches when it ends."""
+    server's; the ranks' cache reused steps (counted by the driver's metric) and is freed when the request ends."""
+    def reused() -> float:
+        return metric(scrape(parallel_server.metrics_url), "diffusion_cache_steps_total", model="qwen_image",
+                      outcome="reused")
+
+    before = reused()
     expected = [run_request(server.grpc_url, request_id=f"one-{i}", **case) for i, case in enumerate((COMBINED, PLAIN))]
     solo = run_request(parallel_server.grpc_url, request_id="ranks-solo", **COMBINED)
     parallel_server.budget.hold()
@@ -152,6 +159,7 @@ def test_true_cfg_a_lora_and_a_step_cache_on_the_ranks_equal_the_single_process_
         image, wanted = (r.final.as_numpy("image").astype(int) for r in (result, reference))
         assert image.shape == wanted.shape and np.abs(image - wanted).max() <= 1
     assert wait_for_metric(parallel_server.metrics_url, "diffusion_rank_states", 0.0, model="qwen_image") == 0.0
+    assert wait_until(lambda: reused() > before, timeout=10)
 
 
 THINKS = {  # sent together, so they share the ranks' forwards: a greedy think, a recaption sampled at 0.7 and cached
