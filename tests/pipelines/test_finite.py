@@ -80,8 +80,10 @@ def test_every_float_input_at_its_largest_value_gives_a_finite_output(name):
     schema = adapter.input_schema(TEST_CONFIG)
     largest = {spec.name: (spec.high,) * spec.count if spec.count > 1 else spec.high
                for spec in schema.specs.values() if spec.datatype == "FP32" and not spec.unused}
+    needed = {spec.only_with[0]: spec.only_with[1][0] for spec in schema.specs.values()
+              if spec.name in largest and spec.only_with}  # a float that acts only with another input's value
     inputs = {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 2, **adapter.example_inputs(),
-              **largest}
+              **needed, **largest}
     if "negative_prompt" in schema.specs and not schema.specs["negative_prompt"].unused:
         inputs["negative_prompt"] = "blurry"  # with it, true CFG runs at its largest scale too
     result = ModelRunner(adapter, float_outputs=True).run_to_completion([DiffusionRequest("r", parse(adapter, inputs))])

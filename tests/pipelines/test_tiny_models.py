@@ -15,12 +15,15 @@ from engine_lib import tiny_models
 from tests.early_servers import starts_early, take_early
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
-CALL_KWARGS = {"flux": {"max_sequence_length": 32}, "ltx2": {"num_frames": 33},  # 33 frames: as one Helios chunk
+CALL_KWARGS = {"flux": {"max_sequence_length": 32},
+               "ltx2": {"num_frames": 33}, "helios": {"num_frames": 33},  # 33 frames: one Helios chunk
                # Kontext: its image at its size, and max_area that keeps 64x64 (its default is a megapixel)
                "flux_kontext": {"image": Image.new("RGB", (32, 32), (128, 128, 128)), "_auto_resize": False,
                                 "max_area": 64 * 64, "max_sequence_length": 32},
                "qwen_image_edit": {"image": Image.new("RGB", (32, 32), (128, 128, 128))},
-               "qwen_image_edit_plus": {"image": [Image.new("RGB", (32, 32), (128, 128, 128))]}}
+               "qwen_image_edit_plus": {"image": [Image.new("RGB", (32, 32), (128, 128, 128))]},
+               "wan": {"num_frames": 33}, "wan_i2v": {"image": Image.new("RGB", (64, 64), (128, 128, 128)),
+                                                      "num_frames": 33}}
 
 
 def pipeline_class(name: str) -> str:
@@ -127,7 +130,7 @@ def test_saved_dir_loads_and_generates(name, saved_dirs):
         output_type="np",
         **CALL_KWARGS.get(name, {}),
     ), primary.pipe_output)
-    assert images.shape == (1, 64, 64, 3) if primary.name == "image" else (1, 33, 64, 64, 3)
+    assert images.shape == ((1, 64, 64, 3) if primary.name == "image" else (1, 33, 64, 64, 3))
     assert np.isfinite(images).all()
     assert images.std() > 0
 

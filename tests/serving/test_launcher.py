@@ -178,8 +178,8 @@ def test_an_admin_key_protects_the_admin_apis_of_an_explicit_mode_server():
     assert "--model-control-mode=explicit" not in TritonServer(Path("/models")).command(Path("/backends"))
 
 
-SHIPPED = ["bagel", "flux", "flux_kontext", "helios", "hunyuan_image3", "ltx2", "qwen_image", "qwen_image_edit",
-           "qwen_image_edit_plus", "sd3"]
+SHIPPED = ["bagel", "flux", "flux2", "flux_kontext", "helios", "hunyuan_image3", "ltx2", "qwen_image",
+           "qwen_image_edit", "qwen_image_edit_plus", "sd3", "wan", "wan_i2v", "z_image"]
 
 
 def test_the_repository_s_models_are_its_folders_with_a_config():

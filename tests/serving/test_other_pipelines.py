@@ -665,7 +665,7 @@ def test_helios_mp4_over_grpc_and_http_decodes_to_the_asked_frames(server):
                           "nearest: 33 or 65"),
     (dict(num_frames=10_000), "input 'num_frames': 10000 is outside the allowed range [1, 257]"),
     (dict(height=2048), "input 'height'"),
-    (dict(output_format="png"), "input 'output_format': 'png' is not one of raw, mp4"),
+    (dict(output_format="png"), "input 'output_format': 'png' is not one of: raw, mp4"),
 ])
 def test_helios_refuses_bad_and_oversize_requests_naming_the_input(server, inputs, says):
     result = run_request(server.grpc_url, model="helios", request_id="bad", prompt="x", **inputs)
