@@ -12,8 +12,11 @@ import copy
 import gc
 import weakref
 
+from unittest import mock
+
 import numpy as np
 import torch
+from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 
 from engine_lib.pipelines.base import PipelineAdapter, move_tensors
 from engine_lib.request import DiffusionRequest, SamplingParams
@@ -72,6 +75,47 @@ def check_solo_is_the_hooks(adapter: PipelineAdapter, tail_rows: list, inputs: d
         tail_rows.clear()
         assert image_diff(solo_steps(adapter, inputs, float_output=True), reference) <= FLOAT_BOUND
         assert sum(tail_rows) == len(reference_rows)
+
+
+@contextlib.contextmanager
+def hook_decisions():
+    """diffusers' head hook's decisions, each as (relative change of the first block's residual, computes); its
+    first step (no previous residual) is left out."""
+    decisions, decide = [], FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def recording(hook, residual):
+        prev = hook.state_manager.get_state().head_block_residual
+        computes = decide(hook, residual)
+        if prev is not None:
+            decisions.append((((residual - prev).abs().mean() / prev.abs().mean()).item(), computes))
+        return computes
+
+    with mock.patch.object(FBCHeadBlockHook, "_should_compute_remaining_blocks", recording):
+        yield decisions
+
+
+def check_decisions_at_the_edge(adapter: PipelineAdapter, tail_rows: list, inputs: dict, label: str) -> None:
+    """Thresholds at 0.999, 1 and 1.001 times the relative change diffusers' hook measures at the second step:
+    the step computes only under the first (diffusers computes above the threshold, reuses at or below it), and
+    a solo request decides as the hook does at each of them (the same rows through the tail block, the same
+    image bitwise)."""
+    p = parse(adapter, cached_inputs(inputs, 0.0))
+    with hook_decisions() as measured, diffusers_cache(adapter.pipe.transformer, 0.0):
+        adapter.pipe(**adapter.pipe_kwargs(p), output_type="np")
+    edge = measured[0][0]
+    print(f"{label}: the second step's relative change {edge!r}")
+    for scale, computes in ((0.999, True), (1.0, False), (1.001, False)):
+        request = cached_inputs(inputs, float(np.float32(edge * scale)))
+        tail_rows.clear()
+        ours = solo_steps(adapter, request, float_output=True)
+        ours_rows = list(tail_rows)
+        tail_rows.clear()
+        p = parse(adapter, request)
+        with hook_decisions() as decisions, diffusers_cache(adapter.pipe.transformer, threshold(p)):
+            reference = adapter.pipe(**adapter.pipe_kwargs(p), output_type="np").images
+        assert decisions[0][1] is computes, (scale, decisions)
+        assert ours_rows == list(tail_rows), scale
+        assert np.array_equal(ours, reference), scale
 
 
 def check_shared_batch(runner: PipelineAdapter, tail_rows: list, requests: dict, ticks: tuple,

@@ -18,9 +18,9 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import InvalidInputError
 from parity_checks import load_tiny_adapter, parse
-from step_cache_checks import (STEPS, cached_inputs, check_pause_resume_and_abort, check_rows_decide_alone,
-                               check_shared_batch, check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into,
-                               with_options)
+from step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge, check_pause_resume_and_abort,
+                               check_rows_decide_alone, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
+                               lora_runner, rows_into, with_options)
 
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
 # the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.
@@ -102,3 +102,9 @@ def test_rows_that_compute_alone_keep_their_own_lora(lora_adapter, tail_rows, si
                 "b": cached(0.3, seed=4, lora_name="toy_b", **({"height": 32} if sizes != "one_size" else {}))}
     check_shared_batch(lora_adapter, tail_rows, requests, ((0, "a"), (0, "plain"), (1, "b")))
     assert sum(tail_rows) < STEPS * len(requests)
+
+
+def test_a_decision_at_the_thresholds_edge_is_diffusers(adapter, tail_rows):
+    """Thresholds just under, at and just over the second step's measured change: it computes only under it, and
+    each run decides as diffusers' hook does (3 steps)."""
+    check_decisions_at_the_edge(adapter, tail_rows, {**BASE, "num_inference_steps": 3}, "qwen_image")
