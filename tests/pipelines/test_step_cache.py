@@ -17,7 +17,7 @@ from engine_lib.config import EngineConfig
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import InvalidInputError
-from parity_checks import load_tiny_adapter, parse
+from parity_checks import load_tiny_adapter, parse, solo_steps
 from step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge, check_pause_resume_and_abort,
                                check_rows_decide_alone, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
                                lora_runner, rows_into, with_options)
@@ -108,3 +108,16 @@ def test_a_decision_at_the_thresholds_edge_is_diffusers(adapter, tail_rows):
     """Thresholds just under, at and just over the second step's measured change: it computes only under it, and
     each run decides as diffusers' hook does (3 steps)."""
     check_decisions_at_the_edge(adapter, tail_rows, {**BASE, "num_inference_steps": 3}, "qwen_image")
+
+
+def test_the_metrics_count_decisions_not_rows(adapter, tail_rows):
+    """num_images 2 with true CFG in one forward: 4 rows, 2 decisions (one per branch) per step. The adapter's
+    counts (diffusion_cache_steps_total's source) add up to those decisions, and each computing one sends its 2
+    rows through the last block."""
+    inputs = cached(0.5, num_images=2, negative_prompt="bad quality", true_cfg_scale=4.0)
+    before = adapter.counters()
+    solo_steps(adapter, inputs)
+    computed, reused = (adapter.counters()[k] - before[k] for k in ("cache_steps_computed", "cache_steps_reused"))
+    print(f"qwen_image num_images 2, true CFG: {computed} decisions computed, {reused} reused")
+    assert computed + reused == 2 * STEPS and reused >= 1
+    assert sum(tail_rows) == 2 * computed
