@@ -317,7 +317,7 @@ def refuse_levers(adapter_cls: Any, levers: Levers, world_size: int = 1) -> None
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
     if world_size > 1:
-        raise ConfigError(f"parameter '{changed[0]}': not with several ranks yet (each rank loads its own copy of "
+        raise ConfigError(f"parameter '{changed[0]}': does not run with several ranks (each rank loads its own copy of "
                           "the model without the levers); set it to its default or run one rank")
 
 

@@ -84,7 +84,7 @@ def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
         load("bagel", compile="regional")
     with pytest.raises(ConfigError, match="parameter 'compile': full .* use compile=regional"):
         load(compile="full", compile_backend="eager")
-    with pytest.raises(ConfigError, match="parameter 'quantization': not with several ranks yet"):
+    with pytest.raises(ConfigError, match="parameter 'quantization': does not run with several ranks"):
         load(quantization="int8_weight_only", cfg_parallel=True)
 
 
