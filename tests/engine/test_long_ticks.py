@@ -3,7 +3,8 @@ cancelled, and a tick shared with a request still wanted runs on for it.
 
 The engine runs a test double whose denoise forward is 40 blocks (identity modules in a ModuleList, as a
 transformer's blocks are), made slow by `SlowPrompt` (engine_lib/testing.py): one forward of a slow request
-takes 20 s, so a request that ends within 2 s of its cancel was stopped inside its tick.
+takes 20 s, so a request that ends within 2 s of its cancel was stopped inside its tick. A forward hook on each
+block counts the blocks that ran, so a stop that skips the boundary hook but lets the blocks run is seen.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class Blocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = torch.nn.ModuleList(torch.nn.Identity() for _ in range(BLOCKS))
+        self.ran = 0  # blocks that ran (a forward hook counts each block's forward that completed)
+        for block in self.blocks:
+            block.register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        self.ran += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -90,6 +97,10 @@ def engine(before_block=None, tick_gate=None, **config) -> DiffusionEngine:
                            hooks=EngineHooks(tick_gate=tick_gate, before_block=before_block))
 
 
+def blocks_run(eng: DiffusionEngine) -> int:
+    return eng.runner.adapter.pipe.transformer.ran
+
+
 def wait_for(predicate, timeout=10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -103,12 +114,13 @@ def test_a_cancel_stops_a_20_s_tick_within_2_s_and_the_next_request_is_served():
     try:
         stream = eng.add_request("long", {"prompt": "slow", "num_inference_steps": 1})
         wait_for(lambda: slow.blocks >= 2)  # inside the forward
-        cancelled_at = time.monotonic()
+        cancelled_at, ran = time.monotonic(), blocks_run(eng)
         eng.abort(["long"])
         final = stream.result(timeout=5)
         assert time.monotonic() - cancelled_at < 2.0
         assert isinstance(final.error, RequestCancelledError)
         assert slow.blocks < 8, "the forward ran on after the cancel"
+        assert blocks_run(eng) - ran <= 1, "blocks ran after the cancel"
         after = eng.add_request("next", {"prompt": "quick", "num_inference_steps": 2}).result(timeout=10)
         assert after.error is None and after.outputs["steps"][0] == 2
         stats = eng.stats()
@@ -143,7 +155,7 @@ class AbortAtBlock:
 
 def run_two(abort_ids: list[str]):
     """Two 2-step requests sharing every forward (step mode), the first tick's forward aborting `abort_ids` at
-    its 5th block: (their finals by id, block boundaries run)."""
+    its 5th block: (their finals by id, block boundaries passed, blocks that ran)."""
     hook, go = AbortAtBlock(5, abort_ids), threading.Event()
     eng = engine(before_block=hook, tick_gate=go.is_set, step_execution=True, max_num_seqs=2)
     hook.engine = eng
@@ -152,22 +164,22 @@ def run_two(abort_ids: list[str]):
         go.set()
         finals = {rid: stream.result(timeout=30) for rid, stream in streams.items()}
         wait_for(lambda: eng.stats().num_runner_states == 0)
-        return finals, hook.blocks
+        return finals, hook.blocks, blocks_run(eng)
     finally:
         eng.close()
 
 
 def test_a_partly_cancelled_forward_runs_on_for_the_others():
-    finals, blocks = run_two(["a"])
+    finals, boundaries, ran = run_two(["a"])
     assert isinstance(finals["a"].error, RequestCancelledError)
     assert finals["b"].error is None and finals["b"].outputs["steps"][0] == 2
-    assert blocks == 2 * BLOCKS  # both of b's forwards ran whole (the first one with a in it)
+    assert boundaries == ran == 2 * BLOCKS  # both of b's forwards ran whole (the first one with a in it)
 
 
 def test_a_forward_whose_requests_are_all_cancelled_stops_at_the_next_block():
-    finals, blocks = run_two(["a", "b"])
+    finals, boundaries, ran = run_two(["a", "b"])
     assert all(isinstance(f.error, RequestCancelledError) for f in finals.values())
-    assert blocks == 5
+    assert (boundaries, ran) == (5, 4)  # the 5th block's boundary stopped it: blocks 1-4 ran
 
 
 def test_the_hooks_of_another_runner_stay_inert():
