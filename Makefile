@@ -27,7 +27,7 @@ repository: setup  ## regenerate model_repository/<pipeline> input/output lists 
 	@$(PY) -m engine_lib.serving.repository
 
 serve: models  ## run tritonserver on the local model repository with the MODELS models (Ctrl-C stops it)
-	@MODELS='$(MODELS)' $(PY) -m engine_lib.serving.launcher serve
+	@MODELS='$(MODELS)' $(PY) -m engine_lib.serving.serve serve
 
 demo: models  ## start the server with the MODELS models, generate one image with the client, stop the server
 	@MODELS='$(MODELS)' $(PY) scripts/demo.py

@@ -29,7 +29,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from benchmarks.workloads import RequestSpec
-from engine_lib.serving.launcher import ADMIN_HEADER, hide_argument
+from engine_lib.serving.processes import hide_argument
+from engine_lib.serving.tritonserver import ADMIN_HEADER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPLANATION = (

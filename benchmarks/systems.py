@@ -83,7 +83,7 @@ def prepare_repository(system: System, model_path: Path, workdir: Path) -> Path:
 @dataclass
 class RunningSystem:
     system: System
-    server: object  # engine_lib.serving.launcher.TritonServer
+    server: object  # engine_lib.serving.tritonserver.TritonServer
     target: Target
 
     @property
@@ -96,7 +96,8 @@ class RunningSystem:
 def serve(system: System, model_path: Path, log_dir: Optional[Path] = None,
           start_timeout_s: float = 600.0) -> Iterator[RunningSystem]:
     """Start tritonserver for `system` on free loopback ports; always stopped on exit."""
-    from engine_lib.serving.launcher import TritonServer, free_port
+    from engine_lib.serving.processes import free_port
+    from engine_lib.serving.tritonserver import TritonServer
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{system.name}-") as tmp:
         repository = prepare_repository(system, model_path, Path(tmp))

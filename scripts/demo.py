@@ -18,14 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine_lib.serving.launcher import (
-    DEFAULT_MODELS,
-    MODELS_ENV,
-    TritonServer,
-    TritonServerError,
-    repository_models,
-    select_models,
-)
+from engine_lib.serving.processes import TritonServerError
+from engine_lib.serving.serve import DEFAULT_MODELS, MODELS_ENV, repository_models, select_models
+from engine_lib.serving.tritonserver import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 
-from engine_lib.serving.launcher import REPO_ROOT, free_port
+from engine_lib.serving.processes import REPO_ROOT, free_port
 
 warnings.filterwarnings("ignore", "The Sora API")  # the SDK's own deprecation of videos
 
@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", "The Sora API")  # the SDK's own deprecation o
 def launch(work: Path, tag: str, ports: list[int]) -> subprocess.Popen:
     env = {**os.environ, "MODELS": "ltx2", "DIFFUSION_DATA_DIR": str(work / "data"), "OPENAI_API_KEY": ""}
     return subprocess.Popen(
-        [sys.executable, "-m", "engine_lib.serving.launcher", "serve", f"--http-port={ports[0]}",
+        [sys.executable, "-m", "engine_lib.serving.serve", "serve", f"--http-port={ports[0]}",
          f"--grpc-port={ports[1]}", f"--metrics-port={ports[2]}", f"--openai-port={ports[3]}",
          f"--log-file={work / f'triton-{tag}.log'}"],
         env=env, stdout=open(work / f"launcher-{tag}.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,

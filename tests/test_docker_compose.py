@@ -66,7 +66,7 @@ def test_built_from_the_project_dockerfile(service):
 
 def test_runs_the_supervising_launcher_on_the_mounted_model_repository(service):
     command = _command(service)
-    assert command[:4] == ["python3", "-m", "engine_lib.serving.launcher", "serve"]
+    assert command[:4] == ["python3", "-m", "engine_lib.serving.serve", "serve"]
     repo_args = [a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")]
     assert repo_args, "tritonserver needs --model-repository"
     mounts = _volumes(service)
@@ -75,7 +75,7 @@ def test_runs_the_supervising_launcher_on_the_mounted_model_repository(service):
 
 
 def test_python_backend_shared_memory_fits_in_shm_size(service):
-    from engine_lib.serving.launcher import DEFAULT_SHM_BYTES, TritonServer
+    from engine_lib.serving.tritonserver import DEFAULT_SHM_BYTES, TritonServer
 
     command = TritonServer(Path("/models")).command(Path("/backends"))
     assert f"--backend-config=python,shm-default-byte-size={DEFAULT_SHM_BYTES}" in command
@@ -100,7 +100,8 @@ def test_loads_only_the_chosen_model(service):
 
 def test_the_default_model_is_the_launchers(service):
     """Compose, the Dockerfile's CMD and `make serve` load the same model unless told otherwise."""
-    from engine_lib.serving.launcher import DEFAULT_MODEL_REPOSITORY, DEFAULT_MODELS, select_models
+    from engine_lib.serving.serve import DEFAULT_MODELS, select_models
+    from engine_lib.serving.tritonserver import DEFAULT_MODEL_REPOSITORY
 
     [load] = [a for a in _command(service) if a.startswith("--load-model=")]
     default = re.fullmatch(r"--load-model=\$\{TRITON_LOAD_MODEL:-([^}]+)\}", load)
@@ -137,7 +138,7 @@ def test_publishes_only_what_one_request_cannot_crash(service):
 
 def test_healthcheck_asks_for_readiness(service):
     check = service["healthcheck"]
-    assert check["test"] == ["CMD", "python3", "-m", "engine_lib.serving.launcher", "ready"], \
+    assert check["test"] == ["CMD", "python3", "-m", "engine_lib.serving.serve", "ready"], \
         "every public port serves, not only tritonserver's (tests/serving/test_supervision.py)"
     assert _seconds(check["start_period"]) >= 300, "weights take minutes to load; do not mark unhealthy early"
 
@@ -148,7 +149,7 @@ def test_stop_grace_period_covers_the_drain(service):
 
 
 def test_listening_on_every_interface_is_an_explicit_opt_in(service):
-    from engine_lib.serving.launcher import DEFAULT_ADDRESS
+    from engine_lib.serving.processes import DEFAULT_ADDRESS
 
     assert DEFAULT_ADDRESS == "127.0.0.1", "the launcher alone exposes nothing"
     assert service["environment"]["TRITON_ADDRESS"] == "0.0.0.0"

@@ -37,7 +37,7 @@ its exit timeout expires, or it tears its stubs down under them and crashes.
     GRPC_MAX_MESSAGE_BYTES=16777216 python -m engine_lib.serving.grpc_gate --listen 0.0.0.0:8001 \
         --upstream 127.0.0.1:18001
 
-The launcher (launcher.py, `GrpcGate`) runs it; see docs/serving.md, Security.
+The launcher (serve.py, with processes.GrpcGate) runs it; see docs/serving.md, Security.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ from engine_lib.request import EngineUnavailableError
 from engine_lib.serving.sender import error_message
 
 MAX_MESSAGE_ENV = "GRPC_MAX_MESSAGE_BYTES"
-READY_FD_ENV = "GRPC_GATE_READY_FD"  # a pipe the gate writes "ready" to once it listens (launcher.GrpcGate)
+READY_FD_ENV = "GRPC_GATE_READY_FD"  # a pipe the gate writes "ready" to once it listens (processes.GrpcGate)
 # A request is a prompt and a few numbers (kilobytes; no model takes an image or a tensor input),
 # so 16 MiB is a thousand times any real one, and a quarter of the stub's first shared-memory
-# region (launcher.DEFAULT_SHM_BYTES, 64 MiB): requests the gate lets through never make it grow.
+# region (tritonserver.DEFAULT_SHM_BYTES, 64 MiB): requests the gate lets through never make it grow.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_UNSENT_ENV = "GRPC_MAX_UNSENT_BYTES"
 # Per stream: two 1024x1024 raw previews of one image (3 MiB each) fit; one larger response still goes out

@@ -36,7 +36,7 @@ GAUGES = {
     "num_rank_states": ("diffusion_rank_states", "Request states the parallel workers hold, all ranks (counted when the "
                         "engine goes idle and every second while it runs; 0 without workers)"),
     "workers_down": ("diffusion_parallel_workers_down", "1 while the model's parallel worker group is broken (a rank "
-                     "died or sent no heartbeat), until it restarts; 0 without workers; `launcher ready` says not "
+                     "died or sent no heartbeat), until it restarts; 0 without workers; `serve ready` says not "
                      "ready meanwhile"),
 }
 HISTOGRAMS = {

@@ -10,7 +10,7 @@ The stubs are watched from the server's start, not from its readiness: tritonser
 ports only once every model has loaded, and a stub killed before then (its model loaded, another
 still loading) leaves a model that says ready and never answers. A stub that goes (a zombie or
 reaped: tritonserver reaps some killed stubs itself) is dead once its model has loaded, as the
-server's log says (launcher.TritonServer._copy_log; its instance start lines also name the stubs
+server's log says (tritonserver.TritonServer._copy_log; its instance start lines also name the stubs
 a look may have missed); a stub of a model still loading that goes is a failed load, which tritonserver
 turns into a failed start (exit 1), as is any stub that goes once a load has failed.
 
@@ -35,7 +35,9 @@ import re
 import threading
 import time
 import urllib.request
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
+
+from engine_lib.serving.tritonserver import TritonServer
 
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 HEALTHY_AFTER_S = 60.0  # a server up this long resets the backoff
@@ -93,8 +95,7 @@ class Backoff:
 
 
 class Supervisor:
-    """Runs servers made by `make_server(restarts)` (launcher.TritonServer objects; not imported:
-    the launcher imports this module) until `stop` is set.
+    """Runs servers made by `make_server(restarts)` until `stop` is set.
 
     `on_ready(server)` runs once each server is ready (the launcher prints its
     addresses); `on_stopping(server)` once a signal from outside starts a server's shutdown
@@ -103,11 +104,11 @@ class Supervisor:
     start that fails, which is a configuration error, not a crash, and is not retried).
     """
 
-    def __init__(self, make_server: Callable[[int], Any], stop: threading.Event,
-                 on_ready: Callable[[Any], None] = lambda server: None,
+    def __init__(self, make_server: Callable[[int], TritonServer], stop: threading.Event,
+                 on_ready: Callable[[TritonServer], None] = lambda server: None,
                  log: Callable[[str], None] = lambda line: print(line, flush=True),
                  start_timeout_s: float = 600.0, stub_drain_s: float = 10.0, poll_s: float = 0.2,
-                 on_stopping: Callable[[Any], None] = lambda server: None, clock: Callable[[], float] = time.monotonic):
+                 on_stopping: Callable[[TritonServer], None] = lambda server: None, clock: Callable[[], float] = time.monotonic):
         self.make_server = make_server
         self.stop = stop
         self.on_ready = on_ready
@@ -118,7 +119,7 @@ class Supervisor:
         self.stub_drain_s = stub_drain_s
         self.poll_s = poll_s
         self.restarts = 0
-        self.server: Any = None
+        self.server: Optional[TritonServer] = None
         self.ready_at: Optional[float] = None  # when the current server became ready (None: not yet)
         self.backoff = Backoff(clock)
 
@@ -128,7 +129,7 @@ class Supervisor:
             try:
                 server.start(timeout_s=self.start_timeout_s, wait=False)
                 death = self._watch(server)
-            except Exception as exc:  # noqa: BLE001 - launcher.TritonServerError, or the server could not be made
+            except Exception as exc:  # noqa: BLE001 - TritonServerError, or the server could not be made
                 server.cleanup()
                 if self.restarts == 0:
                     self.log(f"launcher: {exc}")
@@ -160,7 +161,7 @@ class Supervisor:
             self.stop.wait(pause)
         return 0
 
-    def _watch(self, server: Any) -> Optional[tuple[str, str]]:
+    def _watch(self, server: TritonServer) -> Optional[tuple[str, str]]:
         """Watch a server from its start until a stop is requested (None) or something dies: (what died, as a log
         phrase; the dead stub's instance, "" when the server died). Runs `on_ready` once the server is ready; a
         start that fails raises (server.check_ready)."""
@@ -199,13 +200,13 @@ class Supervisor:
             known = stubs
         return None
 
-    def _load_failed(self, server: Any) -> bool:
+    def _load_failed(self, server: TritonServer) -> bool:
         """Whether a start is failing: a load failed, so tritonserver unloads the loaded models and exits. The log
-        says so before the unload begins; one more poll gives its copy (launcher._copy_log) time to read it."""
+        says so before the unload begins; one more poll gives its copy (TritonServer._copy_log) time to read it."""
         self.stop.wait(self.poll_s)
         return server.load_failed or not server.is_running()
 
-    def _drain(self, server: Any, dead_instance: str) -> float:
+    def _drain(self, server: TritonServer, dead_instance: str) -> float:
         """SIGTERM the server and wait, up to `stub_drain_s`, until no model but the dead one holds a request
         (in_flight reads 0 for DRAINED_FOR_S) or the server exits; the seconds it took. Unreadable metrics: the
         full wait."""

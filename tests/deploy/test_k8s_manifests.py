@@ -188,7 +188,7 @@ def _probe_url(container: dict, probe: str) -> str:
 def test_readiness_and_startup_probe_ask_every_port(container, probe):
     """The launcher's `ready` (every public port serves; tests/serving/test_supervision.py), with the time its
     three checks of at most 2 s each may take."""
-    assert container[probe]["exec"]["command"] == ["python3", "-m", "engine_lib.serving.launcher", "ready"]
+    assert container[probe]["exec"]["command"] == ["python3", "-m", "engine_lib.serving.serve", "ready"]
     assert container[probe]["timeoutSeconds"] >= 6
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.launcher import REPO_ROOT, TritonServer, free_port, proc_stat
+from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
+from engine_lib.serving.tritonserver import TritonServer
 from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 from tests.early_servers import serve_early, starts_early, take_early

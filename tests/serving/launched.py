@@ -1,4 +1,4 @@
-"""`python -m engine_lib.serving.launcher serve` as a test fixture: the whole served stack (supervisor,
+"""`python -m engine_lib.serving.serve serve` as a test fixture: the whole served stack (supervisor,
 tritonserver, front door) on free loopback ports, serving the qwen_image tiny model.
 
 `Launcher` is started by a module (tests/serving/test_supervision.py, which kills and stops its own) or
@@ -38,7 +38,7 @@ SECURED_ENV = {"TRITON_ADMIN_KEY": ADMIN_KEY, "DIFFUSION_PRIORITY_KEY": PRIORITY
 
 
 class Launcher:
-    """`python -m engine_lib.serving.launcher serve` on loopback ports, as `make serve` runs it."""
+    """`python -m engine_lib.serving.serve serve` on loopback ports, as `make serve` runs it."""
 
     def __init__(self, tmp: Path, model_dir: str, env: Optional[dict[str, str]] = None):
         self.budget = TickBudget(tmp / "tick_budget")
@@ -48,7 +48,7 @@ class Launcher:
         inherited = {k: v for k, v in os.environ.items() if k not in ("TRITON_ADDRESS", "TRITON_ADMIN_KEY", "MODELS")}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "engine_lib.serving.launcher", "serve", f"--model-repository={self.repo}",
+                [sys.executable, "-m", "engine_lib.serving.serve", "serve", f"--model-repository={self.repo}",
                  f"--http-port={self.http}", f"--grpc-port={self.grpc}", f"--metrics-port={self.metrics}",
                  f"--openai-port={self.front}", f"--log-file={tmp / 'tritonserver.log'}", "--stub-drain=3"],
                 env={**inherited, "OPENAI_API_KEY": "",
@@ -66,7 +66,7 @@ class Launcher:
 
     @property
     def environ(self) -> dict[str, str]:
-        """The port variables a probe in its environment reads (`launcher ready`)."""
+        """The port variables a probe in its environment reads (`serve ready`)."""
         return {"HTTP_PORT": str(self.http), "GRPC_PORT": str(self.grpc), "OPENAI_PORT": str(self.front),
                 "METRICS_PORT": str(self.metrics)}
 
@@ -130,7 +130,7 @@ class Launcher:
         return Path("/dev/shm", self.stub()[1]).stat().st_size
 
     def kill(self) -> None:
-        """SIGKILL the launcher: its servers die with it, and their reapers (launcher.start_reaper) kill their
+        """SIGKILL the launcher: its servers die with it, and their reapers (processes.start_reaper) kill their
         stubs and remove their shared memory. Whatever is still there 10 s later is removed here, so that
         a failing reaper fails its test (the last one in this module) rather than leaving stubs behind."""
         if self.process.poll() is None:

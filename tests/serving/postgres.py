@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
-from engine_lib.serving.launcher import free_port
+from engine_lib.serving.processes import free_port
 
 
 def postgres_bin() -> Optional[Path]:

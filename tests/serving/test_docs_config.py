@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX, EngineConfig
-from engine_lib.serving.launcher import REPO_ROOT
+from engine_lib.serving.processes import REPO_ROOT
 
 ROW = re.compile(r"^\|\s*`([a-z_]+)`\s*\|\s*`([^`]*)`\s*\|")
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from engine_lib.serving.launcher import free_port
+from engine_lib.serving.processes import free_port
 from engine_lib.serving.openai_api.http_limits import HeaderTimeoutProtocol
 
 HEADER_TIMEOUT_S = 0.5

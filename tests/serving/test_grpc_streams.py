@@ -21,7 +21,7 @@ import grpc
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S
+from engine_lib.serving.serve import GATE_DRAIN_MARGIN_S
 
 from .conftest import module_launcher, running
 from .launched import MODEL, command_lines, raw_post, rss_bytes

@@ -16,18 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving import launcher
-from engine_lib.serving.launcher import (
-    DEFAULT_MODEL_REPOSITORY,
-    REPO_ROOT,
-    TritonServer,
-    TritonServerError,
-    find_pytriton_dist,
-    prepare_backend_dir,
-    repository_models,
-    select_models,
-    server_env,
-)
+from engine_lib.serving import serve
+from engine_lib.serving.processes import REPO_ROOT, TritonServerError
+from engine_lib.serving.serve import repository_models, select_models
+from engine_lib.serving.tritonserver import DEFAULT_MODEL_REPOSITORY, TritonServer
+from engine_lib.serving.wheel import find_pytriton_dist, prepare_backend_dir, server_env
 
 from .conftest import free_port, running, write_repository
 
@@ -114,7 +107,7 @@ def test_cli_serves_until_interrupted(tmp_path):
     ports = [str(free_port()) for _ in range(4)]
     env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=ports[0], GRPC_PORT=ports[1],
                METRICS_PORT=ports[2], OPENAI_PORT=ports[3], MODELS="all")  # the empty repository has no qwen_image
-    cli = subprocess.Popen([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address", "127.0.0.1",
+    cli = subprocess.Popen([sys.executable, "-m", "engine_lib.serving.serve", "serve", "--address", "127.0.0.1",
                             "--log-file", str(tmp_path / "cli.log")],
                            env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -148,7 +141,7 @@ def test_cli_fails_when_the_openai_front_door_cannot_start(tmp_path):
         env = dict(os.environ, MODEL_REPOSITORY=str(tmp_path / "repo"), HTTP_PORT=str(free_port()),
                    GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
                    OPENAI_PORT=str(taken.getsockname()[1]), MODELS="all")
-        cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve", "--address",
+        cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.serve", "serve", "--address",
                               "127.0.0.1", "--log-file", str(tmp_path / "cli.log")],
                              env=env, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 1
@@ -213,8 +206,6 @@ def test_an_unknown_model_is_refused_naming_the_known_ones():
 def test_serve_loads_what_models_or_load_model_name(monkeypatch, capsys, argv, env, loaded):
     """`make serve MODELS=...`: the launcher's tritonserver command line loads exactly those models (explicit
     model control); the supervisor is replaced by one that only builds the server."""
-    from engine_lib.serving import supervisor  # noqa: PLC0415
-
     commands = []
 
     class OneServer:
@@ -225,15 +216,15 @@ def test_serve_loads_what_models_or_load_model_name(monkeypatch, capsys, argv, e
             commands.append(self.make_server(0).command(Path("/backends")))
             return 0
 
-    monkeypatch.setattr(supervisor, "Supervisor", OneServer)
-    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
+    monkeypatch.setattr(serve, "Supervisor", OneServer)
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
     monkeypatch.delenv("MODEL_REPOSITORY", raising=False)
     monkeypatch.delenv("TRITON_ADDRESS", raising=False)
     if env is None:
         monkeypatch.delenv("MODELS", raising=False)
     else:
         monkeypatch.setenv("MODELS", env)
-    assert launcher.serve(["serve", "--openai-port=0", *argv]) == 0
+    assert serve.serve(["serve", "--openai-port=0", *argv]) == 0
     [command] = commands
     assert "--model-control-mode=explicit" in command
     assert [a.split("=", 1)[1] for a in command if a.startswith("--load-model=")] == loaded
@@ -244,7 +235,7 @@ def test_serve_loads_what_models_or_load_model_name(monkeypatch, capsys, argv, e
 def test_serve_refuses_an_unknown_model_before_starting_anything(tmp_path):
     env = dict(os.environ, MODELS="qwen_image,fluxx", TRITON_ADDRESS="127.0.0.1")
     env.pop("MODEL_REPOSITORY", None)
-    cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "serve"], env=env,
+    cli = subprocess.run([sys.executable, "-m", "engine_lib.serving.serve", "serve"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2
     assert "unknown model fluxx" in cli.stderr and f"known: {', '.join(SHIPPED)}, or all" in cli.stderr, cli.stderr
@@ -259,7 +250,7 @@ def test_a_reaper_ends_its_group_when_its_owner_is_killed(tmp_path, forks):
     prefix = f"reaper-test-{os.getpid()}-{forks}-"
     script = textwrap.dedent(f"""
         import os, signal, subprocess, time
-        from engine_lib.serving.launcher import start_reaper
+        from engine_lib.serving.processes import start_reaper
         group = subprocess.Popen(["sleep", "60"], start_new_session=True, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
         open("/dev/shm/{prefix}region", "w").close()

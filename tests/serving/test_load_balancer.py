@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.launcher import REPO_ROOT
+from engine_lib.serving.processes import REPO_ROOT
 
 from .conftest import free_port, module_server
 from .streaming import RequestStream, close_all, metric, post_json, scrape, sse_events

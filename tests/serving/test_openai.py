@@ -26,7 +26,7 @@ import openai
 import pytest
 from PIL import Image
 
-from engine_lib.serving.launcher import OpenAIFrontDoor
+from engine_lib.serving.processes import OpenAIFrontDoor
 
 from .conftest import free_port, module_server
 from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
@@ -239,7 +239,7 @@ def test_triton_not_there_is_a_503(tmp_path):
 
 
 def test_a_front_door_that_cannot_start_fails_with_its_output(triton, tmp_path):
-    from engine_lib.serving.launcher import TritonServerError
+    from engine_lib.serving.processes import TritonServerError
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

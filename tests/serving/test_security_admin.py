@@ -14,7 +14,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from engine_lib.serving.launcher import ADMIN_HEADER, proc_stat
+from engine_lib.serving.processes import proc_stat
+from engine_lib.serving.tritonserver import ADMIN_HEADER
 
 from .launched import ADMIN_KEY, MODEL
 from .streaming import RequestStream, make_inputs, run_request

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from engine_lib.serving import launcher
+from engine_lib.serving import serve
 from engine_lib.serving.grpc_gate import DEFAULT_MAX_MESSAGE_BYTES
 
 from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines, rss_bytes
@@ -158,10 +158,8 @@ class _Child:
 
 
 def _serve(monkeypatch, env: dict[str, str]):
-    """`launcher.serve()` with a supervisor that only builds the server and reports it ready; returns the
+    """`serve.serve()` with a supervisor that only builds the server and reports it ready; returns the
     server and the children (gate, front door) the launcher made."""
-    from engine_lib.serving import supervisor  # noqa: PLC0415
-
     servers = []
 
     class OneServer:
@@ -174,16 +172,16 @@ def _serve(monkeypatch, env: dict[str, str]):
             self.stop.set()
             return 0
 
-    monkeypatch.setattr(supervisor, "Supervisor", OneServer)
-    monkeypatch.setattr(launcher, "GrpcGate", type("Gate", (_Child,), {}))
-    monkeypatch.setattr(launcher, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
-    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
+    monkeypatch.setattr(serve, "Supervisor", OneServer)
+    monkeypatch.setattr(serve, "GrpcGate", type("Gate", (_Child,), {}))
+    monkeypatch.setattr(serve, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # leave pytest's handlers alone
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     _Child.made = []
-    assert launcher.serve(["serve"]) == 0
+    assert serve.serve(["serve"]) == 0
     return servers[0], {type(child).__name__: child for child in _Child.made}
 
 
@@ -228,11 +226,11 @@ def test_the_priority_key_is_random_per_launch_and_given_by_environment(monkeypa
 
 @pytest.mark.parametrize("value", ["-1", "16MB", str(2**31)])
 def test_a_bad_limit_stops_the_launcher_before_it_starts_anything(monkeypatch, capsys, value):
-    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GRPC_MAX_MESSAGE_BYTES", value)
-    assert launcher.serve(["serve"]) == 2
+    assert serve.serve(["serve"]) == 2
     assert f"GRPC_MAX_MESSAGE_BYTES must be 0 (no gate) or a number of bytes below 2^31, got {value!r}" in \
         capsys.readouterr().err
 
@@ -250,10 +248,8 @@ def test_a_gate_that_exits_is_started_again_and_one_that_cannot_start_stops_the_
         def start(self):
             DeadGate.starts += 1
             if DeadGate.starts > 1:
-                raise launcher.TritonServerError("the gRPC gate exited with code 1 on port 1")
+                raise serve.TritonServerError("the gRPC gate exited with code 1 on port 1")
             return self
-
-    from engine_lib.serving import supervisor  # noqa: PLC0415
 
     class WaitingServer:
         def __init__(self, make_server, stop, on_ready, **kwargs):
@@ -264,13 +260,13 @@ def test_a_gate_that_exits_is_started_again_and_one_that_cannot_start_stops_the_
             assert self.stop.wait(10), "the launcher did not notice"
             return 0
 
-    monkeypatch.setattr(supervisor, "Supervisor", WaitingServer)
-    monkeypatch.setattr(launcher, "GrpcGate", DeadGate)
-    monkeypatch.setattr(launcher, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
-    monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(serve, "Supervisor", WaitingServer)
+    monkeypatch.setattr(serve, "GrpcGate", DeadGate)
+    monkeypatch.setattr(serve, "OpenAIFrontDoor", type("FrontDoor", (_Child,), {}))
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
     for name in _LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert launcher.serve(["serve"]) == 1
+    assert serve.serve(["serve"]) == 1
     captured = capsys.readouterr()
     assert "launcher: the gRPC gate exited (code -9); restarting it" in captured.out
     assert "launcher: the gRPC gate did not start again" in captured.err and DeadGate.starts == 2
@@ -281,8 +277,8 @@ def test_a_gate_that_cannot_listen_fails_its_start(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        gate = launcher.GrpcGate("127.0.0.1:1", "127.0.0.1", taken.getsockname()[1], 1 << 20,
+        gate = serve.GrpcGate("127.0.0.1:1", "127.0.0.1", taken.getsockname()[1], 1 << 20,
                                  log_path=tmp_path / "gate.log")
-        with pytest.raises(launcher.TritonServerError, match="the gRPC gate exited with code 1") as info:
+        with pytest.raises(serve.TritonServerError, match="the gRPC gate exited with code 1") as info:
             gate.start(timeout_s=30)
     assert f"grpc gate: Failed to bind to address 127.0.0.1:{gate.port}" in str(info.value)

@@ -29,7 +29,8 @@ import tritonclient.grpc as grpcclient
 
 from client.grpc_transport import stop_stream
 from engine_lib.serving import supervisor
-from engine_lib.serving.launcher import GATE_DRAIN_MARGIN_S, proc_stat, unready_ports
+from engine_lib.serving.processes import proc_stat
+from engine_lib.serving.serve import GATE_DRAIN_MARGIN_S, unready_ports
 from engine_lib.serving.supervisor import Backoff, Supervisor, in_flight
 
 from .conftest import free_port, model_path, module_launcher, running
@@ -75,10 +76,10 @@ def test_ports_listen_on_loopback_only(launcher):
 
 
 def test_readiness_asks_every_public_port(launcher):
-    """The probes' readiness (`launcher ready`): tritonserver ready, the gate's port and the front door's
+    """The probes' readiness (`serve ready`): tritonserver ready, the gate's port and the front door's
     /health (200 only while tritonserver is ready through the gate)."""
     assert unready_ports(launcher.environ) == []
-    probe = subprocess.run([sys.executable, "-m", "engine_lib.serving.launcher", "ready"], capture_output=True,
+    probe = subprocess.run([sys.executable, "-m", "engine_lib.serving.serve", "ready"], capture_output=True,
                            text=True, timeout=60, env={**os.environ, **launcher.environ})
     assert (probe.returncode, probe.stdout) == (0, "ready\n"), probe
     elsewhere = {**launcher.environ, "GRPC_PORT": str(free_port())}
@@ -353,7 +354,7 @@ def test_sigterm_with_cancelled_streams_keep_alive_connections_and_running_reque
 def test_a_launcher_killed_with_sigkill_leaves_no_hung_stub_behind(tmp_path, request):
     """`kill -9` of the launcher while its stub hangs (stopped here with SIGSTOP, as the deadlocked stubs
     we have seen after a dead server): the server, the stub and their shared memory are gone within
-    seconds (launcher.start_reaper), not left holding memory forever. The stub is a small Python model's
+    seconds (processes.start_reaper), not left holding memory forever. The stub is a small Python model's
     (GATED_MODEL, its gate open), which loads in a second where the tiny pipeline's takes ten."""
     write_gated_models(tmp_path, echo=tmp_path)
     launched = Launcher(tmp_path, model_path(request), env={"MODELS": "echo"})

@@ -129,7 +129,7 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys(), store: Op
     @app.get("/health")
     async def health(request: Request) -> dict:
         """Ready: the front door serves and so does Triton through it (the gate, every model loaded); else 503,
-        as /v1/models answers then. The probes' readiness (launcher `ready`) asks this."""
+        as /v1/models answers then. The probes' readiness (`serve ready`) asks this."""
         if not await request.app.state.gateway.server_ready():
             raise OpenAIError(503, f"Triton at {request.app.state.gateway.url} is not ready", code="unavailable",
                               type_="server_error")

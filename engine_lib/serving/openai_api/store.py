@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from engine_lib.serving.launcher import REPO_ROOT
+from engine_lib.serving.processes import REPO_ROOT
 
 HEARTBEAT_S = 5.0
 STALE_S = 20.0
