@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 from engine_lib.serving.grpc_gate import max_message_bytes
 from engine_lib.serving.processes import (DEFAULT_ADDRESS, ChildProcess, GrpcGate, OpenAIFrontDoor, TritonServerError,
@@ -78,6 +78,7 @@ def select_models(value: Optional[str | Sequence[str]], repository: os.PathLike 
 
 
 GATE, FRONT_DOOR = "the gRPC gate", "the front door"  # as the launcher's log names them
+Child = TypeVar("Child", bound=ChildProcess)
 
 
 class Children:
@@ -91,7 +92,7 @@ class Children:
         self.failed = threading.Event()  # one of them could not start (again)
         self.stopped = threading.Event()  # they are stopped: the threads that restarted them may end
 
-    def start(self, name: str, make: Callable[[], ChildProcess]) -> Optional[ChildProcess]:
+    def start(self, name: str, make: Callable[[], Child]) -> Optional[Child]:
         """The child `make` builds, started and watched; None (and the launcher stops) when it cannot start."""
         try:
             child = make().start()
