@@ -243,7 +243,8 @@ def _modules(pipe: Any) -> dict[str, Any]:
 
 
 def _set_attention(pipe: Any, device: Any, backend: str) -> None:
-    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+    from diffusers.models.attention_dispatch import (AttentionBackendName, _AttentionBackendRegistry,
+                                                     _check_attention_backend_requirements)
 
     names = [b.value for b in AttentionBackendName]
     if backend not in names:
@@ -263,8 +264,15 @@ def _set_attention(pipe: Any, device: Any, backend: str) -> None:
     if not targets:
         raise ConfigError(f"parameter 'attention_backend': this pipeline's models do not use diffusers' attention "
                           "dispatcher")
-    for module in targets:
-        module.set_attention_backend(backend)
+    # diffusers' set_attention_backend also makes the backend the process-wide default, which every other model
+    # of the process (a test run, several pipelines in one process) would then take; this model's processors
+    # keep their own, so the default goes back to what it was.
+    default, _ = _AttentionBackendRegistry.get_active_backend()
+    try:
+        for module in targets:
+            module.set_attention_backend(backend)
+    finally:
+        _AttentionBackendRegistry.set_active_backend(default)
 
 
 def _compile(pipe: Any, levers: Levers) -> CompileCounter:

@@ -128,7 +128,14 @@ def test_regional_compile_keeps_the_images_of_every_flow_match_pipeline(pipeline
 
 # -- attention, offload, tiling --------------------------------------------------------------------
 def test_an_attention_backend_this_cpu_has_gives_the_same_images_and_a_missing_kernel_is_refused():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default, _ = _AttentionBackendRegistry.get_active_backend()
     eager, native_math = load(), load(attention_backend="_native_math")
+    backends = {getattr(m.processor, "_attention_backend", None) for m in native_math.pipe.transformer.modules()
+                if hasattr(m, "processor")}
+    assert backends == {"_native_math"}, backends  # every attention of this model runs the backend asked for
+    assert _AttentionBackendRegistry.get_active_backend()[0] == default  # and no other model of the process does
     p = inputs(eager)
     assert levels(solo_steps(native_math, p), solo_steps(eager, p)) <= 1
     with pytest.raises(ConfigError, match="parameter 'attention_backend': flash cannot run here: .*flash-attn"):
