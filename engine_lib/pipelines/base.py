@@ -1,4 +1,4 @@
-"""The contract between the engine's runner and a pipeline adapter (contract v2).
+"""The contract between the engine's runner and a pipeline adapter.
 
 An adapter wraps one pipeline (a diffusers pipeline loaded with `from_pretrained`,
 or our own model code) and declares its interface:
