@@ -16,5 +16,6 @@ store.py     where jobs and results (mp4s, image URLs' PNGs) outlive the process
              or PostgreSQL (JOB_STORE_URL) for replicas
 files.py     `/v1/files/{id}/content`: a stored result, behind the bearer key that made it
 watch.py     waiting for a request's responses while watching its HTTP client
+http_limits.py  connection limits a proxy would set: a connection whose headers do not complete in time is closed
 __main__.py  `python -m engine_lib.serving.openai_api --triton HOST:PORT --port 9000`
 """
