@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig, EngineMode, select_mode
-from engine_lib.parallel import WorkerError
 from engine_lib.phases import PhaseClock
 from engine_lib.request import (
     DiffusionOutput,
@@ -34,13 +33,11 @@ from engine_lib.request import (
 from engine_lib.runner import ModelRunner, TickInterrupted
 from engine_lib.sched import RunnerOutput, Scheduler, make_policy
 from engine_lib.testing import EngineHooks
+from engine_lib.worker_watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[DiffusionOutput], None]
-RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # the waits before each next try to restart a broken worker group
-WORKERS_CHECK_EVERY_S = 1.0  # an idle engine checks its parallel workers' liveness (parallel.py heartbeats) this often
-RANK_STATES_EVERY_S = 1.0  # while the engine runs, the parallel workers' request states are counted this often
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ class EngineStats:
     num_preempted: int = 0  # pauses so far
     phase_seconds: Optional[Mapping[str, float]] = None  # seconds per phase so far (engine_lib/phases.py)
     counters: Optional[Mapping[str, float]] = None  # the adapter's monotone totals (prompt cache hits, ...)
-    num_rank_states: int = 0  # request states the parallel workers hold, all ranks (counted: _count_rank_states)
+    num_rank_states: int = 0  # request states the parallel workers hold, all ranks (counted by worker_watch.py)
     workers_down: int = 0  # 1 while the parallel worker group is broken, until it restarts
 
 
@@ -124,13 +121,7 @@ class DiffusionEngine:
         self._sinks: dict[str, Sink] = {}
         self._pending_aborts: list[str] = []
         self._closed = False
-        # The engine thread's own: why the adapter's parallel worker group is down (None: up, or no group), and
-        # when it tries to start a new one.
-        self._workers_down: Optional[str] = None
-        self._restart_at = 0.0
-        self._workers_checked_at = 0.0
-        self._failed_restarts = 0
-        self._rank_states, self._rank_states_at = 0, 0.0
+        self.watch = WorkerWatch(adapter)  # the engine thread's own: the adapter's parallel workers, their restarts
         self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
         self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
@@ -286,19 +277,19 @@ class DiffusionEngine:
                                len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
                                self.scheduler.num_preempted, self.clock.totals(),
                                {**self.adapter.counters(), "frames_generated": self.runner.frames_generated},
-                               self._rank_states, int(self._workers_down is not None))
+                               self.watch.rank_states, int(self.watch.down is not None))
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._pending_aborts or self.scheduler.has_requests
-                           or self._restart_due() or self._workers_check_due()):
-                    self._cond.wait(self._idle_wait_s())
+                           or self.watch.restart_due() or self.watch.check_due()):
+                    self._cond.wait(self.watch.idle_wait_s())
                 if self._closed:
                     return
                 # idle: only the workers' liveness is due
-                check_only = not (self._pending_aborts or self.scheduler.has_requests or self._restart_due())
+                check_only = not (self._pending_aborts or self.scheduler.has_requests or self.watch.restart_due())
                 aborted = self.scheduler.abort(self._pending_aborts)
                 self._pending_aborts.clear()
                 expired = self.scheduler.expire(time.monotonic())
@@ -313,9 +304,9 @@ class DiffusionEngine:
             self._check_workers()  # (a worker that died since the last tick breaks the group here)
             if check_only:
                 continue
-            if self._restart_due():
-                self._restart_workers()
-            self._count_rank_states(idle=not has_work)
+            if self.watch.restart_due() and self.watch.restart() and self._closed:
+                self.adapter.close()  # close() came during the start and did not wait for it: stop the new workers too
+            self.watch.count_rank_states(idle=not has_work)
             if has_work and self._tick_gate is not None and not self._tick_gate():
                 with self._cond:
                     self._cond.wait(timeout=0.01)
@@ -325,7 +316,7 @@ class DiffusionEngine:
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
             self._check_workers()
-            self._count_rank_states(idle=not self.scheduler.has_requests)
+            self.watch.count_rank_states(idle=not self.scheduler.has_requests)
 
     def _tick(self) -> None:
         with self._cond:
@@ -346,8 +337,8 @@ class DiffusionEngine:
             return
         start = time.monotonic()
         try:
-            if self._workers_down is not None:  # its requests end at once, rather than wait for an unknown time
-                raise EngineUnavailableError(f"{self.adapter.name}'s parallel workers are down ({self._workers_down}); "
+            if self.watch.down is not None:  # its requests end at once, rather than wait for an unknown time
+                raise EngineUnavailableError(f"{self.adapter.name}'s parallel workers are down ({self.watch.down}); "
                                              "they restart by themselves: retry later")
             result = self.runner.execute_step(new, running, frozenset(sched_out.hold_decode_ids))
         except TickInterrupted:  # each of its requests was cancelled (their finals follow), or the engine closes
@@ -373,12 +364,11 @@ class DiffusionEngine:
     def _check_workers(self) -> None:
         """When the adapter's worker group broke (a worker died, or a call timed out), every request whose
         state the engine holds (running or paused: what the ranks held is lost) ends with one final error, and
-        the group restarts before the next tick; the requests still waiting run on the new group."""
-        workers = getattr(self.adapter, "workers", None)
-        self._workers_checked_at = time.monotonic()
-        if workers is None or self._workers_down is not None or not workers.check():
+        the group restarts before the next tick (worker_watch.py); the requests still waiting run on the new group."""
+        broken = self.watch.broke()
+        if broken is None:
             return
-        error = PipelineError(f"the model's parallel workers failed: {workers.broken}")
+        error = PipelineError(f"the model's parallel workers failed: {broken}")
         with self._cond:
             lost = self.scheduler.abort(list(self.runner.states))
         self.runner.free(list(self.runner.states))
@@ -386,52 +376,7 @@ class DiffusionEngine:
             request.status, request.error = RequestStatus.FAILED, error
             self._emit_final(request, error=error)
         logger.error("%s's parallel workers failed (%s): %d request(s) lost; restarting them", self.adapter.name,
-                     workers.broken, len(lost))
-        self._workers_down, self._restart_at = workers.broken, time.monotonic()
-        self._rank_states = 0  # (gone with the workers)
-
-    def _count_rank_states(self, idle: bool) -> None:
-        """The request states the parallel workers hold (`held_states` of every rank), for the metrics: whenever the
-        engine goes idle (0 unless one leaked) and every RANK_STATES_EVERY_S while it runs: one call to the ranks."""
-        workers = getattr(self.adapter, "workers", None)
-        now = time.monotonic()
-        if workers is None or workers.broken or not (idle or now - self._rank_states_at >= RANK_STATES_EVERY_S):
-            return
-        self._rank_states_at = now
-        try:
-            self._rank_states = sum(workers.call_all("held_states", [()] * workers.world_size))
-        except WorkerError:  # (a dead worker: _check_workers acts on it)
-            pass
-
-    def _workers_check_due(self) -> bool:
-        """Idle, a live worker group is still checked every WORKERS_CHECK_EVERY_S: a rank that died or went silent
-        breaks it (and readiness says so) before a request finds out."""
-        return (self._workers_down is None and getattr(self.adapter, "workers", None) is not None
-                and time.monotonic() - self._workers_checked_at >= WORKERS_CHECK_EVERY_S)
-
-    def _idle_wait_s(self) -> Optional[float]:
-        if self._workers_down is not None:
-            return self._restart_at - time.monotonic()
-        return WORKERS_CHECK_EVERY_S if getattr(self.adapter, "workers", None) is not None else None
-
-    def _restart_due(self) -> bool:
-        return self._workers_down is not None and time.monotonic() >= self._restart_at
-
-    def _restart_workers(self) -> None:
-        """A new worker group in place of the broken one; a start that fails is tried again after a growing wait
-        (RESTART_BACKOFF_S), and meanwhile every request that would run ends UNAVAILABLE (see _tick)."""
-        try:
-            self.adapter.restart_workers()
-        except Exception as exc:  # noqa: BLE001 - tried again later
-            wait = RESTART_BACKOFF_S[min(self._failed_restarts, len(RESTART_BACKOFF_S) - 1)]
-            self._failed_restarts += 1
-            self._workers_down, self._restart_at = f"restart failed: {exc}", time.monotonic() + wait
-            logger.error("restarting %s's parallel workers failed (%s); next try in %g s", self.adapter.name, exc, wait)
-            return
-        logger.info("%s's parallel workers restarted", self.adapter.name)
-        self._workers_down, self._failed_restarts = None, 0
-        if self._closed:  # close() came during the start and did not wait for it: stop the new workers too
-            self.adapter.close()
+                     broken, len(lost))
 
     # -- output streams --------------------------------------------------------
     def _emit(self, scheduled: list[DiffusionRequest], ended: list[DiffusionRequest], result: RunnerOutput) -> None:

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from engine_lib import engine as engine_module
+from engine_lib import worker_watch
 from engine_lib.config import INPUT_MAX, EngineConfig
 from engine_lib.engine import DiffusionEngine
 from engine_lib.parallel import WorkerError
@@ -125,7 +125,7 @@ def test_the_requests_the_group_held_end_once_and_a_waiting_one_runs_on_the_rest
 
 
 def test_while_restarts_fail_requests_end_unavailable_then_the_model_serves_again(ranks, tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_module, "RESTART_BACKOFF_S", (0.2,))
+    monkeypatch.setattr(worker_watch, "RESTART_BACKOFF_S", (0.2,))
     engine = make(ranks, TickBudget(tmp_path / "budget"))
     try:
         ranks.failing = True
