@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -161,69 +160,6 @@ class EngineConfig:
         config = dataclasses.replace(self, **changes)
         config.validate()
         return config
-
-    def for_instance(self, kind: str, device_id: str) -> "EngineConfig":
-        """This config for one Triton model instance (its `instance_group` kind and device id).
-
-        KIND_GPU places each instance's engine on the GPU Triton assigned it (`gpus: [...]`,
-        `count` per GPU), KIND_CPU on the CPU; KIND_MODEL leaves the choice to `device`. A
-        `device` that contradicts the kind fails the load rather than being ignored.
-
-        An instance of several ranks (world_size > 1) spans devices, which Triton's one device per
-        instance cannot say: it takes KIND_MODEL, its ranks on `devices` (empty: cuda:0..N-1 on a GPU
-        host, else the CPU) and its engine on rank 0's device unless `device` says otherwise; KIND_CPU
-        runs every rank on the CPU; KIND_GPU is refused (it would stack the ranks' instances on GPUs
-        Triton picks, each instance's ranks on the same devices).
-        """
-        kind = (kind or "MODEL").upper()
-        if self.world_size > 1:
-            return self._for_ranks(kind)
-        if kind == "GPU":
-            wanted = f"cuda:{int(device_id)}"
-        elif kind == "CPU":
-            wanted = "cpu"
-        else:
-            return self
-        if self.device not in ("auto", wanted) and not (kind == "GPU" and self.device == "cuda"):
-            raise ConfigError(f"parameter 'device': {self.device!r} contradicts instance_group kind KIND_{kind} "
-                              f"(this instance is on {wanted}); leave device=auto, or use KIND_MODEL to pick "
-                              "the device with this parameter")
-        return self.replace(device=wanted)
-
-    def _for_ranks(self, kind: str) -> "EngineConfig":
-        names = self.device_list()
-        if kind == "GPU":
-            raise ConfigError(f"instance_group kind KIND_GPU: this instance runs {self.world_size} ranks on "
-                              f"{self.world_size} devices; use instance_group [ {{ count: 1, kind: KIND_MODEL }} ] "
-                              "and name the ranks' devices with parameter 'devices' (e.g. cuda:0,cuda:1)")
-        if kind == "CPU":
-            if any(name != "cpu" for name in names) or self.device not in ("auto", "cpu"):
-                raise ConfigError(f"parameter 'devices': {self.devices!r} (device {self.device!r}) contradicts "
-                                  "instance_group kind KIND_CPU; leave them empty, or use KIND_MODEL")
-            return self.replace(device="cpu")
-        if names and self.device == "auto":
-            return self.replace(device=names[0])
-        return self
-
-
-class EngineMode(enum.Enum):
-    REQUEST_BATCH = "request_batch"
-    STEP_BATCH = "step_batch"
-
-
-def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
-    """The execution-mode table (docs/architecture.md), after the one check of what the config turns on
-    against what the adapter (a class or an instance) declares it runs (pipelines/capabilities.py)."""
-    from engine_lib.pipelines.capabilities import check
-
-    capabilities = adapter.capabilities
-    check(adapter.name, capabilities, config)
-    if config.step_execution:
-        if config.max_num_seqs > capabilities.max_step_batch:
-            raise ConfigError(f"pipeline '{adapter.name}' advances at most {capabilities.max_step_batch} request(s) "
-                              f"per step: set max_num_seqs={capabilities.max_step_batch} (or lower)")
-        return EngineMode.STEP_BATCH
-    return EngineMode.REQUEST_BATCH
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
-from engine_lib.config import EngineConfig, EngineMode, select_mode
+from engine_lib.config import EngineConfig
+from engine_lib.modes import EngineMode, select_mode
 from engine_lib.phases import PhaseClock
 from engine_lib.request import (
     DiffusionOutput,

@@ -9,6 +9,7 @@ import pytest
 from engine_lib import interface
 from engine_lib.config import EngineConfig
 from engine_lib.interface import InputSchema
+from engine_lib.placement import for_instance
 from engine_lib.request import ConfigError
 
 SHARED = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
@@ -167,7 +168,7 @@ def test_config_is_frozen_and_replace_validates():
     ("", "0", "cpu", "cpu"),  # no kind given: as KIND_MODEL
 ])
 def test_instance_kind_places_the_engine(kind, device_id, device, expected):
-    config = EngineConfig.from_parameters({"device": device}).for_instance(kind, device_id)
+    config = for_instance(EngineConfig.from_parameters({"device": device}), kind, device_id)
     assert config.device == expected
 
 
@@ -179,7 +180,7 @@ def test_instance_kind_places_the_engine(kind, device_id, device, expected):
     ("CPU", {"devices": "cpu,cpu"}, "cpu", ["cpu", "cpu"]),
 ])
 def test_a_parallel_instance_takes_its_ranks_devices_from_kind_model_and_devices(kind, params, device, devices):
-    config = EngineConfig.from_parameters({"cfg_parallel": "true", **params}).for_instance(kind, "1")
+    config = for_instance(EngineConfig.from_parameters({"cfg_parallel": "true", **params}), kind, "1")
     assert (config.device, config.device_list()) == (device, devices)
 
 
@@ -190,7 +191,7 @@ def test_a_parallel_instance_takes_its_ranks_devices_from_kind_model_and_devices
 ])
 def test_a_parallel_instance_on_kind_gpu_or_contradicting_kind_cpu_fails_the_load(kind, params, message):
     with pytest.raises(ConfigError, match=message):
-        EngineConfig.from_parameters({"tensor_parallel_size": "2", **params}).for_instance(kind, "0")
+        for_instance(EngineConfig.from_parameters({"tensor_parallel_size": "2", **params}), kind, "0")
 
 
 @pytest.mark.parametrize("kind, device_id, device", [
@@ -202,4 +203,4 @@ def test_a_parallel_instance_on_kind_gpu_or_contradicting_kind_cpu_fails_the_loa
 def test_a_device_contradicting_the_instance_kind_fails_the_load(kind, device_id, device):
     with pytest.raises(ConfigError, match=rf"parameter 'device': '{device}' contradicts instance_group kind "
                                           rf"KIND_{kind}"):
-        EngineConfig.from_parameters({"device": device}).for_instance(kind, device_id)
+        for_instance(EngineConfig.from_parameters({"device": device}), kind, device_id)

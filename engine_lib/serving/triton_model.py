@@ -27,6 +27,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from engine_lib.config import EngineConfig
+from engine_lib.placement import for_instance
 from engine_lib.request import ConfigError
 from engine_lib.serving.metrics import ModelMetrics
 from engine_lib.serving.parameters import PRIORITY_KEY, PRIORITY_KEY_ENVIRONMENT, check_priority, read_parameters
@@ -76,8 +77,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"{self.model_name}: config.pbtxt must set model_transaction_policy {{ decoupled: true }}")
         try:
-            self.config = EngineConfig.from_parameters(model_config.get("parameters", {})).for_instance(
-                args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0"))
+            self.config = for_instance(EngineConfig.from_parameters(model_config.get("parameters", {})),
+                                       args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0"))
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"{self.model_name}: {exc}") from None
 

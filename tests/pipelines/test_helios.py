@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig, select_mode
+from engine_lib.config import EngineConfig
+from engine_lib.modes import select_mode
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
