@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.pipelines.capabilities import Capabilities, check, make
+from engine_lib.pipelines.loading import load_diffusers
 from engine_lib.request import SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 from engine_lib.sched.outputs import Outputs
@@ -401,15 +402,6 @@ class DiffusersAdapter(PipelineAdapter):
                                                max_sequence_length=params.max_sequence_length, device=self.device)
         return {"cond": {"embeds": cond.to(dtype)}, **({"uncond": {"embeds": uncond.to(dtype)}} if cfg else {})}
 
-    def video_vae_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pipeline's VAE de-normalisation constants `latents_mean` and `1 / latents_std` [1, z, 1, 1, 1],
-        made as the pipeline makes them, for the device once: made per decode, each would be a host-to-device
-        copy that waits."""
-        vae = self.pipe.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device, vae.dtype)
-        return mean, 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(self.device, vae.dtype)
-
     @classmethod
     def from_pretrained_kwargs(cls, model_path: str) -> dict:
         """Components `from_pretrained` cannot load here, built by the adapter (none by default)."""
@@ -418,20 +410,4 @@ class DiffusersAdapter(PipelineAdapter):
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
              options: Optional[dict] = None) -> "DiffusersAdapter":
-        import diffusers
-
-        from engine_lib.pipelines import levers
-
-        chosen = (options or {}).get("levers") or levers.Levers()
-        quantization = levers.quantization_config(chosen, str(model_path), torch.device(device))
-        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
-            str(model_path), dtype=dtype,  # not torch_dtype
-            **({"quantization_config": quantization} if quantization is not None else {}),
-            **cls.from_pretrained_kwargs(str(model_path)))
-        applied = levers.apply(pipe, torch.device(device), chosen)  # on the device (or offloaded), compiled, ...
-        pipe.set_progress_bar_config(disable=True)
-        adapter = cls(pipe, torch.device(device), dtype, options)
-        adapter.levers = applied
-        if chosen.offload != "none" and getattr(adapter, "loras", None) is not None:
-            adapter.loras.refusal = levers.OFFLOAD_LORA_REFUSAL
-        return adapter
+        return load_diffusers(cls, model_path, device, dtype, options)

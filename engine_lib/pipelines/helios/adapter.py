@@ -35,6 +35,7 @@ from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
+from engine_lib.pipelines.vae import video_vae_stats
 from engine_lib.request import InvalidInputError, SamplingParams
 
 FRAME_RATE_FPS = 24.0  # diffusers' Helios example exports at 24 fps
@@ -113,7 +114,7 @@ class HeliosAdapter(DiffusersAdapter):
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
-        self._latents_mean, self._latents_std = self.video_vae_stats()
+        self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property

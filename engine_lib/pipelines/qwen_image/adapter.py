@@ -27,6 +27,7 @@ from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
+from engine_lib.pipelines.vae import video_vae_stats
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs rejects more
@@ -64,7 +65,7 @@ class QwenImageAdapter(FlowMatchAdapter):
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
-        self._latents_mean, self._latents_std = self.video_vae_stats()
+        self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
 
     def input_specs(self) -> tuple[InputSpec, ...]:
         if self.pipe.transformer.config.guidance_embeds:

@@ -40,6 +40,7 @@ from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
+from engine_lib.pipelines.vae import video_vae_stats
 from engine_lib.request import InvalidInputError, SamplingParams
 
 FRAME_RATE_FPS = 16.0  # the Wan releases' frame rate (diffusers' examples export at 16 fps)
@@ -106,7 +107,7 @@ class WanAdapter(DiffusersAdapter):
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
-        self._latents_mean, self._latents_std = self.video_vae_stats()
+        self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
         ratio = pipe.config.boundary_ratio
         self.boundary_timestep = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
