@@ -70,7 +70,7 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines import levers
     from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.request import ConfigError
+    from engine_lib.config import ConfigError
 
     base = EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False,
                         max_num_seqs=batch, max_loras=1)

@@ -61,7 +61,7 @@ def measure(model_path: str, device: str, dtype: str, parameters: dict, inputs: 
 def main() -> None:
     import torch
 
-    from engine_lib.request import ConfigError
+    from engine_lib.config import ConfigError
     from engine_lib.tiny_models import available, ensure_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -15,8 +15,6 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from engine_lib.pipelines.levers import check_names
-from engine_lib.request import ConfigError
 from engine_lib.sched.policy import POLICIES
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -28,6 +26,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 INPUT_MAX = {"height": 1024, "width": 1024, "num_inference_steps": 100, "num_images": 4, "num_frames": 257,
              "prompt": 4096, "negative_prompt": 4096}  # text inputs: characters
 INPUT_DEFAULTS = {"height": "64", "width": "64", "num_inference_steps": "4"}
+# the GPU levers' value names (engine_lib/pipelines/levers.py applies them)
+COMPILE_MODES = ("none", "regional", "full")
+# quantization value -> (the package it needs, what the device must be: "any" or "cuda")
+QUANTIZATIONS = {"none": ("", "any"), "int8_weight_only": ("torchao", "any"), "int8": ("torchao", "any"),
+                 "fp8_weight_only": ("torchao", "any"), "fp8": ("torchao", "cuda"),
+                 "int4_weight_only": ("torchao", "cuda"), "nf4": ("bitsandbytes", "cuda")}
+OFFLOAD_MODES = ("none", "model", "group")
+
+
+class ConfigError(ValueError):
+    """A model configuration parameter is invalid; raised at load, names the parameter."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        check_names(self)
+        self._check_lever_names()
         if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
             raise ConfigError(f"parameter 'device': {self.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
         if self.dtype not in DTYPES:
@@ -150,6 +159,19 @@ class EngineConfig:
 
     def device_list(self) -> list[str]:
         return [d.strip() for d in self.devices.split(",") if d.strip()]
+
+    def quantized_components(self) -> tuple:
+        return tuple(c.strip() for c in self.quantize_components.split(",") if c.strip())
+
+    def _check_lever_names(self) -> None:
+        """The lever parameters' values are known names (no torch)."""
+        for name, value, allowed in (("compile", self.compile, COMPILE_MODES),
+                                     ("quantization", self.quantization, tuple(QUANTIZATIONS)),
+                                     ("offload", self.offload, OFFLOAD_MODES)):
+            if value not in allowed:
+                raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(allowed)}")
+        if not self.quantized_components():
+            raise ConfigError("parameter 'quantize_components': names no component (default: transformer)")
 
     def request_cost_limit(self, pipeline_default: int) -> int:
         """The most latent tokens x rows one request may add to a forward (0: no limit): `max_request_cost`, or

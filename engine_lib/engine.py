@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from engine_lib.config import EngineConfig
+from engine_lib.hooks import EngineHooks
 from engine_lib.modes import EngineMode, select_mode
 from engine_lib.phases import PhaseClock
 from engine_lib.request import (
@@ -33,7 +34,6 @@ from engine_lib.request import (
 )
 from engine_lib.runner import ModelRunner, TickInterrupted
 from engine_lib.sched import RunnerOutput, Scheduler, make_policy
-from engine_lib.testing import EngineHooks
 from engine_lib.worker_watch import WorkerWatch
 
 logger = logging.getLogger(__name__)

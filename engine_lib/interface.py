@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX, ConfigError
+from engine_lib.request import InvalidInputError, SamplingParams
 
 INT_RANGES = {"INT32": (-2**31, 2**31 - 1), "INT64": (-2**63, 2**63 - 1)}
 # How an input's value shapes a batched forward (see sched/keys.py):

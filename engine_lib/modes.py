@@ -6,9 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines.capabilities import check
-from engine_lib.request import ConfigError
 
 
 class EngineMode(enum.Enum):

@@ -59,20 +59,21 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def to_device(value: Any, device: torch.device) -> Any:
+def to_rank(value: Any, device: torch.device) -> Any:
+    """Tensors (also inside lists, tuples and dicts) from the pipe onto a rank's device (`to_cpu`'s reverse)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
+        return {k: to_rank(v, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, device) for v in value)
+        return type(value)(to_rank(v, device) for v in value)
     return value
 
 
 def rank_devices(device: torch.device, world_size: int, names: Optional[list[str]] = None) -> list[torch.device]:
     """Rank r's device: `names[r]` if given (the `devices` parameter), else the CPU for every rank, or
     cuda:r (the host needs world_size GPUs)."""
-    from engine_lib.request import ConfigError
+    from engine_lib.config import ConfigError
     if names:
         if len(names) != world_size:
             raise ConfigError(f"parameter 'devices': {len(names)} device(s) for {world_size} rank(s)")
@@ -272,7 +273,7 @@ def _worker_main(rank: int, world_size: int, device: str, threads: int, backend:
             if method == "stop":
                 break
             try:
-                result = to_cpu(getattr(handler, method)(*to_device(args, device)))
+                result = to_cpu(getattr(handler, method)(*to_rank(args, device)))
                 conn.send_bytes(pickle.dumps(("ok", result)))
             except Exception:
                 conn.send_bytes(pickle.dumps(("error", traceback.format_exc(limit=4))))

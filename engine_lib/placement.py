@@ -3,8 +3,7 @@ device id against the `device` and `devices` parameters)."""
 
 from __future__ import annotations
 
-from engine_lib.config import EngineConfig
-from engine_lib.request import ConfigError
+from engine_lib.config import ConfigError, EngineConfig
 
 
 def for_instance(config: EngineConfig, kind: str, device_id: str) -> EngineConfig:

@@ -53,10 +53,6 @@ class PipelineError(EngineError):
     code = "INTERNAL"
 
 
-class ConfigError(ValueError):
-    """A model configuration parameter is invalid; raised at load, names the parameter."""
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

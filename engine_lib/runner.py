@@ -114,7 +114,7 @@ class ModelRunner:
     `float_outputs`: hand back the pipeline's own float outputs instead of the
     declared dtypes (tests and benchmarks compare them before the uint8 rounding).
     `before_forward`: called with the states of every denoise forward before it runs
-    (tests inject failures with it; see engine_lib/testing.py).
+    (tests inject failures with it; see engine_lib/hooks.py).
     `interrupt`: once set, the running tick stops at its next block boundary (or between its phases) and
     raises TickInterrupted (the engine sets it when every request of the tick is cancelled, or at close).
     `before_block`: called at each block boundary of a tick (tests make ticks slow with it).

@@ -42,7 +42,7 @@ def wait_until(predicate, timeout: float) -> bool:
 
 
 class TickBudget:
-    """An engine's tick budget (engine_lib/testing.py's `FileTickBudget`), seen from a test.
+    """An engine's tick budget (engine_lib/hooks.py's `FileTickBudget`), seen from a test.
 
     `hold()` stops the engine before its next tick; `allow(n)` lets exactly n more
     ticks (denoise steps of the running batch) run, then holds again; `release()`
@@ -57,7 +57,7 @@ class TickBudget:
         return self.allow(0)
 
     def allow(self, ticks: int) -> "TickBudget":
-        from engine_lib.testing import write_atomically
+        from engine_lib.hooks import write_atomically
 
         write_atomically(str(self.path), str(ticks))
         return self
@@ -83,7 +83,7 @@ class TickBudget:
 
     def hooks(self):
         """EngineHooks for an in-process engine held by this budget."""
-        from engine_lib.testing import EngineHooks, FileTickBudget
+        from engine_lib.hooks import EngineHooks, FileTickBudget
 
         return EngineHooks(tick_gate=FileTickBudget(str(self.path)))
 

@@ -7,10 +7,9 @@ import dataclasses
 import pytest
 
 from engine_lib import interface
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.interface import InputSchema
 from engine_lib.placement import for_instance
-from engine_lib.request import ConfigError
 
 SHARED = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, interface.WIDTH,
           interface.NUM_INFERENCE_STEPS, interface.SEED, interface.NUM_IMAGES)

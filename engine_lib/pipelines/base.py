@@ -233,7 +233,7 @@ class PipelineAdapter(ABC):
         """The worker group for `options["parallel"]` (config parameters `cfg_parallel`,
         `sequence_parallel_size`, `tensor_parallel_size`, `expert_parallel`, `devices`), on the ranks'
         devices; the registry calls it once after `load`. A pipeline with parallel support overrides it."""
-        from engine_lib.request import ConfigError
+        from engine_lib.config import ConfigError
         raise ConfigError(f"pipeline '{self.name}' runs in one process")
 
     def launch_workers(self, model_path: str, options: dict) -> None:

@@ -25,7 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib.config import ConfigError
+from engine_lib.request import InvalidInputError, SamplingParams
 
 Setting = Optional[tuple[str, str]]  # (the parameter or input's name, the setting as a message shows it)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import interface
+from engine_lib.config import ConfigError
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
@@ -40,7 +41,7 @@ from engine_lib.pipelines import cfg_parallel, rank_states, sequence_parallel, t
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.rank_states import RowFacts
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey, StepBatchKey, request_batch_key, step_batch_key
 
 logger = logging.getLogger(__name__)
@@ -331,9 +332,9 @@ class FlowMatchAdapter(DiffusersAdapter):
             self._set_schedule(state)
         assert state.schedule.num_steps == state.num_steps, "the schedule runs the request's total_steps"
 
-    def _set_schedule(self, state: FlowMatchState, strength: float = 1.0) -> None:
-        """The request's own scheduler and timesteps: the last `strength` of the schedule, cut where diffusers'
-        image-to-image `get_timesteps` cuts it (1: the whole schedule, text-to-image)."""
+    def _set_schedule(self, state: FlowMatchState) -> None:
+        """The request's own scheduler and timesteps: the last `state.num_steps` of the schedule (the adapter's
+        `total_steps`: with an image, where diffusers' image-to-image `get_timesteps` cuts it)."""
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
         n = state.params.num_inference_steps
@@ -341,7 +342,7 @@ class FlowMatchAdapter(DiffusersAdapter):
         # Copying before set_timesteps (rather than after) also leaves pipe.scheduler untouched.
         scheduler = copy.deepcopy(self.pipe.scheduler)
         timesteps, _ = retrieve_timesteps(scheduler, n, self.device, **self._timestep_kwargs(state))
-        begin = (n - strength_steps(n, strength)) * scheduler.order
+        begin = (n - state.num_steps) * scheduler.order
         scheduler.set_begin_index(begin)  # the step loop starts at the schedule's first timestep
         state.scheduler, state.begin_index = scheduler, begin
         state.sigma_steps = (scheduler.sigmas[1:] - scheduler.sigmas[:-1])[begin:]  # as step() computes each dt

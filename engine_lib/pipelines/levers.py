@@ -27,16 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from engine_lib.request import ConfigError
+from engine_lib.config import QUANTIZATIONS, ConfigError
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("none", "regional", "full")
-# quantization value -> (the package it needs, what the device must be: "any" or "cuda")
-QUANTIZATIONS = {"none": ("", "any"), "int8_weight_only": ("torchao", "any"), "int8": ("torchao", "any"),
-                 "fp8_weight_only": ("torchao", "any"), "fp8": ("torchao", "cuda"),
-                 "int4_weight_only": ("torchao", "cuda"), "nf4": ("bitsandbytes", "cuda")}
-OFFLOAD_MODES = ("none", "model", "group")
 # attention backends this code path runs on the CPU (the others are CUDA kernels)
 CPU_ATTENTION = ("native", "_native_math")
 # backends that run but do not keep the images, with what was measured
@@ -58,24 +52,12 @@ class Levers:
 
     @classmethod
     def from_config(cls, config: Any) -> "Levers":
-        components = tuple(c.strip() for c in config.quantize_components.split(",") if c.strip())
-        return cls(config.compile, config.compile_backend, config.quantization, components,
+        return cls(config.compile, config.compile_backend, config.quantization, config.quantized_components(),
                    config.attention_backend, config.offload, config.vae_tiling)
 
     @property
     def any(self) -> bool:
         return self != Levers()
-
-
-def check_names(config: Any) -> None:
-    """The lever parameters' values are known names (config.py's validate; no torch)."""
-    for name, value, allowed in (("compile", config.compile, COMPILE_MODES),
-                                 ("quantization", config.quantization, tuple(QUANTIZATIONS)),
-                                 ("offload", config.offload, OFFLOAD_MODES)):
-        if value not in allowed:
-            raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(allowed)}")
-    if not Levers.from_config(config).quantize_components:
-        raise ConfigError("parameter 'quantize_components': names no component (default: transformer)")
 
 
 # -- at from_pretrained: quantization ------------------------------------------------------------

@@ -17,10 +17,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.modes import select_mode
 from engine_lib.pipelines.levers import Levers, refuse_levers
-from engine_lib.request import ConfigError
 
 if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
     import torch

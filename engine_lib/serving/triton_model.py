@@ -26,9 +26,8 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.placement import for_instance
-from engine_lib.request import ConfigError
 from engine_lib.serving.metrics import ModelMetrics
 from engine_lib.serving.parameters import PRIORITY_KEY, PRIORITY_KEY_ENVIRONMENT, check_priority, read_parameters
 from engine_lib.serving.sender import OpenStream, ResponseSender, echoed_id
@@ -86,7 +85,7 @@ class TritonPythonModel:
         from engine_lib.engine import DiffusionEngine  # noqa: PLC0415
         from engine_lib.pipelines import levers  # noqa: PLC0415
         from engine_lib.pipelines.registry import resolve_model_path  # noqa: PLC0415
-        from engine_lib.testing import hooks_from_environment  # noqa: PLC0415
+        from engine_lib.hooks import hooks_from_environment  # noqa: PLC0415
 
         self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name,
                                     priority_levels=self.config.priority_levels)

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine_lib.config import INPUT_MAX, EngineConfig
+from engine_lib.config import INPUT_MAX, ConfigError, EngineConfig
 from engine_lib.engine import DiffusionEngine, EngineMode
+from engine_lib.hooks import EngineHooks, FailPrompt
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.capabilities import Capabilities
+from engine_lib.request import EngineUnavailableError, InvalidInputError, PipelineError, RequestCancelledError
 from engine_lib.sched import scheduler
-from engine_lib.testing import EngineHooks, FailPrompt
-from engine_lib.request import (ConfigError, EngineUnavailableError, InvalidInputError, PipelineError,
-                                RequestCancelledError)
 from tests import conftest
 
 MODES = [
@@ -360,7 +359,7 @@ def test_request_mode_aborts_at_a_step_boundary(adapter, tick_budget):
 
 
 def test_an_injected_failure_fails_its_request_alone(adapter):
-    """An injected failure (engine_lib/testing.py): the request fails in the batched denoise step with INTERNAL,
+    """An injected failure (engine_lib/hooks.py): the request fails in the batched denoise step with INTERNAL,
     its batch-mates finish."""
     engine = make(adapter, step_execution=True, max_num_seqs=4, hooks=EngineHooks(before_forward=FailPrompt("boom")))
     try:

@@ -2,7 +2,7 @@
 cancelled, and a tick shared with a request still wanted runs on for it.
 
 The engine runs a test double whose denoise forward is 40 blocks (identity modules in a ModuleList, as a
-transformer's blocks are), made slow by `SlowPrompt` (engine_lib/testing.py): one forward of a slow request
+transformer's blocks are), made slow by `SlowPrompt` (engine_lib/hooks.py): one forward of a slow request
 takes 20 s, so a request that ends within 2 s of its cancel was stopped inside its tick. A forward hook on each
 block counts the blocks that ran, so a stop that skips the boundary hook but lets the blocks run is seen.
 """
@@ -22,11 +22,11 @@ import torch
 from engine_lib import interface
 from engine_lib.config import EngineConfig
 from engine_lib.engine import DiffusionEngine
+from engine_lib.hooks import EngineHooks, SlowPrompt
 from engine_lib.interface import OutputSpec
 from engine_lib.pipelines.base import PipelineAdapter, RequestState
 from engine_lib.request import EngineUnavailableError, RequestCancelledError
 from engine_lib.runner import BlockBoundaries, TickInterrupted
-from engine_lib.testing import EngineHooks, SlowPrompt
 
 BLOCKS = 40
 

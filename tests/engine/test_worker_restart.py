@@ -15,9 +15,9 @@ import pytest
 from engine_lib import worker_watch
 from engine_lib.config import INPUT_MAX, EngineConfig
 from engine_lib.engine import DiffusionEngine
+from engine_lib.hooks import EngineHooks, FileTickBudget
 from engine_lib.parallel import WorkerError
 from engine_lib.request import EngineUnavailableError, PipelineError
-from engine_lib.testing import EngineHooks, FileTickBudget
 from tests import conftest
 from tests.conftest import TickBudget
 

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import registry
 from engine_lib.pipelines.capabilities import FEATURES, REQUIRES
-from engine_lib.request import ConfigError, InvalidInputError
+from engine_lib.request import InvalidInputError
 from engine_lib.serving.repository import refused_pairs
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter

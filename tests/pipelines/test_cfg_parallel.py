@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.parallel import WorkerError
 from engine_lib.pipelines import cfg_parallel, rank_states
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.request import ConfigError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 

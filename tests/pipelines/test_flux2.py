@@ -106,7 +106,7 @@ def test_ranks_are_refused_at_load_naming_the_parameter(pipeline, parameter, val
     """Neither runs on ranks yet (docs/deployment.md): the load fails before the weights, naming the parameter."""
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.request import ConfigError
+    from engine_lib.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"parameter '{parameter}'"):
         load_adapter(EngineConfig(pipeline=pipeline, device="cpu", dtype="float32", devices="cpu,cpu",

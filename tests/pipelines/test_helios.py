@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig
-from engine_lib.modes import select_mode
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.interface import to_uint8
+from engine_lib.modes import select_mode
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
-from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
+from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.decoder_parts import held_bytes
@@ -27,7 +27,7 @@ from engine_lib.pipelines.hunyuan_image3 import tensor_parallel
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, read_config
 from engine_lib.pipelines.registry import load_adapter
-from engine_lib.request import ConfigError, DiffusionRequest, InvalidInputError
+from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.tiny_models import ensure_model
 from tests import conftest

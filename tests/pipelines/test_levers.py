@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from benchmarks.report import psnr
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
-from engine_lib.request import ConfigError, InvalidInputError
+from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import Arrival, drive_steps, solo_steps
 

@@ -82,7 +82,7 @@ def test_adapter_limits_and_flags(adapter):
 
 def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen_dir):
     from engine_lib.pipelines import registry
-    from engine_lib.request import ConfigError
+    from engine_lib.config import ConfigError
 
     assert registry.get_adapter_class("qwen_image") is QwenImageAdapter
     assert registry.get_adapter_class(EngineConfig().pipeline) is QwenImageAdapter

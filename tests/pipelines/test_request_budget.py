@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.engine import DiffusionEngine
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib.request import InvalidInputError, SamplingParams
 
 
 def modelless(cls, **pipe):

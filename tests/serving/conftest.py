@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from engine_lib.hooks import hooks_environment
 from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
 from engine_lib.serving.tritonserver import TritonServer
-from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 from tests.early_servers import serve_early, starts_early, take_early
 
 MODEL_DIR = REPO_ROOT / "model_repository" / "qwen_image"
-FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/testing.py)
+FAIL_PROMPT = "__fail in the denoise step__"  # the shared server's injected failure (engine_lib/hooks.py)
 NAN_PROMPT = "__nan in the latents__"  # the shared server turns this request's latents into NaN before each step
 SERVER_PRIORITY_KEY = "test-server-priority-key"  # DIFFUSION_PRIORITY_KEY of every server start_server starts
 URGENT = {"priority_key": SERVER_PRIORITY_KEY}  # the request parameters that may ask for a level above the default

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from engine_lib.testing import hooks_environment
+from engine_lib.hooks import hooks_environment
 from tests.conftest import TickBudget
 from tests.early_servers import process_tree
 

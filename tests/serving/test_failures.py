@@ -3,7 +3,7 @@ with their images, the failure is counted (`error`), and so is the batch's retry
 (`diffusion_batch_retries_total`), and logged through Triton's log (engine_lib's logging is forwarded by
 the model).
 
-The shared server's injected failure (engine_lib/testing.py) makes it: a batch holding its prompt fails its
+The shared server's injected failure (engine_lib/hooks.py) makes it: a batch holding its prompt fails its
 denoise forward, so the runner retries each request alone, as with a real pipeline error. The
 engine is held until all four have joined one step batch.
 """

@@ -22,9 +22,9 @@ import torch
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from engine_lib.hooks import hooks_environment
 from engine_lib.pipelines import registry
 from engine_lib.serving.processes import REPO_ROOT
-from engine_lib.testing import hooks_environment
 from tests.conftest import TickBudget
 from tests.early_servers import serve_early, starts_early
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_lib.hooks import hooks_environment
 from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
-from engine_lib.testing import hooks_environment
 from engine_lib.tiny_models import ensure_model
 from tests.conftest import TickBudget, wait_until
 

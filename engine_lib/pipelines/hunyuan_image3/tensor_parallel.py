@@ -51,13 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine_lib.config import ConfigError
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerError, WorkerGroup, rank_devices
 from engine_lib.pipelines.decoder_parts import KVCache, RMSNorm, grow, held_bytes
-from engine_lib.pipelines.step_cache import BranchCache, RowGroup
 from engine_lib.pipelines.hunyuan_image3.model import (Gate, HunyuanConfig, HunyuanImage3Model, MoE, SwiGLU,
                                                       read_config)
 from engine_lib.pipelines.hunyuan_image3.think import HEAD_KEYS, extend
-from engine_lib.request import ConfigError
+from engine_lib.pipelines.step_cache import BranchCache, RowGroup
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,12 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITIO
 from PIL import Image
 
 from engine_lib import interface
+from engine_lib.config import ConfigError
 from engine_lib.interface import replace_spec
 from engine_lib.pipelines.packing import condition_rows, conditioned_forward
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter, QwenImageState
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
-from engine_lib.request import ConfigError, InvalidInputError, SamplingParams
+from engine_lib.request import InvalidInputError, SamplingParams
 
 # diffusers' VAE_IMAGE_SIZE (1024 x 1024: Edit's __call__ writes it out) and CONDITION_IMAGE_SIZE (384 x 384,
 # Edit-Plus's text encoder), and `calculate_dimensions` (that area at an image's aspect ratio, multiples of 32).
@@ -66,7 +67,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # its image's tokens join the sequence (cut off after the forward): no sequence parallel
     capabilities = (QwenImageAdapter.capabilities.without("sequence_parallel", "first_block",
                                                           "taylorseer").with_features("image_input")
-                    .refuse("cfg_parallel", "lora", "not checked on the ranks with the image's tokens yet"))
+                    .refuse("cfg_parallel", "lora", "not checked on the ranks with the image's tokens"))
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
 
     def __init__(self, pipe, device, dtype, options=None):

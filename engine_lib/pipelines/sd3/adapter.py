@@ -113,7 +113,7 @@ class SD3Adapter(FlowMatchAdapter):
         if params.image is None:
             if params.strength != 1.0:
                 raise InvalidInputError("strength", "needs an image: without one the request is text-to-image")
-        elif strength_steps(params.num_inference_steps, params.strength) < 1:
+        elif self.total_steps(params) < 1:
             raise InvalidInputError("strength", f"{params.strength:g} of {params.num_inference_steps} steps runs "
                                     f"none: at least 1/{params.num_inference_steps} needed")
 
@@ -195,7 +195,7 @@ class SD3Adapter(FlowMatchAdapter):
         if p.image is None:
             return to_tokens(self.pipe.prepare_latents(p.num_images, self.pipe.transformer.config.in_channels,
                                                        p.height, p.width, dtype, self.device, state.generator))
-        self._set_schedule(state, p.strength)  # the latents start at its first timestep
+        self._set_schedule(state)  # the latents start at its first timestep
         image_latents = self._image_latents(state, dtype)
         state.image_latents = to_tokens(image_latents)
         noise = randn_tensor(image_latents.shape, generator=state.generator, device=self.device, dtype=dtype)
