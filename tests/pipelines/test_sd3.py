@@ -14,7 +14,8 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.pipelines.sd3.adapter import DEFAULT_GUIDANCE_SCALE, SD3Adapter
-from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
+from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, packed_forward
+from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
 from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
                            load_tiny_adapter, parse, pipe_reference)

@@ -46,7 +46,8 @@ from engine_lib.host_copy import to_device
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowMatchAdapter, FlowMatchState,
                                              TextParts, max_sequence_length, strength_steps)
 from engine_lib.pipelines.sd3.first_block import cached_forward, cached_packed_forward
-from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, from_tokens, packed_forward, to_tokens
+from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, packed_forward
+from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
 from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey

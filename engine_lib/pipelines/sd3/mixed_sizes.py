@@ -22,17 +22,7 @@ import torch
 from engine_lib.host_copy import to_device
 from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines.packing import Packing
-
-
-def to_tokens(latents: torch.Tensor) -> torch.Tensor:
-    """[N, C, h, w] -> [N, h * w, C]: the layout the engine keeps SD3 latents in, so rows of different sizes
-    pad and pack along one token axis as the other pipelines' latents do (a permutation: values exact)."""
-    return latents.flatten(2).transpose(1, 2)
-
-
-def from_tokens(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """[N, h * w, C] -> [N, C, h, w], contiguous (a conv on channels-last strides may round differently)."""
-    return tokens.transpose(1, 2).unflatten(2, (height, width)).contiguous()
+from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
 
 
 class SD3Packing(Packing):
