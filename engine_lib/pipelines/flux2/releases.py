@@ -7,8 +7,8 @@ sizes. The base and the step-distilled checkpoint of a size share these shapes.
 
 from __future__ import annotations
 
-from engine_lib.pipelines.wan.releases import parameters
-from engine_lib.pipelines.z_image.releases import QWEN3_4B, print_sizes
+from engine_lib.pipelines.release_sizes import parameters, print_sizes
+from engine_lib.pipelines.z_image.releases import QWEN3_4B
 
 KLEIN = dict(in_channels=128, attention_head_dim=128, guidance_embeds=False)
 RELEASES = {  # transformer config, Qwen3 text encoder config (a causal LM: the 8B's head is not tied)

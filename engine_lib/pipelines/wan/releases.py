@@ -7,6 +7,8 @@ parameters, and prints the bfloat16 size of each and the latent tokens of the re
 
 from __future__ import annotations
 
+from engine_lib.pipelines.release_sizes import parameters, print_sizes
+
 WAN_14B = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40, text_dim=4096)
 RELEASES = {  # transformer config (x experts), VAE generation, whether a CLIP image encoder comes with it
     "Wan2.1-T2V-1.3B": (dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30,
@@ -24,13 +26,6 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
                 feed_forward_proj="gated-gelu")
 CLIP_VIT_H = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
                   image_size=224, patch_size=14, projection_dim=1024)
-
-
-def parameters(make) -> int:
-    import torch
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in make().parameters())
 
 
 def sizes() -> dict[str, dict[str, int]]:
@@ -59,10 +54,7 @@ def tokens(height: int, width: int, frames: int, spatial: int = 8) -> int:
 
 def main() -> None:
     for name, parts in sizes().items():
-        total = sum(parts.values())
-        print(f"{name}: {total / 1e9:.2f} B parameters, {2 * total / 2**30:.1f} GiB in bfloat16")
-        for part, count in parts.items():
-            print(f"  {part}: {count / 1e9:.3f} B, {2 * count / 2**30:.2f} GiB")
+        print_sizes(name, parts)
     for h, w, spatial in ((480, 832, 8), (720, 1280, 8), (704, 1280, 16)):
         print(f"tokens of {h}x{w}x81 (VAE /{spatial}): {tokens(h, w, 81, spatial)}")
 

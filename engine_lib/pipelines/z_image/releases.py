@@ -7,7 +7,7 @@ parameters and prints their bfloat16 sizes. Z-Image and Z-Image-Turbo share thes
 
 from __future__ import annotations
 
-from engine_lib.pipelines.wan.releases import parameters
+from engine_lib.pipelines.release_sizes import parameters, print_sizes
 
 # Qwen3-4B (text_encoder/config.json): the pipeline keeps the base model, no LM head
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -25,13 +25,6 @@ def sizes() -> dict[str, int]:
     return {"transformer": parameters(ZImageTransformer2DModel),
             "text_encoder (Qwen3-4B)": parameters(lambda: Qwen3Model(Qwen3Config(**QWEN3_4B))),
             "vae (FLUX.1)": parameters(lambda: AutoencoderKL(**FLUX1_VAE))}
-
-
-def print_sizes(name: str, parts: dict[str, int]) -> None:
-    total = sum(parts.values())
-    print(f"{name}: {total / 1e9:.2f} B parameters, {2 * total / 2**30:.1f} GiB in bfloat16")
-    for part, count in parts.items():
-        print(f"  {part}: {count / 1e9:.3f} B, {2 * count / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":
