@@ -109,7 +109,6 @@ COMMON_REFUSALS = {
     _pair("cfg_parallel", "tensor_parallel"): "one kind of parallelism per model instance",
     _pair("sequence_parallel", "tensor_parallel"): "one kind of parallelism per model instance",
     **{_pair("mixed_sizes", kind): "packed forwards of mixed sizes run in one process" for kind in PARALLEL},
-    _pair("mixed_sizes", "taylorseer"): "packed forwards of mixed sizes do not run TaylorSeer",
 }
 # A feature that only does something with another one on.
 REQUIRES = {"mixed_sizes": ("step_execution", "different sizes share a forward only in step execution"),

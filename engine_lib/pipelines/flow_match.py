@@ -268,7 +268,6 @@ class FlowMatchAdapter(DiffusersAdapter):
         """One transformer call, exactly as the pipeline's denoising loop makes it: `_forward`, under the
         TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
         seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps, self.loras)
-        assert seer is None or "packing" not in rows, "TaylorSeer with mixed_size_batching is refused (capabilities)"
         with taylorseer.attending(seer):
             return self._forward(latents, timestep, text, rows, states, seer)
 

@@ -47,7 +47,7 @@ class Packing:
     def __init__(self, lengths: list[int], device: torch.device) -> None:
         self.device = device
         self._repeats: dict[int, Packing] = {}
-        self.rows, self.longest = len(lengths), max(lengths)
+        self.rows, self.longest, self.lengths = len(lengths), max(lengths), list(lengths)  # lengths: per row
         by_length: dict[int, list[int]] = {}
         for row, n in enumerate(lengths):
             by_length.setdefault(n, []).append(row)

@@ -17,8 +17,11 @@ a forward runs, `Plan.attending` puts a wrapper on each attention module that ru
 when it pauses and freed with it. diffusers' defaults are kept (cache_interval 5, disable_cache_before_step 3,
 max_order 1, bfloat16 factors): with them steps 0-2 and then 4, 9, 14, ... compute.
 
-The packed forwards of mixed-size batches call the attention's parts themselves, so a request with TaylorSeer
-keeps its size in its step key (flow_match.py) and only shares forwards of one size.
+The packed forwards of mixed-size batches (packing.py) call the attention's parts themselves, not the module:
+they run it through `packed_attention`, which under a plan does what `_attend` does over packed rows: the rows
+that compute attend packed on their own (`packing.subset`), and each group's factors hold its outputs in the
+module's own layout (its image tokens unpadded, its text rows; Flux's single-stream blocks [text; image] joined),
+so a request's factors carry over between packed and one-size forwards.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from diffusers.hooks import TaylorSeerCacheConfig
 from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
 
@@ -104,6 +108,7 @@ class Group:
 
 
 _MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()  # module: (plan, k)
 
 
 def attention_modules(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -146,10 +151,12 @@ class Plan:
         saved = [m.__dict__.get("forward") for m in self.modules]
         for k, module in enumerate(self.modules):
             module.forward = functools.partial(self._attend, k, module.forward)
+            _RUNNING[module] = (self, k)
         try:
             yield
         finally:
             for module, forward in zip(self.modules, saved):
+                _RUNNING.pop(module, None)
                 if forward is None:
                     del module.forward
                 else:
@@ -187,6 +194,61 @@ class Plan:
             return out
         joined = tuple(torch.cat([p[i] for p in pieces]) for i in range(len(pieces[0])))
         return joined[0] if single else joined
+
+
+    def _attend_packed(self, k: int, attend, packing, img: torch.Tensor, txt: torch.Tensor, per_row: tuple,
+                       joined: bool):
+        """`_attend` for a packed forward's attention `attend(packing, img, txt, *per_row)` -> (image [1, T, ...]
+        packed, text [R, L, ...]). A group's module outputs are [its image tokens, its text rows], or with
+        `joined` one [text; image] output."""
+        computing = [s for g, s in self.view if g.computes]
+        own, out = packing, None
+        if len(computing) == len(self.view):
+            out = attend(packing, img, txt, *per_row)
+        elif computing:
+            rows = [r for s in computing for r in range(s.start, s.stop)]
+            index, own = to_device(rows, txt.device), packing.subset(rows)
+            padded = packing.unpack(img).index_select(0, index)[:, :own.longest]
+            with contextlib.nullcontext() if self.loras is None else self.loras.only(rows), \
+                    contextlib.nullcontext() if self.loras is None else self.loras.packed(own.token_rows):
+                out = attend(own, own.pack(padded), txt.index_select(0, index),
+                             *(x if x is None else x.index_select(0, index) for x in per_row))
+        own_img = None if out is None else own.unpack(out[0])
+        pieces, taken = [], 0
+        for group, rows in self.view:
+            n, length = rows.stop - rows.start, packing.lengths[rows.start]
+            if group.computes:
+                piece = [own_img[taken:taken + n, :length], out[1][taken:taken + n]]
+                taken += n
+                if group.factors is not None:
+                    group.factors[k].update([torch.cat(piece[::-1], dim=1)] if joined else piece, group.step)
+            else:
+                piece = group.factors[k].predict(group.step)
+                if joined:
+                    piece = [piece[0][:, txt.shape[1]:], piece[0][:, :txt.shape[1]]]
+            pieces.append(piece)
+        if len(computing) == len(self.view):
+            return out
+        image = torch.cat([F.pad(p[0], (0, 0, 0, packing.longest - p[0].shape[1])) for p in pieces])
+        return packing.pack(image), torch.cat([p[1] for p in pieces])
+
+
+def packed_attention(module: torch.nn.Module, attend, packing, img: torch.Tensor, txt: torch.Tensor, *per_row,
+                     joined: bool = False):
+    """The attention module `module` of a packed forward, as `attend(packing, img, txt, *per_row)` runs it
+    (image [1, T, ...] packed, text [R, L, ...]; `per_row`: other per-row tensors or None): under the running
+    TaylorSeer plan, the rows that compute run it and the others predict (`Plan._attend_packed`)."""
+    running = _RUNNING.get(module)
+    if running is None:
+        return attend(packing, img, txt, *per_row)
+    seer, k = running
+    return seer._attend_packed(k, attend, packing, img, txt, per_row, joined)
+
+
+def running(transformer: torch.nn.Module) -> Optional[Plan]:
+    """The plan the transformer's forward runs under now (None: none), for forwards that hand it on."""
+    modules = attention_modules(transformer)
+    return _RUNNING[modules[0]][0] if modules and modules[0] in _RUNNING else None
 
 
 def plan(transformer: torch.nn.Module, states: list, branches: tuple[str, ...],

@@ -20,6 +20,7 @@ import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.base import InputBatch, PipelineAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
 from engine_lib.runner import ModelRunner
@@ -399,6 +400,34 @@ class FlowMatchParitySuite:
         assert max(together.forward_sizes) == len(inputs)  # every size in one forward
         for name, p in inputs.items():
             assert_close_images(together.images[name], solo_steps(mixed, p, float_output=True), to_uint8)
+
+    def test_taylorseer_rows_share_packed_forwards_and_each_matches_its_solo_run(self, adapter):
+        """TaylorSeer with mixed sizes: two TaylorSeer requests, one with the first-block cache and a plain one,
+        of three token counts, join at ticks 0 and 1, so some packed forwards hold rows that predict next to
+        rows that compute (among them a group whose two rows differ): each image within the batched tolerance
+        of its solo run, and the tokens through the last attention module what the solo runs put through it."""
+        if "taylorseer" not in adapter.capabilities.features:
+            pytest.skip(f"{adapter.name} does not run TaylorSeer")
+        mixed = self.mixed_size_adapter(adapter)
+        caches = [{"cache": "taylorseer"}, {"cache": "first_block", "cache_threshold": 0.3}, {"cache": "taylorseer"}, {}]
+        inputs = {name: self.params(PROMPTS[i], height=h, width=w, steps=4, seed=i, **caches[i])
+                  for i, (name, h, w) in enumerate(self.MIXED["grouped"])}
+        module = taylorseer.attention_modules(adapter.pipe.transformer)[-1].to_q
+        tokens = []
+        handle = module.register_forward_pre_hook(lambda m, args: tokens.append(args[0].shape[:-1].numel()))
+        try:
+            solo = {name: solo_steps(mixed, p, float_output=True) for name, p in inputs.items()}
+            solo_tokens = sum(tokens)
+            tokens.clear()
+            together = drive_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
+                                   float_output=True)
+        finally:
+            handle.remove()
+        assert max(together.forward_sizes) == len(inputs)
+        for name in inputs:
+            assert_close_images(together.images[name], solo[name], to_uint8)
+        print(f"{adapter.name} packed taylorseer: tokens through the last attention {sum(tokens)}, solo {solo_tokens}")
+        assert sum(tokens) == solo_tokens
 
     # -- isolation ------------------------------------------------------------------------
 

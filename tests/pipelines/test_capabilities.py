@@ -124,8 +124,7 @@ def test_a_request_of_a_combination_that_runs_passes_the_check():
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "flux", "sd3"])
-def test_a_taylorseer_request_under_mixed_size_batching_is_refused_not_kept_at_its_size(name):
-    """Packed forwards of mixed sizes do not run TaylorSeer: the request is refused at admission, naming both."""
-    with pytest.raises(InvalidInputError, match="'cache'=taylorseer") as refused:
-        tiny(name).input_schema(config_of(name, "mixed_sizes")).parse({"prompt": "a cat", "cache": "taylorseer"})
-    assert refused.value.input_name == "cache" and "'mixed_size_batching'=true" in str(refused.value)
+def test_a_taylorseer_request_under_mixed_size_batching_is_admitted(name):
+    """Packed forwards of mixed sizes run TaylorSeer (parity: parity_checks' packed TaylorSeer test)."""
+    params = tiny(name).input_schema(config_of(name, "mixed_sizes")).parse({"prompt": "a cat", "cache": "taylorseer"})
+    assert params.cache == "taylorseer"

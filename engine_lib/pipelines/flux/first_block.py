@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from engine_lib.pipelines import step_cache
+from engine_lib.pipelines import step_cache, taylorseer
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, _double_block, _single_block, embed
 
 
@@ -60,5 +60,6 @@ def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: t
             img, txt = forward(block, img, txt, temb, packing)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (temb,), run, packing)
+    img = step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (temb,), run, packing,
+                                      seer=taylorseer.running(transformer))
     return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, packing.pack(img), temb)))

@@ -15,12 +15,14 @@ its two block kinds and `FluxAttnProcessor` operation for operation otherwise.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from engine_lib.pipelines.packing import Packing
+from engine_lib.pipelines.taylorseer import packed_attention
 
 
 class FluxPacking(Packing):
@@ -43,6 +45,11 @@ class FluxPacking(Packing):
 
 
 def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: FluxPacking) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module `attn` on a packed image stream (under TaylorSeer: taylorseer.packed_attention)."""
+    return packed_attention(attn, functools.partial(_joint, attn), packing, img, txt, joined=attn.pre_only)
+
+
+def _joint(attn, packing: FluxPacking, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`FluxAttnProcessor` with a packed image stream: projections per real token, the joint attention once
     per group. A double-stream block projects the text with its own `add_*_proj` layers; a single-stream
     block (`pre_only`) with the image's."""

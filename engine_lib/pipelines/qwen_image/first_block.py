@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from engine_lib.pipelines import step_cache
+from engine_lib.pipelines import step_cache, taylorseer
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, _block, embed
 
 
@@ -57,10 +57,10 @@ def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: t
     blocks = transformer.transformer_blocks
 
     def run(which, img, txt, mask, temb, packing):
-        txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(mask)
         for block in blocks[which]:
-            img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
+            img, txt = _block(block, img, txt, mask, temb, text_len, packing)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (txt_mask, temb), run, packing)
+    img = step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (txt_mask, temb), run, packing,
+                                      seer=taylorseer.running(transformer))
     return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, packing.pack(img), temb)))

@@ -13,12 +13,14 @@ module mirrors `QwenImageTransformer2DModel.forward`, its blocks and
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen, compute_text_seq_len_from_mask
 
 from engine_lib.pipelines.packing import Packing
+from engine_lib.pipelines.taylorseer import packed_attention
 
 
 class QwenPacking(Packing):
@@ -37,6 +39,7 @@ class QwenPacking(Packing):
         # each row's text starts after its own largest image index (host ints: slicing needs no device read)
         self.text_starts = [max(max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in row)
                             for row in shapes]
+        self._text: tuple = (None, None)  # (text length, mask) -> (text_freqs, attention_masks), kept for a forward
 
     def _repeat(self, times: int) -> "QwenPacking":
         return QwenPacking(self.pos_embed, self.img_shapes * times, self.device)
@@ -49,6 +52,13 @@ class QwenPacking(Packing):
         """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
         pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)
         return torch.stack([pos_freqs[start:start + text_len] for start in self.text_starts])
+
+    def text_inputs(self, text_len: int, txt_mask: Optional[torch.Tensor]) -> tuple:
+        """`text_freqs` and `attention_masks`, made once for all the blocks of a forward."""
+        key = self._text[0]
+        if key is None or key[0] != text_len or key[1] is not txt_mask:
+            self._text = (text_len, txt_mask), (self.text_freqs(text_len), self.attention_masks(txt_mask))
+        return self._text[1]
 
     def attention_masks(self, txt_mask: Optional[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """Per group, the joint mask diffusers' processor builds for a batch of its rows: [its rows'
@@ -71,10 +81,17 @@ def _modulate(x: torch.Tensor, mod_params: torch.Tensor) -> tuple[torch.Tensor, 
     return x * (1 + scale) + shift, gate
 
 
-def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[torch.Tensor]],
-               txt_freqs: torch.Tensor, packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(attn, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor], text_len: int,
+               packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module `attn` on a packed image stream (under TaylorSeer: taylorseer.packed_attention)."""
+    return packed_attention(attn, functools.partial(_joint, attn, text_len), packing, img, txt, txt_mask)
+
+
+def _joint(attn, text_len: int, packing: QwenPacking, img: torch.Tensor, txt: torch.Tensor,
+           txt_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
     attention once per group of rows with one image token count, over [their text, their image tokens]."""
+    txt_freqs, masks = packing.text_inputs(text_len, txt_mask)
     head_dim = attn.inner_dim // attn.heads
 
     def heads(x: torch.Tensor) -> torch.Tensor:
@@ -100,14 +117,14 @@ def _attention(attn, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[
     return img_out, attn.to_add_out(txt_joint.contiguous())
 
 
-def _block(block, img: torch.Tensor, txt: torch.Tensor, masks: Optional[list[torch.Tensor]], temb: torch.Tensor,
-           txt_freqs: torch.Tensor, packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(block, img: torch.Tensor, txt: torch.Tensor, txt_mask: Optional[torch.Tensor], temb: torch.Tensor,
+           text_len: int, packing: QwenPacking) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenImageTransformerBlock.forward` on a packed image stream (img [1, T, D]; txt [R, L, D]; temb [R, D])."""
     img_mod1, img_mod2 = packing.per_token(block.img_mod(temb)).chunk(2, dim=-1)
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
     img_modulated, img_gate1 = _modulate(block.img_norm1(img), img_mod1)
     txt_modulated, txt_gate1 = block._modulate(block.txt_norm1(txt), txt_mod1)
-    img_attn, txt_attn = _attention(block.attn, img_modulated, txt_modulated, masks, txt_freqs, packing)
+    img_attn, txt_attn = _attention(block.attn, img_modulated, txt_modulated, txt_mask, text_len, packing)
     img = img + img_gate1 * img_attn
     txt = txt + txt_gate1 * txt_attn
     img_modulated2, img_gate2 = _modulate(block.img_norm2(img), img_mod2)
@@ -143,7 +160,6 @@ def packed_forward(transformer, latents: torch.Tensor, timestep: torch.Tensor, g
         raise NotImplementedError("mixed sizes with zero_cond_t (edit checkpoints) are not supported")
     img = transformer.img_in(packing.pack(latents))
     txt, text_len, txt_mask, temb = embed(transformer, img, timestep, guidance, text_embeds, text_mask)
-    txt_freqs, masks = packing.text_freqs(text_len), packing.attention_masks(txt_mask)
     for block in transformer.transformer_blocks:
-        img, txt = _block(block, img, txt, masks, temb, txt_freqs, packing)
+        img, txt = _block(block, img, txt, txt_mask, temb, text_len, packing)
     return packing.unpack(transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb)))

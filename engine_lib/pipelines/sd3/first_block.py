@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_lib.pipelines import step_cache
+from engine_lib.pipelines import step_cache, taylorseer
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, _block
 
 
@@ -58,6 +58,7 @@ def cached_packed_forward(transformer, loras, latents: torch.Tensor, timestep: t
             img, txt = _block(block, img, txt, temb, packing)
         return img, txt
 
-    img = packing.pack(step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (temb,), run, packing))
+    img = packing.pack(step_cache.run_joint_blocks(groups, loras, packing.unpack(img), txt, (temb,), run, packing,
+                                                   seer=taylorseer.running(transformer)))
     img = transformer.proj_out(packing.norm_out(transformer.norm_out, img, temb))
     return packing.unpatchify(img, transformer.out_channels)

@@ -14,6 +14,7 @@ attention and qk norms included) and `JointAttnProcessor2_0` operation for opera
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Optional
 
@@ -23,6 +24,7 @@ from engine_lib.host_copy import to_device
 from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines.packing import Packing
 from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
+from engine_lib.pipelines.taylorseer import packed_attention
 
 
 class SD3Packing(Packing):
@@ -82,14 +84,19 @@ def _qkv(attn, x: torch.Tensor, projections, norms) -> tuple[torch.Tensor, torch
 
 
 def _attention(attn, img: torch.Tensor, txt: torch.Tensor, packing: SD3Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module `attn` on a packed image stream (under TaylorSeer: taylorseer.packed_attention)."""
+    return packed_attention(attn, functools.partial(_joint, attn), packing, img, txt)
+
+
+def _joint(attn, packing: SD3Packing, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`JointAttnProcessor2_0` with a packed image stream: projections per real token, the joint attention
-    once per group; the text part None after a `context_pre_only` block (its last)."""
+    once per group; the text part unprojected after a `context_pre_only` block (its last), as diffusers'."""
     img_q, img_k, img_v = _qkv(attn, img, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
     txt_q, txt_k, txt_v = _qkv(attn, txt, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
                                (attn.norm_added_q, attn.norm_added_k))
     txt_out, img_out = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, image_first=True)
     img_out = attn.to_out[1](attn.to_out[0](img_out))
-    return img_out, None if attn.context_pre_only else attn.to_add_out(txt_out)
+    return img_out, txt_out if attn.context_pre_only else attn.to_add_out(txt_out)
 
 
 def _self_attention(attn, img: torch.Tensor, packing: SD3Packing) -> torch.Tensor:
