@@ -10,6 +10,7 @@ requests that finished in the same tick.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -20,7 +21,7 @@ import torch
 
 from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
-from engine_lib.pipelines import taylorseer
+from engine_lib.pipelines import packing, taylorseer
 from engine_lib.pipelines.base import InputBatch, PipelineAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
 from engine_lib.runner import ModelRunner
@@ -50,6 +51,35 @@ def load_tiny_adapter(pipeline: str, adapter_cls: type) -> PipelineAdapter:
 def with_cfg_batching(adapter: PipelineAdapter, on: bool) -> PipelineAdapter:
     """The same pipe and options with cfg_batching `on` (off: cond and uncond as two forwards of B rows)."""
     return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "cfg_batching": on})
+
+
+@contextlib.contextmanager
+def packed_attention_on(transformer, backend: str):
+    """Within: the transformer's attention processors on diffusers' `backend` (set on each processor, as the
+    `attention_backend` lever leaves them); yields the backend of each packed attention call, one entry a call."""
+    processors = [m.processor for m in transformer.modules() if hasattr(m, "processor")]
+    saved = [vars(p).get("_attention_backend", _UNSET) for p in processors]
+    calls, dispatch = [], packing.dispatch_attention_fn
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["backend"])
+        return dispatch(*args, **kwargs)
+
+    for processor in processors:
+        processor._attention_backend = backend
+    packing.dispatch_attention_fn = counted
+    try:
+        yield calls
+    finally:
+        packing.dispatch_attention_fn = dispatch
+        for processor, value in zip(processors, saved):
+            if value is _UNSET:
+                del processor._attention_backend
+            else:
+                processor._attention_backend = value
+
+
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -409,7 +439,8 @@ class FlowMatchParitySuite:
         if "taylorseer" not in adapter.capabilities.features:
             pytest.skip(f"{adapter.name} does not run TaylorSeer")
         mixed = self.mixed_size_adapter(adapter)
-        caches = [{"cache": "taylorseer"}, {"cache": "first_block", "cache_threshold": 0.3}, {"cache": "taylorseer"}, {}]
+        seer, first_block = {"cache": "taylorseer"}, {"cache": "first_block", "cache_threshold": 0.3}
+        caches = [seer, first_block, seer, {}]
         inputs = {name: self.params(PROMPTS[i], height=h, width=w, steps=4, seed=i, **caches[i])
                   for i, (name, h, w) in enumerate(self.MIXED["grouped"])}
         module = taylorseer.attention_modules(adapter.pipe.transformer)[-1].to_q

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from engine_lib.interface import to_uint8
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapter
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError
 from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference, with_cfg_batching)
+                           load_tiny_adapter, packed_attention_on, parse, pipe_reference, with_cfg_batching)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
 # (one test runs the default).
@@ -113,11 +114,13 @@ def test_registry_and_flags():
     assert FluxAdapter.cfg_kind == "true_cfg" and FluxAdapter.input_spec("guidance_scale").batch == "row"
 
 
-def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
+@pytest.mark.parametrize("backend", ["native", "flex"])
+def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter, backend):
     """The packed forward over rows whose token counts repeat out of row order (several attention groups;
     2x4 and 4x2 share a count but not their positions), each with its own timestep and guidance, gives every
     row diffusers' forward of that row alone, and zeros on its padding: through the double-stream block,
-    where text and image have their own layers, and the single-stream one, where they share them."""
+    where text and image have their own layers, and the single-stream one, where they share them. With the
+    flex backend the joint attention is one call a block (a block mask over every row's segment)."""
     pipe = adapter.pipe
     transformer = pipe.transformer
     shapes = [(4, 4), (2, 2), (2, 4), (4, 2), (4, 4)]
@@ -131,7 +134,10 @@ def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
     txt_ids = torch.zeros(7, 3)
     packing = FluxPacking(transformer.pos_embed, txt_ids, img_ids, torch.device("cpu"))
     assert [group.rows for group in packing.groups] == [[0, 4], [1], [2, 3]]
-    together = packed_forward(transformer, latents, timestep, guidance, pooled, text, packing)
+    with packed_attention_on(transformer, backend) as calls:
+        together = packed_forward(transformer, latents, timestep, guidance, pooled, text, packing)
+    blocks = len(taylorseer.attention_modules(transformer))
+    assert calls == [backend] * blocks * (1 if backend == "flex" else len(packing.groups))  # flex: one call
     for row, n in enumerate(lengths):
         with torch.inference_mode():
             alone = transformer(hidden_states=latents[row:row + 1, :n], timestep=timestep[row:row + 1],

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from engine_lib.config import EngineConfig
+from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.request import InvalidInputError
-from parity_checks import FlowMatchParitySuite, load_tiny_adapter, parse, pipe_reference, with_cfg_batching
+from parity_checks import (FlowMatchParitySuite, load_tiny_adapter, packed_attention_on, parse, pipe_reference,
+                           with_cfg_batching)
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +105,14 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     assert registry.resolve_model_path(EngineConfig(model_path="/given")) == "/given"
 
 
-def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
+@pytest.mark.parametrize("backend", ["native", "flex"])
+def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter, backend):
     """The packed forward over rows whose token counts repeat out of row order (several attention groups,
     a row with masked text) gives every row diffusers' forward of that row alone, and zeros on its padding.
     Compared on the transformer's output, the most direct check of the packing (the image-level parity suite
-    also catches a row given another row's text, since the tiny model's weights make it see its prompt)."""
+    also catches a row given another row's text, since the tiny model's weights make it see its prompt). With
+    the flex backend the joint attention is one call a block (a block mask over every row's segment), else one
+    call per group."""
     transformer = adapter.pipe.transformer
     shapes = [(1, 4, 4), (1, 2, 2), (1, 2, 4), (1, 4, 2), (1, 4, 4)]
     lengths = [f * h * w for f, h, w in shapes]
@@ -119,7 +124,10 @@ def test_packed_forward_gives_each_row_what_its_own_forward_gives(adapter):
     mask[1, 5:] = 0
     packing = QwenPacking(transformer.pos_embed, shapes, torch.device("cpu"))
     assert [group.rows for group in packing.groups] == [[0, 4], [1], [2, 3]]
-    together = packed_forward(transformer, latents, timestep, None, text, mask, packing)
+    with packed_attention_on(transformer, backend) as calls:
+        together = packed_forward(transformer, latents, timestep, None, text, mask, packing)
+    blocks = len(taylorseer.attention_modules(transformer))
+    assert calls == [backend] * blocks * (1 if backend == "flex" else len(packing.groups))  # flex: one call
     for row, (shape, n) in enumerate(zip(shapes, lengths)):
         with torch.inference_mode():
             alone = transformer(hidden_states=latents[row:row + 1, :n], timestep=timestep[row:row + 1],

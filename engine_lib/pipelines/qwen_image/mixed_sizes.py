@@ -39,7 +39,6 @@ class QwenPacking(Packing):
         # each row's text starts after its own largest image index (host ints: slicing needs no device read)
         self.text_starts = [max(max(h // 2, w // 2) if pos_embed.scale_rope else max(h, w) for _, h, w in row)
                             for row in shapes]
-        self._text: tuple = (None, None)  # (text length, mask) -> (text_freqs, attention_masks), kept for a forward
 
     def _repeat(self, times: int) -> "QwenPacking":
         return QwenPacking(self.pos_embed, self.img_shapes * times, self.device)
@@ -52,21 +51,6 @@ class QwenPacking(Packing):
         """Per row: the text frequencies [R, text_len, D/2], starting at the row's own index."""
         pos_freqs, _ = self.pos_embed._get_device_freqs(self.device)
         return torch.stack([pos_freqs[start:start + text_len] for start in self.text_starts])
-
-    def text_inputs(self, text_len: int, txt_mask: Optional[torch.Tensor]) -> tuple:
-        """`text_freqs` and `attention_masks`, made once for all the blocks of a forward."""
-        key = self._text[0]
-        if key is None or key[0] != text_len or key[1] is not txt_mask:
-            self._text = (text_len, txt_mask), (self.text_freqs(text_len), self.attention_masks(txt_mask))
-        return self._text[1]
-
-    def attention_masks(self, txt_mask: Optional[torch.Tensor]) -> Optional[list[torch.Tensor]]:
-        """Per group, the joint mask diffusers' processor builds for a batch of its rows: [its rows'
-        text mask, all image tokens]; None where the text has no mask."""
-        if txt_mask is None:
-            return None
-        return [torch.cat([txt_mask.index_select(0, g.rows_on_device),
-                           txt_mask.new_ones(len(g.rows), g.length)], dim=1)[:, None, None, :] for g in self.groups]
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -91,7 +75,7 @@ def _joint(attn, text_len: int, packing: QwenPacking, img: torch.Tensor, txt: to
            txt_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """`QwenDoubleStreamAttnProcessor2_0` with a packed image stream: projections per real token, the joint
     attention once per group of rows with one image token count, over [their text, their image tokens]."""
-    txt_freqs, masks = packing.text_inputs(text_len, txt_mask)
+    txt_freqs = packing.kept("text_freqs", text_len, None, lambda: packing.text_freqs(text_len))
     head_dim = attn.inner_dim // attn.heads
 
     def heads(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +94,7 @@ def _joint(attn, text_len: int, packing: QwenPacking, img: torch.Tensor, txt: to
     img_q = apply_rotary_emb_qwen(img_q, packing.img_freqs, use_real=False)  # one sequence: diffusers' own
     img_k = apply_rotary_emb_qwen(img_k, packing.img_freqs, use_real=False)
     txt_q, txt_k = _rotate(txt_q, txt_freqs), _rotate(txt_k, txt_freqs)
-    txt_joint, img_joint = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, masks)
+    txt_joint, img_joint = packing.attend(attn, txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_mask)
     img_out = attn.to_out[0](img_joint)
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)
