@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -80,6 +81,8 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
     reference = load_adapter(base.replace(dtype="float32"))
     _, expected = _wave(reference, inputs)
     del reference
+    if device == "cuda":
+        torch.cuda.empty_cache()
     points = []
     for arm in ARMS:
         params = arm_parameters(arm, device)
@@ -146,7 +149,69 @@ def release_memory() -> list[dict]:
     return rows
 
 
+# Qwen-Image at release size for gpu.sh: the release transformer (RELEASES), diffusers' default VAE (the release's),
+# and a text encoder of the release's width but one layer (the levers change the transformer only).
+RELEASE_TEXT = dict(hidden_size=3584, intermediate_size=3584, num_hidden_layers=1, num_attention_heads=28)
+
+
+def release_preset() -> dict:
+    """The release-size preset in the form of engine_lib/pipelines/qwen_image/tiny.py's presets."""
+    _, config = RELEASES["Qwen-Image (qwen_image)"]
+    transformer = {k: config[k] for k in ("num_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")}
+    return {"transformer": transformer, "vae": {"z_dim": 16}, "text": RELEASE_TEXT,
+            "gains": {"text_values": 1.0, "vae_out": 1.0}}
+
+
+def release_model(out: Path, device: str, dtype: str, preset: str = "release") -> Path:
+    """A random-weight Qwen-Image of `preset` ("release", or a tiny one's name for a check on the CPU) saved in
+    `out` in `dtype`, built on `device` (20B float32 weights fit an H200, not a host's memory); kept once built."""
+    import torch
+    from diffusers import QwenImagePipeline
+
+    from engine_lib.pipelines.qwen_image import tiny
+
+    if (out / "done").exists():
+        return out
+    with torch.device(device):
+        pipe = QwenImagePipeline(**tiny.components(release_preset() if preset == "release" else tiny.PRESETS[preset],
+                                                   seed=0))
+    pipe.to(getattr(torch, dtype)).save_pretrained(out)
+    (out / "done").write_text(preset + "\n")  # last: a half-written folder is built again
+    return out
+
+
+def main(argv: Optional[list] = None) -> None:
+    """gpu.sh's levers table: the scenario at release size on one GPU, written to --out as levers.json and .md."""
+    import argparse
+    import json
+
+    from benchmarks.report import levers_tables
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--preset", default="release", help="release, or a tiny preset (a check on the CPU)")
+    parser.add_argument("--model", default="models/qwen_image-release", help="where the random weights are built")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/gpu")
+    parser.add_argument("--memory", action="store_true", help="print each release's weight sizes and stop")
+    args = parser.parse_args(argv)
+    if args.memory:
+        for row in release_memory():
+            print(f"{row['release']}: {row['params_b']:.2f} B parameters ({row['linear_share']:.1%} in Linear "
+                  "weights); " + ", ".join(f"{fmt} {row[fmt]:.1f} GiB" for fmt in BYTES_PER_WEIGHT))
+        return
+    model = release_model(Path(args.model), args.device, args.dtype, args.preset)
+    result = run(model, args.device, args.dtype, args.size, args.steps, args.batch, args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "levers.json").write_text(json.dumps({**result, "preset": args.preset}, indent=1) + "\n")
+    (out / "levers.md").write_text("\n\n".join(levers_tables(result)) + "\n")
+    print("\n\n".join(levers_tables(result)))
+
+
 if __name__ == "__main__":
-    for row in release_memory():
-        print(f"{row['release']}: {row['params_b']:.2f} B parameters ({row['linear_share']:.1%} in Linear weights); "
-              + ", ".join(f"{fmt} {row[fmt]:.1f} GiB" for fmt in BYTES_PER_WEIGHT))
+    main()

@@ -29,7 +29,10 @@ def configs(gpus: int) -> list[tuple[str, dict, dict]]:
             ("qwen_image", {"sequence_parallel_size": 2}, {}),
             ("flux", {"sequence_parallel_size": 2}, {}),
             ("hunyuan_image3", {"tensor_parallel_size": tp, "expert_parallel": True}, {}),
-            ("hunyuan_image3", {"tensor_parallel_size": tp}, {})]
+            ("hunyuan_image3", {"tensor_parallel_size": tp}, {}),
+            # everything at once on 4 GPUs: two CFG groups of two Ulysses ranks, a LoRA and the step cache
+            ("qwen_image", {"cfg_parallel": True, "sequence_parallel_size": 2},
+             {**CFG, "lora_name": "toy_a", "lora_scale": 0.7, "cache": "first_block"})]
 
 
 def run(engine, inputs: list[dict]) -> tuple[float, list[np.ndarray]]:
@@ -62,7 +65,7 @@ def main() -> None:
     import torch
 
     from engine_lib.config import ConfigError
-    from engine_lib.tiny_models import available, ensure_model
+    from engine_lib.tiny_models import available, ensure_loras, ensure_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -81,19 +84,20 @@ def main() -> None:
         if args.only not in name:
             continue
         preset = args.preset if args.preset in available()[pipeline] else "tiny"
-        world = 2 if parameters.get("cfg_parallel") else max(parameters.get("sequence_parallel_size", 1),
-                                                              parameters.get("tensor_parallel_size", 1))
+        world = (2 if parameters.get("cfg_parallel") else 1) * max(parameters.get("sequence_parallel_size", 1),
+                                                                    parameters.get("tensor_parallel_size", 1))
         row = {"config": name, "preset": preset, "ranks": world}
         rows.append(row)
         if world > gpus:
             row["skipped"] = f"{world} ranks, {gpus} devices"
             continue
         path = str(ensure_model(pipeline, preset))
+        base = {"lora_dir": str(ensure_loras(pipeline, Path(path), Path(path) / "loras"))} if "lora_name" in extra else {}
         inputs = [{"prompt": f"a photo of object {i}", "seed": i, "num_inference_steps": args.steps, **extra}
                   for i in range(args.requests)]
         try:
-            one = measure(path, "cuda:0" if on_cuda else args.device, args.dtype, {}, inputs)
-            ranks = measure(path, args.device, args.dtype, parameters, inputs)
+            one = measure(path, "cuda:0" if on_cuda else args.device, args.dtype, base, inputs)
+            ranks = measure(path, args.device, args.dtype, {**base, **parameters}, inputs)
         except (ConfigError, NotImplementedError) as error:
             row["skipped"] = str(error)
             continue

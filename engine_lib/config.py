@@ -77,7 +77,7 @@ class EngineConfig:
     lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
     max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
     # GPU levers through diffusers' own machinery (engine_lib/pipelines/levers.py)
-    compile: str = "none"  # none, regional (the transformer's repeated blocks); full is refused at load
+    compile: str = "none"  # none, regional (the transformer's repeated blocks), full (and its whole forward)
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: dynamo's graphs and guards, no codegen)
     quantization: str = "none"  # none, int8_weight_only, int8, fp8_weight_only, fp8, int4_weight_only, nf4
     quantize_components: str = "transformer"  # comma-separated pipeline components `quantization` applies to

@@ -8,8 +8,8 @@ cuts it with the same levers diffusers users have, set as config.pbtxt parameter
 * `attention_backend`: diffusers' attention dispatcher (`set_attention_backend`) on every component that has it;
 * `offload`: diffusers' group offloading at leaf level (every leaf module onloads itself, so the engine's own
   block loops, which call a transformer's parts directly, are covered), with streams on CUDA;
-* `compile`: `compile_repeated_blocks` (regional; `full` is refused, see `_compile`), with dynamic shapes from
-  the first compile, so the row and token counts continuous batching changes every tick
+* `compile`: `compile_repeated_blocks` (regional), and with `full` the transformer's whole forward as well, with
+  dynamic shapes from the first compile, so the row and token counts continuous batching changes every tick
   do not recompile; every recompilation dynamo makes is counted (`CompileCounter`);
 * `vae_tiling`: the VAE's own `enable_tiling`.
 
@@ -32,9 +32,7 @@ from engine_lib.config import QUANTIZATIONS, ConfigError
 logger = logging.getLogger(__name__)
 
 # attention backends this code path runs on the CPU (the others are CUDA kernels)
-CPU_ATTENTION = ("native", "_native_math")
-# backends that run but do not keep the images, with what was measured
-WRONG_ATTENTION = {"flex": "its images were 180 levels from native's on the tiny Qwen-Image (CPU, float32)"}
+CPU_ATTENTION = ("native", "_native_math", "flex")
 FP8_DYNAMIC_CAPABILITY = (8, 9)  # e4m3 activations need SM 8.9+ (Ada, Hopper)
 
 
@@ -153,11 +151,6 @@ class CompileCounter:
             self.seconds += time.perf_counter() - start
 
 
-# LoRA per request on an offloaded model: group offloading keeps each leaf's weights as they were when it was
-# applied, so a LoRA loaded later came out 126 levels from the same LoRA without offload (tiny Qwen-Image).
-OFFLOAD_LORA_REFUSAL = "not on this model: offload=group keeps the weights it had before a LoRA loads"
-
-
 @dataclass
 class Applied:
     """What the levers did to one loaded pipeline: its compile counter (None: not compiled)."""
@@ -236,9 +229,6 @@ def _set_attention(pipe: Any, device: Any, backend: str) -> None:
         _check_attention_backend_requirements(AttentionBackendName(backend))
     except (RuntimeError, ImportError, ValueError) as exc:
         raise ConfigError(f"parameter 'attention_backend': {backend} cannot run here: {exc}") from None
-    if backend in WRONG_ATTENTION:
-        raise ConfigError(f"parameter 'attention_backend': {backend} does not keep the images here: "
-                          f"{WRONG_ATTENTION[backend]}; use native")
     if device.type != "cuda" and backend not in CPU_ATTENTION:
         raise ConfigError(f"parameter 'attention_backend': {backend} is a CUDA kernel; this instance runs on {device} "
                           f"(on the CPU: {', '.join(CPU_ATTENTION)})")
@@ -261,11 +251,6 @@ def _compile(pipe: Any, levers: Levers) -> CompileCounter:
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         raise ConfigError("parameter 'compile': this pipeline has no transformer to compile")
-    if levers.compile == "full":
-        # Measured: traced whole (eager backend), the tiny Qwen-Image's images came out 122 levels from eager's;
-        # the cause is not found yet. Regional compile leaves the code between the blocks to eager.
-        raise ConfigError("parameter 'compile': full (the whole transformer in one graph) does not keep the images "
-                          "of eager here; use compile=regional")
     # the classes diffusers declares repeated, else those of the transformer's block list (SD3 declares none)
     blocks = transformer._repeated_blocks or sorted({type(b).__name__ for b in
                                                      getattr(transformer, "transformer_blocks", ())})
@@ -277,6 +262,10 @@ def _compile(pipe: Any, levers: Levers) -> CompileCounter:
     # dynamic=True: the rows and tokens of a step batch are symbolic from the first compile, so the shapes
     # continuous batching makes every tick reuse one graph (a batch of 1 is specialised once).
     transformer.compile_repeated_blocks(dynamic=True, backend=counter)
+    if levers.compile == "full":
+        # the whole forward in one graph (dynamo inlines the compiled blocks); the engine's paths that call the
+        # blocks themselves (step cache, mixed sizes, the parallel ranks' split) keep the compiled blocks
+        transformer.compile(dynamic=True, backend=counter)
     return counter
 
 
@@ -297,18 +286,16 @@ def weight_bytes(pipe: Any) -> dict[str, int]:
             for name, module in _modules(pipe).items()}
 
 
-def refuse_levers(adapter_cls: Any, levers: Levers, world_size: int = 1) -> None:
-    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers, and
-    the parallel ranks load their own copies of the model without them."""
+def refuse_levers(adapter_cls: Any, levers: Levers) -> None:
+    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers. (The
+    parallel ranks load their model as the instance does, `adapter_cls.load` with the same options: each applies
+    the levers to its own copy.)"""
     if not levers.any:
         return
     changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
     if not hasattr(adapter_cls, "pipeline_class"):
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
-    if world_size > 1:
-        raise ConfigError(f"parameter '{changed[0]}': does not run with several ranks (each rank loads its own copy of "
-                          "the model without the levers); set it to its default or run one rank")
 
 
 def describe(adapter: Any) -> str:

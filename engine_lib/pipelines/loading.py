@@ -25,6 +25,4 @@ def load_diffusers(cls: Any, model_path: str, device: torch.device, dtype: torch
     pipe.set_progress_bar_config(disable=True)
     adapter = cls(pipe, torch.device(device), dtype, options)
     adapter.levers = applied
-    if chosen.offload != "none" and getattr(adapter, "loras", None) is not None:
-        adapter.loras.refusal = levers.OFFLOAD_LORA_REFUSAL
     return adapter

@@ -2,10 +2,10 @@
 size joins the running batch, and a short compatible request passes an incompatible head instead of
 waiting behind it. Order-based, held by the tick budget.
 
-The server also runs GPU levers a CPU has (int8 weights, an attention backend), which order does not depend
-on; the last test checks them as served: images, the weight bytes gauge, the recompilation counter (0 without
-compile; compiled: tests/pipelines/test_levers.py, where dynamo's tracing takes seconds per shape) and the load
-log."""
+The server also runs GPU levers a CPU has (int8 weights, an attention backend, regional compile on dynamo's
+eager backend: inductor's C++ build takes minutes per graph here), which order does not depend on; the last test
+checks them as served: images, the weight bytes gauge, the recompilation counter and the load log (its compile
+time and weight bytes)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,13 @@ from engine_lib.tiny_models import ensure_model
 from .conftest import module_server
 from .streaming import RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape, wait_for_metric
 
-LEVERS = dict(quantization="int8_weight_only", attention_backend="_native_math")
+LEVERS = dict(quantization="int8_weight_only", attention_backend="_native_math", compile="regional",
+              compile_backend="eager")
 step_server = module_server("scheduling", step_execution="true", max_num_seqs="2", mixed_size_batching="true",
                             **LEVERS)
+
+
+RECOMPILES = 4  # measured 3 in-process for these two requests from a cold start (CFG's rows, the sizes' tokens)
 
 
 def final_order(streams: list[RequestStream]) -> list[str]:
@@ -89,11 +93,13 @@ def test_a_compatible_request_passes_an_incompatible_head(step_server):
 
 def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recompiles(step_server):
     """int8 weights at most 0.35x of the checkpoint's float32 transformer (by the gauge), two sizes (one with CFG,
-    one with a LoRA) sharing forwards, and the load log naming the levers and the weight bytes."""
+    one with a LoRA) sharing compiled forwards, and the load log naming the levers, the warm-up's compile time
+    and the weight bytes."""
     url, labels = step_server.grpc_url, {"model": "qwen_image"}
     log = step_server.log_text()
-    assert re.search(r"levers quantization=int8_weight_only attention_backend=_native_math; weight bytes: .*"
-                     r"transformer [\d.]+ MiB", log), log[-2000:]
+    assert re.search(r"levers compile=regional compile_backend=eager quantization=int8_weight_only "
+                     r"attention_backend=_native_math, compiled [1-9]\d* graph\(s\) in [\d.]+ s, \d+ "
+                     r"recompilation\(s\); weight bytes: .*transformer [\d.]+ MiB", log), log[-2000:]
     before = metric(scrape(step_server.metrics_url), "diffusion_compile_recompiles_total", **labels)
     requests = [dict(prompt="a red car", height=64, width=48, num_inference_steps=3, seed=7, num_images=2),
                 dict(prompt="a bowl of fruit", height=32, width=64, num_inference_steps=4, seed=8,
@@ -110,5 +116,7 @@ def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recomp
     served = metric(samples, "diffusion_weight_bytes", component="transformer", **labels)
     assert 0 < served <= 0.35 * float32, (served, float32)
     assert metric(samples, "diffusion_weight_bytes", component="vae", **labels) > 0
-    assert metric(samples, "diffusion_compile_recompiles_total", **labels) == before == 0
+    recompiles = metric(samples, "diffusion_compile_recompiles_total", **labels) - before
+    print(f"served with regional compile: {recompiles:.0f} recompilation(s) for two new sizes, a LoRA and CFG")
+    assert 0 <= recompiles <= RECOMPILES
 
