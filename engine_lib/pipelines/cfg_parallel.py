@@ -1,14 +1,18 @@
-"""CFG-parallel: a true-CFG tick's two transformer forwards on two ranks (the `cfg_parallel` parameter).
+"""CFG-parallel: a true-CFG tick's two transformer forwards on two groups of ranks (the `cfg_parallel` parameter).
 
 The driver (the engine's process) keeps every request's state, the text encoding, the scheduler
-steps and the decode; each tick it sends rank 0 the batch's cond text and rank 1 its uncond text,
-with the same latents, timesteps and per-row inputs. Each rank runs the transformer forward of
-its half, rank 1's prediction is gathered to rank 0, and rank 0 combines the two with the
-adapter's own `_combine_cfg`, the operations of the single-process path, and returns the guided
-prediction to the driver. Only the transformer runs on the ranks, so the engine's contracts
-(keys, pauses, previews, decode groups) are unchanged. Each row runs under its own LoRA on both
-ranks (the call's row plan), and a request's step cache of a branch lives on that branch's rank
-(rank_states.py).
+steps and the decode; each tick it sends the first group the batch's cond text and the second its
+uncond text, with the same latents, timesteps and per-row inputs. Each group runs the transformer
+forward of its half, and rank 0 combines the two predictions with the adapter's own `_combine_cfg`,
+the operations of the single-process path, and returns the guided prediction to the driver. Only
+the transformer runs on the ranks, so the engine's contracts (keys, pauses, previews, decode
+groups) are unchanged. Each row runs under its own LoRA on every rank (the call's row plan), and
+a request's step cache of a branch lives on that branch's ranks (rank_states.py).
+
+A group is one rank, or with `sequence_parallel_size` n > 1 n ranks (2n in all: ranks 0..n-1 run
+the cond forward, n..2n-1 the uncond one) that split that forward's tokens with Ulysses attention
+among themselves (sequence_parallel.py: each group its own all_to_all); the ranks' token shards
+are gathered to rank 0, each group's joined along the tokens (`sequence_parallel.gather_tokens`).
 """
 
 from __future__ import annotations
@@ -16,25 +20,30 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
 from engine_lib.pipelines.rank_states import RankStates, RowFacts
+from engine_lib.pipelines.sequence_parallel import enable_ulysses, gather_tokens
 
-SIDES = ("cond", "uncond")  # rank r runs the rows of SIDES[r]
+SIDES = ("cond", "uncond")  # group g runs the rows of SIDES[g]
 
 
 def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
-    """Two workers, each loading the pipeline on its device (both CPUs over gloo, or cuda:0 and cuda:1)."""
-    return start_pipeline_ranks(CfgRank, adapter_cls, model_path, device, dtype, options, len(SIDES), timeout_s)
+    """Two groups of `sequence_parallel_size` workers, each loading the pipeline on its device (CPUs over gloo,
+    or one GPU each)."""
+    degree = options["parallel"]["sequence_parallel_size"]
+    return start_pipeline_ranks(CfgRank, adapter_cls, model_path, device, dtype, options, len(SIDES) * degree,
+                                timeout_s)
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
             scale: float, facts: list[RowFacts], plan: list, tally: Counter) -> torch.Tensor:
     """The guided prediction of a tick, computed on the ranks, on the latents' device (`plan`: each row's LoRA);
-    `tally` (the driver's count of step cache decisions) gets each branch's, made on its rank."""
-    args = [(latents, timestep, text[side], rows, scale, facts, plan) for side in SIDES]
+    `tally` (the driver's count of step cache decisions) gets each branch's, made on its ranks (each group's
+    first rank answers for its group: its ranks decide alike)."""
+    degree = group.world_size // len(SIDES)
+    args = [(latents, timestep, text[side], rows, scale, facts, plan) for side in SIDES for _ in range(degree)]
     replies = group.call_all("forward", args)
     for _, decisions in replies:
         tally.update(decisions)
@@ -42,10 +51,14 @@ def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, t
 
 
 class CfgRank:
-    """One rank's handler: the transformer forward of its CFG side."""
+    """One rank's handler: the transformer forward of its CFG side (its share of the tokens, in a group of
+    several ranks)."""
 
     def __init__(self, adapter, rank: int, world_size: int):
-        self.adapter, self.rank = adapter, rank
+        self.adapter, self.rank, self.world_size = adapter, rank, world_size
+        self.degree = world_size // len(SIDES)  # ranks per CFG group
+        if self.degree > 1:
+            enable_ulysses(adapter.pipe.transformer, self.degree, adapter.device)
         self.held = RankStates()
 
     def held_states(self) -> int:
@@ -57,8 +70,8 @@ class CfgRank:
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, facts, plan):
-        """Rank 0: the guided prediction; every rank: its step cache decisions of this call."""
-        side = SIDES[self.rank]
+        """Rank 0: the guided prediction; each group's first rank: its step cache decisions of this call."""
+        side = SIDES[self.rank // self.degree]
         failed = None
         self.adapter.cache_steps.clear()
         try:
@@ -68,9 +81,9 @@ class CfgRank:
         except Exception as error:
             failed, pred = error, torch.zeros_like(latents)
         agree(failed, latents.device)  # every rank learns whether both forwards ran: they stay in step
-        preds = [torch.empty_like(pred) for _ in SIDES] if self.rank == 0 else None
-        dist.gather(pred.contiguous(), preds, dst=0)
-        decisions = dict(self.adapter.cache_steps)
+        preds = gather_tokens(pred, latents.shape[1], self.rank, self.world_size, self.degree)
+        decisions = dict(self.adapter.cache_steps) if self.rank % self.degree == 0 else {}
         if self.rank != 0:
             return None, decisions
+        preds = preds.chunk(len(SIDES))
         return self.adapter._combine_cfg(preds[0], preds[1], scale), decisions

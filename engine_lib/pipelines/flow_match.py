@@ -79,13 +79,6 @@ IMAGE_INPUTS = (interface.PROMPT, interface.NEGATIVE_PROMPT, interface.HEIGHT, i
                 interface.output_format("png"), interface.PRIORITY, *LORA_INPUTS)
 
 
-def without_sequence_parallel_caches(capabilities):
-    """`capabilities` with the first-block cache refused under sequence_parallel: its decision reads the first
-    block's residual over every token, and each rank holds a share of them (TaylorSeer decides by step: it runs)."""
-    return capabilities.refuse("sequence_parallel", "first_block", "each rank would decide from its own share of "
-                               "the tokens")
-
-
 @dataclass
 class FlowMatchState(RequestState):
     """One request of a flow-matching image pipeline between steps."""
@@ -370,12 +363,14 @@ class FlowMatchAdapter(DiffusersAdapter):
             scales = {self.cfg_scale(s.params) for s in states}
             assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
             scale = scales.pop()
-        if self.workers is not None and self.sequence_parallel_size > 1:  # every rank its tokens
-            return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching,
-                                             RowFacts.of(states), plan, self.cache_steps)
-        if self.workers is not None and scale is not None:  # cond rows on rank 0, uncond rows on rank 1
+        cfg_ranks = bool((self.options.get("parallel") or {}).get("cfg_parallel"))
+        if self.workers is not None and cfg_ranks and scale is not None:  # cond rows on the first group of ranks,
+            # uncond rows on the second (each group one rank, or sequence_parallel_size ranks that split the tokens)
             return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale, RowFacts.of(states),
                                         plan, self.cache_steps)
+        if self.workers is not None and not cfg_ranks and self.sequence_parallel_size > 1:  # every rank its tokens
+            return sequence_parallel.forward(self.workers, latents, timestep, text, rows, scale, self.cfg_batching,
+                                             RowFacts.of(states), plan, self.cache_steps)
         return self._predict(latents, timestep, text, rows, states, scale)
 
     def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 from unittest import mock
 
 import torch
@@ -53,16 +54,46 @@ def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, t
     return prediction.to(latents.device)
 
 
-def gather_tokens(shard: torch.Tensor, tokens: int, rank: int, world_size: int) -> Optional[torch.Tensor]:
-    """Rank 0: the ranks' shards of a [B, tokens, C] output joined in rank order, each rank's at the offset
-    `tensor_split` gave it; the other ranks: None. The shards are padded to the first (the longest) for one gather."""
-    sizes = [len(part) for part in torch.arange(tokens).tensor_split(world_size)]
+def gather_tokens(shard: torch.Tensor, tokens: int, rank: int, world_size: int,
+                  degree: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Rank 0: the ranks' shards of a [B, tokens, C] output joined, each rank's at the offset `tensor_split` gave
+    it; the other ranks: None. The ranks form groups of `degree` consecutive ranks (default: one group of all),
+    each group's shards joined along the tokens in rank order and the groups' outputs along the rows (cfg_parallel:
+    the cond then the uncond rows). The shards are padded to the first (the longest) for one gather."""
+    degree = degree or world_size
+    sizes = [len(part) for part in torch.arange(tokens).tensor_split(degree)] * (world_size // degree)
     padded = F.pad(shard, (0, 0, 0, sizes[0] - shard.shape[1])).contiguous()
     parts = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
     dist.gather(padded, parts, dst=0)
     if rank != 0:
         return None
-    return torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1)
+    joined = torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1)
+    return torch.cat(joined.split(tokens, dim=1))
+
+
+@dataclass(frozen=True)
+class TokenShare:
+    """A rank's share of a forward's tokens under the transformer's context parallelism: what the plan's hooks split
+    (`split`, their own sharder), and sums over every rank of its Ulysses group (`total`), so a decision over the
+    whole sequence (the first-block cache's) is the same on every rank."""
+
+    mesh: Any  # the group's DeviceMesh (ring x ulysses, flattened), as the hooks split over it
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        from diffusers.hooks.context_parallel import PartitionAnythingSharder
+
+        return PartitionAnythingSharder.shard_anything(x, dim, self.mesh)
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.mesh.get_group())
+        return x
+
+
+def token_share(transformer: torch.nn.Module) -> Optional[TokenShare]:
+    """The transformer's TokenShare on a sequence-parallel rank (None: it runs every token itself)."""
+    config = getattr(transformer, "_parallel_config", None)
+    context = None if config is None else config.context_parallel_config
+    return None if context is None else TokenShare(context._flattened_mesh)
 
 
 def enable_ulysses(transformer: torch.nn.Module, degree: int, device: torch.device) -> None:
@@ -71,7 +102,9 @@ def enable_ulysses(transformer: torch.nn.Module, degree: int, device: torch.devi
     from torch.distributed.device_mesh import init_device_mesh
 
     plan = {name: entry for name, entry in transformer._cp_plan.items() if isinstance(entry, dict)}  # the splits
-    mesh = init_device_mesh(device.type, (1, degree), mesh_dim_names=("ring", "ulysses"))
+    # One Ulysses group per `degree` consecutive ranks (cfg_parallel's CFG groups: the "cfg" dimension).
+    groups = dist.get_world_size() // degree
+    mesh = init_device_mesh(device.type, (groups, 1, degree), mesh_dim_names=("cfg", "ring", "ulysses"))
     config = ContextParallelConfig(ulysses_degree=degree, ulysses_anything=True, mesh=mesh)
     no_accelerator = torch.accelerator.device_count() == 0
     with mock.patch.object(torch.accelerator, "device_count", return_value=1) if no_accelerator \

@@ -112,23 +112,38 @@ def row_groups(states: list, branches: tuple[str, ...], tokens: Optional[list[in
     return groups
 
 
-def should_compute(groups: list[RowGroup], head_residual: torch.Tensor) -> list[bool]:
+def should_compute(groups: list[RowGroup], head_residual: torch.Tensor, share=None) -> list[bool]:
     """diffusers' `_should_compute_remaining_blocks` for each group, from its own rows of `head_residual`: a
     group without a previous residual (its first step) or without caching computes. One host read per tick
-    for all the groups that compare."""
+    for all the groups that compare. On a sequence-parallel rank (`share`: sequence_parallel.TokenShare) each rank
+    holds its share of the tokens: the change is the ratio of the sums over every rank's tokens (the ratio of the
+    means), so every rank decides alike."""
     compared = [g for g in groups if g.threshold is not None and g.cache.head_residual is not None]
     diffs = {}
     if compared:
         values = []
         for g in compared:
             prev = g.cache.head_residual
-            absmean = (g.own(head_residual) - prev).abs().mean()
-            values.append(absmean / prev.abs().mean())
-        diffs = dict(zip(map(id, compared), torch.stack(values).tolist()))
-    return [id(g) not in diffs or diffs[id(g)] > g.threshold for g in groups]
+            if share is None:
+                absmean = (g.own(head_residual) - prev).abs().mean()
+                values.append(absmean / prev.abs().mean())
+            else:
+                values.append(torch.stack([(g.own(head_residual) - prev).abs().sum(), prev.abs().sum()]))
+        values = torch.stack(values)
+        if share is not None:
+            sums = share.total(values)
+            values = sums[:, 0] / sums[:, 1]
+        diffs = dict(zip(map(id, compared), values.tolist()))
+    compute = [id(g) not in diffs or diffs[id(g)] > g.threshold for g in groups]
+    if share is not None and compared:  # a rank that skips while another computes would wait in its collectives
+        agreed = share.total(to_device(compute, head_residual.device, torch.int32)).tolist()
+        if any(n not in (0, share.mesh.size()) for n in agreed):
+            raise RuntimeError(f"the sequence-parallel ranks' first-block cache decisions differ: {agreed}")
+    return compute
 
 
-def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest) -> torch.Tensor:
+def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest, share=None,
+               head_in: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The image stream after every block. `head(img)` runs the first block over every row and returns its image
     output; `rest(img, rows, index)` runs the other blocks over the rows `rows` (host ints; `index` the same on the
     device; both None: every row), `img` being those rows of the first block's output, and returns their image
@@ -137,13 +152,16 @@ def run_blocks(groups: Optional[list[RowGroup]], img: torch.Tensor, head, rest) 
     Without groups every row runs every block. With them, each group that computes keeps its first block's
     residual and the residual the other blocks added (diffusers' head and tail residuals); each group that does
     not leaves after the first block, with its last tail residual added (`tail + head output`, diffusers' order).
+
+    On a sequence-parallel rank (`share`) the groups decide over every rank's tokens (`should_compute`); `head_in`
+    is the first block's input as its output's tokens, where the first block takes the rank's share itself.
     """
-    head_in = img
+    head_in = img if head_in is None else head_in
     img = head(img)
     if groups is None:
         return rest(img, None, None)
     head_residual = img - head_in
-    compute = should_compute(groups, head_residual)
+    compute = should_compute(groups, head_residual, share)
     for group, computes in zip(groups, compute):
         if group.tally is not None:
             group.tally["computed" if computes else "reused"] += 1
@@ -181,7 +199,7 @@ def take(x: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Optional[t
 
 
 def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor, txt: torch.Tensor, per_row: tuple,
-                     run, packing=None, seer=None) -> torch.Tensor:
+                     run, packing=None, seer=None, share=None, head_in=None) -> torch.Tensor:
     """`run_blocks` for blocks that carry an image and a text stream. `run(which, img, txt, *per_row)` runs the
     blocks `blocks[which]` (a slice) and returns (img, txt); the rows that compute run the blocks after the first
     under their own LoRA plan, with their rows of the first block's text output and of `per_row` (the other
@@ -190,7 +208,7 @@ def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor,
     With `packing`, `img` is the padded [R, longest, ...] layout and `run` gets the packed stream and its packing
     last: the rows that compute are packed on their own (`packing.subset`, made in that tick) under their tokens'
     LoRA plan (every row: the caller's plan holds). `seer`: the forward's TaylorSeer plan (taylorseer.py), told
-    which rows run the blocks after the first."""
+    which rows run the blocks after the first. `share`, `head_in`: on a sequence-parallel rank (`run_blocks`)."""
     head_txt = []
 
     def blocks(which, img, txt, per_row, rows):
@@ -212,4 +230,4 @@ def run_joint_blocks(groups: Optional[list[RowGroup]], loras, img: torch.Tensor,
                 contextlib.nullcontext() if seer is None else seer.only(rows):
             return blocks(slice(1, None), img, take(head_txt[0], index), [take(x, index) for x in per_row], rows)[0]
 
-    return run_blocks(groups, img, head, rest)
+    return run_blocks(groups, img, head, rest, share, head_in)

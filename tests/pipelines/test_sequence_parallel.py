@@ -1,5 +1,6 @@
 """Sequence-parallel Qwen-Image (with true CFG) and Flux: each forward's image and text tokens split over two CPU
-worker processes over gloo (Ulysses attention), against the single-process adapter on the tiny models.
+worker processes over gloo (Ulysses attention), against the single-process adapter on the tiny models, with per-row
+LoRAs and both step caches.
 
 One worker group per pipeline serves the module. The ranks attend over the joint sequence in another token order
 (each rank's text then image tokens), so the sums differ from the single-process ones in their last bits: the
@@ -22,6 +23,7 @@ from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
+from step_cache_checks import cached_inputs, diffusers_cache, hook_decisions
 
 LATENT_BOUND = 1e-5
 TAYLORSEER_BOUND = 2e-4  # rows that predict with TaylorSeer (measured: 1.5e-4 for Qwen-Image)
@@ -55,14 +57,19 @@ def flux_sp():
     yield from sequence_parallel("flux")
 
 
-def assert_same_run(parallel, single, arrivals, bound=LATENT_BOUND):
-    """Every step's latents within `bound` of the single-process run's, its images within 1 uint8 level; the
-    ranks ran every tick (and freed each TaylorSeer request's factors), and hold no request state after it."""
+def assert_same_run(parallel, single, arrivals):
+    """Every step's latents within LATENT_BOUND of the single-process run's (TaylorSeer's rows: TAYLORSEER_BOUND),
+    its images within 1 uint8 level, the same step cache decisions (counted by the driver as one process counts
+    its own); the ranks ran every tick (and freed each caching request's state), and hold no request state after
+    it."""
     calls = parallel.workers.calls
+    ranks, one = Counter(parallel.cache_steps), Counter(single.cache_steps)
     latents, images = step_latents(parallel, arrivals)
     ticks = parallel.workers.calls - calls
     expected_latents, expected_images = step_latents(single, arrivals)
-    for rid in arrivals:
+    assert parallel.cache_steps - ranks == single.cache_steps - one
+    for rid, (_, p) in arrivals.items():
+        bound = TAYLORSEER_BOUND if p.cache == "taylorseer" else LATENT_BOUND
         assert np.abs(latents[rid] - expected_latents[rid]).max() <= bound, rid
         levels = np.abs(to_uint8(images[rid]).astype(int) - to_uint8(expected_images[rid]).astype(int))
         assert levels.max() <= 1, rid
@@ -124,21 +131,39 @@ def test_mixed_loras_in_a_step_batch_joined_at_different_ticks_equal_the_single_
 
 
 @pytest.mark.parametrize("pipeline", ["qwen_image", "flux"])
-def test_taylorseer_next_to_plain_rows_under_mixed_loras_equals_the_single_process_run(pipeline, request):
-    """Each rank keeps the TaylorSeer factors of its share of the tokens. TaylorSeer extrapolates from the
-    differences of its last computed steps, so the ranks' last-bit differences (their token order: the plain rows
-    stay within LATENT_BOUND) grow about tenfold in its rows: within TAYLORSEER_BOUND there, images within 1 level."""
+def test_step_caches_next_to_plain_rows_under_mixed_loras_equal_the_single_process_run(pipeline, request):
+    """Each rank keeps the first block's residuals and the TaylorSeer factors of its share of the tokens; the
+    first-block cache decides over every rank's tokens (the sums of the residual change all-reduced), so every
+    rank decides as one process does. TaylorSeer extrapolates from the differences of its last computed steps, so
+    the ranks' last-bit differences (their token order: the other rows stay within LATENT_BOUND) grow about
+    tenfold in its rows: within TAYLORSEER_BOUND there, images within 1 level."""
     single, parallel = request.getfixturevalue(pipeline.split("_")[0]), request.getfixturevalue(
         pipeline.split("_")[0] + "_sp")
     inputs = CFG if pipeline == "qwen_image" else dict(max_sequence_length=7)
     batch = mixed_loras(single, **inputs)
-    arrivals = {rid: (at, parse(single, {**p, "num_inference_steps": 6, **({"cache": "taylorseer"} if i < 2 else {})}))
-                for i, (rid, (at, p)) in enumerate(batch.items())}
-    assert_same_run(parallel, single, {"r2": (0, arrivals["r2"][1])})  # the plain row alone: LATENT_BOUND
-    ranks, one = Counter(parallel.cache_steps), Counter(single.cache_steps)
-    assert_same_run(parallel, single, arrivals, bound=TAYLORSEER_BOUND)
+    caches = [dict(cache="first_block", cache_threshold=0.3), dict(cache="taylorseer"), {}]
+    arrivals = {rid: (at, parse(single, {**p, "num_inference_steps": 6, **cache}))
+                for (rid, (at, p)), cache in zip(batch.items(), caches)}
+    one = Counter(single.cache_steps)
+    assert_same_run(parallel, single, arrivals)
     one = single.cache_steps - one
-    assert one["reused"] > 0 and parallel.cache_steps - ranks == one  # the driver counts the ranks' decisions
+    assert one["reused"] >= 2, one  # each kind of cache reused steps
+
+
+def test_first_block_decisions_at_the_edge_are_made_over_every_rank_s_tokens(qwen_sp, qwen):
+    """Thresholds at 0.999 and 1.001 times the second step's change over the whole sequence (as diffusers' hook
+    measures it in one process): the ranks compute, then reuse, that step as one process does. Each rank's own
+    share of the tokens changes more or less than the whole, so ranks that decided from their share alone would
+    decide differently at one of them (they refuse to: the call fails)."""
+    base = {"prompt": "a cat", "num_inference_steps": 3, "height": 64, "width": 64, "seed": 3}
+    p = parse(qwen, cached_inputs(base, 0.0))
+    with hook_decisions() as measured, diffusers_cache(qwen.pipe.transformer, 0.0):
+        qwen.pipe(**qwen.pipe_kwargs(p), output_type="np")
+    edge = measured[0][0]
+    for scale, reused in ((0.999, 0), (1.001, 1)):
+        one = Counter(qwen.cache_steps)
+        assert_same_run(qwen_sp, qwen, {"edge": (0, parse(qwen, cached_inputs(base, float(np.float32(edge * scale)))))})
+        assert (qwen.cache_steps - one)["reused"] == reused, scale
 
 
 def test_what_the_ranks_cannot_run_is_refused_naming_the_input(qwen_sp):

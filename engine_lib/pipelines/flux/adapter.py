@@ -27,8 +27,7 @@ import torch
 
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
-                                             FlowMatchState, TextParts, max_sequence_length,
-                                             without_sequence_parallel_caches)
+                                             FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.flux.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
@@ -64,8 +63,8 @@ class FluxAdapter(FlowMatchAdapter):
         *ALL_CACHE_INPUTS,
     )
     state_class = FluxState
-    capabilities = without_sequence_parallel_caches(FlowMatchAdapter.capabilities.with_features(
-        "mixed_sizes", "first_block", "taylorseer", "sequence_parallel"))
+    capabilities = FlowMatchAdapter.capabilities.with_features(
+        "mixed_sizes", "first_block", "taylorseer", "sequence_parallel")
     batch_inputs = ("txt_ids", "img_ids")  # one text length and image size per forward (without packing)
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 

@@ -7,6 +7,10 @@ for operation (rows of one size), `cached_packed_forward` is mixed_sizes.packed_
 sizes), each with its block loop handed to `step_cache.run_joint_blocks`: the head over every row, the others over
 the rows that compute, taken by index with their text stream and timestep embedding (and, packed, their own
 positions). A row that computes every block gets what the plain forward gives it (bitwise for a solo request).
+
+On a sequence-parallel rank the plan splits the forward's inputs (sequence_parallel.py), which `cached_forward`
+does not call: it takes the rank's share of the image and text tokens and of their ids itself, as the plan's hook
+would, and the groups decide over every rank's tokens (`step_cache.should_compute`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from engine_lib.pipelines import step_cache, taylorseer
+from engine_lib.pipelines import sequence_parallel, step_cache, taylorseer
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, _double_block, _single_block, embed
 
 
@@ -29,6 +33,10 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
                    pooled: torch.Tensor, text_embeds: torch.Tensor, txt_ids: torch.Tensor, img_ids: torch.Tensor,
                    groups: list[step_cache.RowGroup], seer=None) -> torch.Tensor:
     """`FluxTransformer2DModel.forward` (rows of one size, one RoPE table) with per-group skips."""
+    share = sequence_parallel.token_share(transformer)
+    if share is not None:  # the splits of the forward's hook
+        latents, text_embeds = share.split(latents, 1), share.split(text_embeds, 1)
+        txt_ids, img_ids = share.split(txt_ids, 0), share.split(img_ids, 0)
     img = transformer.x_embedder(latents)
     temb, txt = embed(transformer, img, timestep, guidance, pooled, text_embeds)
     rope = transformer.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
@@ -39,7 +47,7 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run, seer=seer)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (temb,), run, seer=seer, share=share)
     return transformer.proj_out(transformer.norm_out(img, temb))
 
 

@@ -22,8 +22,7 @@ import torch
 
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_CFG_SCALE, FlowMatchAdapter,
-                                             FlowMatchState, TextParts, max_sequence_length,
-                                             without_sequence_parallel_caches)
+                                             FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
@@ -59,8 +58,9 @@ class QwenImageAdapter(FlowMatchAdapter):
     )
     state_class = QwenImageState
     pads_text = True
-    capabilities = without_sequence_parallel_caches(FlowMatchAdapter.capabilities.with_features(
-        "mixed_sizes", "first_block", "taylorseer", "cfg_parallel", "sequence_parallel"))
+    capabilities = FlowMatchAdapter.capabilities.with_features(
+        "mixed_sizes", "first_block", "taylorseer", "cfg_parallel", "sequence_parallel").allow(
+        "cfg_parallel", "sequence_parallel")  # two CFG groups of sequence-parallel ranks (cfg_parallel.py)
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
     def __init__(self, pipe, device, dtype, options=None):

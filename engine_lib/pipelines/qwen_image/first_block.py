@@ -5,6 +5,10 @@
 handed to `step_cache.run_joint_blocks`: the first block over every row, the others over the rows that compute,
 taken by index with their text stream, text mask, timestep embedding (and, packed, their own positions).
 A row that computes every block gets what the plain forward gives it (bitwise for a solo request).
+
+On a sequence-parallel rank the plan's hooks split the first block's image and text input and the RoPE tables
+(sequence_parallel.py): the blocks run the rank's share of the tokens, the first block's residual is taken
+against its share of the input, and the groups decide over every rank's tokens (`step_cache.should_compute`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from engine_lib.pipelines import step_cache, taylorseer
+from engine_lib.pipelines import sequence_parallel, step_cache, taylorseer
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, _block, embed
 
 
@@ -37,10 +41,13 @@ def cached_forward(transformer, loras, latents: torch.Tensor, timestep: torch.Te
     def run(which, img, txt, mask, temb):
         for block in blocks[which]:
             txt, img = block(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=mask,
-                             temb=temb, image_rotary_emb=rope)
+                             temb=temb, image_rotary_emb=rope, modulate_index=None)  # (named: the plan's hooks
+            # look up every input they split by name)
         return img, txt
 
-    img = step_cache.run_joint_blocks(groups, loras, img, txt, (txt_mask, temb), run, seer=seer)
+    share = sequence_parallel.token_share(transformer)
+    img = step_cache.run_joint_blocks(groups, loras, img, txt, (txt_mask, temb), run, seer=seer, share=share,
+                                      head_in=None if share is None else share.split(img, 1))
     return transformer.proj_out(transformer.norm_out(img, temb))
 
 
