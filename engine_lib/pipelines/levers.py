@@ -286,16 +286,20 @@ def weight_bytes(pipe: Any) -> dict[str, int]:
             for name, module in _modules(pipe).items()}
 
 
-def refuse_levers(adapter_cls: Any, levers: Levers) -> None:
-    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers. (The
-    parallel ranks load their model as the instance does, `adapter_cls.load` with the same options: each applies
-    the levers to its own copy.)"""
+def refuse_levers(adapter_cls: Any, levers: Levers, parallel: Optional[dict] = None) -> None:
+    """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers. The
+    parallel ranks load their model as the instance does (`adapter_cls.load` with the same options): each applies
+    the levers to its own copy, but compile does not trace the sequence-parallel split."""
     if not levers.any:
         return
     changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
     if not hasattr(adapter_cls, "pipeline_class"):
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
+    if levers.compile != "none" and (parallel or {}).get("sequence_parallel_size", 1) > 1:
+        raise ConfigError("parameter 'compile': does not run with sequence_parallel_size > 1: dynamo cannot trace "
+                          "diffusers' Ulysses all_to_all (its process group is opaque to the fake tensors dynamo "
+                          "traces with); compile runs with cfg_parallel alone")
 
 
 def describe(adapter: Any) -> str:

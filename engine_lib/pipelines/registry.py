@@ -114,7 +114,7 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
             "is not built (run `make models`)"
         )
     options = adapter_options(config, model_path)
-    refuse_levers(adapter_cls, options["levers"])
+    refuse_levers(adapter_cls, options["levers"], options["parallel"])
     adapter = adapter_cls.load(model_path, device, dtype, options)
     if config.world_size > 1:
         adapter.launch_workers(model_path, options)

@@ -81,6 +81,8 @@ def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
         EngineConfig.from_parameters({"quantization": "int3"})
     with pytest.raises(ConfigError, match="parameter 'compile': pipeline 'bagel' is our own model code"):
         load("bagel", compile="regional")
+    with pytest.raises(ConfigError, match="parameter 'compile': does not run with sequence_parallel_size > 1"):
+        load(compile="regional", compile_backend="eager", sequence_parallel_size=2)
 
 
 # -- compile -----------------------------------------------------------------------------------------
