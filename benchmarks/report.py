@@ -76,25 +76,27 @@ def closed_tables(result: dict) -> list[str]:
     out = []
     for (name, variant), by_c in groups.items():
         points = by_c[top]["points"]
-        rate = median(of(points, "requests_per_s"))
-        base = first.setdefault(pipeline[name], rate)
+        rate, forwards = median(of(points, "requests_per_s")), median(of(points, "server", "ticks"))
+        base, base_forwards = first.setdefault(pipeline[name], (rate, forwards))
         line = [by_c[top]["label"] + (f", {variant}" if variant else "")]
         line += [spread(of(by_c[c]["points"], "requests_per_s")) for c in cs]
         if sc["num_frames"]:
             line.append(num(rate and rate * sc["num_frames"], 1))
         per_forward = median(of(points, "server", "mean_batch_size"))
         line += [num(median(of(points, "latency_p50_s")), 2), num(median(of(points, "latency_p99_s")), 2),
-                 num(median(of(points, "first_preview_p50_s")), 2), num(per_forward, 2)]
+                 num(median(of(points, "first_preview_p50_s")), 2), num(per_forward, 2), num(forwards, 0)]
         if rows_each > 1:
             line.append(num(per_forward and per_forward * rows_each, 2))
-        line += [str(sum(of(points, "errors"))), num(rate / base if rate and base else None, 2, "x")]
+        line += [str(sum(of(points, "errors"))), num(rate / base if rate and base else None, 2, "x"),
+                 num(forwards / base_forwards if forwards and base_forwards else None, 2, "x")]
         if limit:
             line.append(num(rate / limit if rate else None, 2, "x"))
         out.append(line)
     headers = ["system"] + [f"req/s c={c}" for c in cs] + (["frames/s"] if sc["num_frames"] else []) + [
-        f"p50 s c={top}", f"p99 s c={top}", f"first output p50 s c={top}", f"requests per forward c={top}"] + (
+        f"p50 s c={top}", f"p99 s c={top}", f"first output p50 s c={top}", f"requests per forward c={top}",
+        f"forwards c={top}"] + (
         [f"rows per forward c={top} ({rows_each} a request)"] if rows_each > 1 else []) + [
-        "errors", "req/s / first row"] + ([f"/ offline limit (batch {top})"] if limit else [])
+        "errors", "req/s / first row", "forwards / first row"] + ([f"/ offline limit (batch {top})"] if limit else [])
     tables = [table(out, headers)]
     if sc.get("compare_images"):
         tables.append(image_table(rows))

@@ -197,7 +197,7 @@ def cells(text: str) -> list[list[str]]:
 
 def _point(rps: float, batch: float = 1.0, **extra) -> dict:
     return {"requests_per_s": rps, "latency_p50_s": 1 / rps, "latency_p99_s": 2 / rps, "first_preview_p50_s": None,
-            "errors": 0, "server": {"mean_batch_size": batch}, **extra}
+            "errors": 0, "server": {"mean_batch_size": batch, "ticks": 48 / batch}, **extra}
 
 
 def _result(sc: scenarios.Scenario, **data) -> dict:
@@ -222,7 +222,8 @@ def test_closed_tables_give_medians_spreads_ratios_per_pipeline_and_the_offline_
     assert table[0][:3] == ["system", "req/s c=1", "req/s c=8"] and table[0][-1] == "/ offline limit (batch 8)"
     assert table[2][:3] == ["REQUEST_BATCH serial", "1.000 (0.900-1.200)", "1.000 (0.900-1.200)"]
     assert table[3][0] == "STEP_BATCH continuous x8" and table[3][2] == "3.000 (2.700-3.600)"
-    assert table[3][-6:] == ["0.67", "-", "6.00", "0", "3.00x", "0.75x"]  # p99, first output, batch, errors, ratios
+    # p99, first output, requests per forward, forwards, errors, req/s and forwards over serial's, the offline limit
+    assert table[3][-8:] == ["0.67", "-", "6.00", "8", "0", "3.00x", "0.17x", "0.75x"]
     assert ["8", "2.000", "4.000"] in table
     assert "`python -m benchmarks.run`, started then, 1.0 min" in report.render(result)
     assert report.plot(result, tmp_path / "modes.png").read_bytes()[:4] == b"\x89PNG"
@@ -231,7 +232,7 @@ def test_closed_tables_give_medians_spreads_ratios_per_pipeline_and_the_offline_
     rows = [{"system": s.name, "label": s.label, "variant": "", "concurrency": 4, "points": [_point(rate)]}
             for s, rate in zip(two.systems, (2.0, 4.0, 1.0, 3.0))]
     table = cells(report.render(_result(two, rows=rows, offline=None)))
-    assert [row[-1] for row in table[2:]] == ["1.00x", "2.00x", "1.00x", "3.00x"]  # each over its pipeline's serial
+    assert [row[-2] for row in table[2:]] == ["1.00x", "2.00x", "1.00x", "3.00x"]  # each over its pipeline's serial
     assert report.plot(_result(two, rows=rows), tmp_path / "one.png") is None  # one concurrency: no curve
 
 
@@ -393,9 +394,9 @@ def test_the_edits_scenario_sends_each_request_its_own_image_and_compares_it_wit
     assert step_row["points"][0]["image_diff"] == {"compared": 8, "max_level": 3, "over_one_level": 1, "missing": 0}
     assert "image_diff" not in result["rows"][0]["points"][0]  # the serial system is the reference
     tables = cells(report.render(_result(sc, **result)))
-    assert tables[0][-4:] == ["requests per forward c=8", "rows per forward c=8 (2 a request)", "errors",
-                              "req/s / first row"]
-    assert tables[2][-4:-2] == ["1.00", "2.00"] and tables[3][-4:-2] == ["4.00", "8.00"]
+    assert tables[0][-6:] == ["requests per forward c=8", "forwards c=8", "rows per forward c=8 (2 a request)",
+                              "errors", "req/s / first row", "forwards / first row"]
+    assert tables[2][-6:-3] == ["1.00", "8", "2.00"] and tables[3][-6:-3] == ["4.00", "8", "8.00"]
     ratio = step_row["points"][0]["requests_per_s"] / result["rows"][0]["points"][0]["requests_per_s"]
     assert tables[-1] == [step.label, "8", f"{ratio:.2f}x", "8", "3", "1", "0"]
 
