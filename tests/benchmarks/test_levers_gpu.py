@@ -26,7 +26,7 @@ def test_the_gpu_levers_entry_runs_every_arm_on_the_cpu_with_a_tiny_model(tmp_pa
     monkeypatch.setenv("COMPILE_BACKEND", "eager")  # inductor's C++ build takes minutes here
     out = tmp_path / "out"
     levers.main(["--device", "cpu", "--dtype", "float32", "--preset", "tiny", "--model", str(tmp_path / "model"),
-                 "--size", "64", "--steps", "2", "--batch", "2", "--repeats", "1", "--out", str(out)])
+                 "--size", "64", "--steps", "2", "--batch", "1", "--repeats", "1", "--out", str(out)])
     points = {p["arm"]: p for p in json.loads((out / "levers.json").read_text())["levers"]["points"]}
     assert set(points) == {arm + cache for arm in levers.ARMS for cache in levers.CACHES}
     refused = {arm: p["refused"] for arm, p in points.items() if "refused" in p}
