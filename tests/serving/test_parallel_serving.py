@@ -1,6 +1,6 @@
 """Parallel instances served by tritonserver, on one server for the module: qwen_image with cfg_parallel=true and
-hunyuan_image3 with tensor_parallel_size=2 and expert_parallel=true, each with two ranks: CPU worker processes of
-the model's stub (gloo).
+sequence_parallel_size=2 (four ranks: two CFG groups of two that split each forward's tokens) and hunyuan_image3 with
+tensor_parallel_size=2 and expert_parallel=true (two ranks): CPU worker processes of the model's stub (gloo).
 
 Requests stream their previews and one final; Hunyuan's think and recaption (the text's KV cache on the ranks)
 give the texts and images of one process; a cancel frees the request's state, on the driver (the runner's
@@ -34,6 +34,7 @@ CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32)  #
 
 HUNYUAN = "hunyuan_image3"
 TP = {"tensor_parallel_size": "2", "expert_parallel": "true"}
+RANKS = {"qwen_image": 4, HUNYUAN: 2}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def parallel_server(tmp_path_factory, request):
     """conftest.start_server's server, its repository holding the Hunyuan instance too; `hunyuan_budget` holds
     that engine."""
     tmp = tmp_path_factory.mktemp("parallel")
-    repo = write_repository(tmp / "repository", model_path=model_path(request), cfg_parallel="true")
+    repo = write_repository(tmp / "repository", model_path=model_path(request), cfg_parallel="true",
+                            sequence_parallel_size="2")
     hunyuan = repo / HUNYUAN
     shutil.copytree(REPO_ROOT / "model_repository" / HUNYUAN, hunyuan, ignore=shutil.ignore_patterns("__pycache__"))
     text = (hunyuan / "config.pbtxt").read_text()
@@ -62,10 +64,10 @@ def parallel_server(tmp_path_factory, request):
 
 
 def workers(server, model: str = "qwen_image", timeout_s: float = 30.0) -> list[int]:
-    """The pids of the model's stub's two worker processes, lowest first: rank 0 before rank 1 (started in rank
-    order); waits for them (a restart starts them anew)."""
+    """The pids of the model's stub's worker processes, lowest first: rank 0 before rank 1 ... (started in rank
+    order); waits for all of them (a restart starts them anew)."""
     deadline = time.monotonic() + timeout_s
-    while len(found := stub_children(server, model)) != 2 and time.monotonic() < deadline:
+    while len(found := stub_children(server, model)) != RANKS[model] and time.monotonic() < deadline:
         time.sleep(0.1)
     return found
 
@@ -93,7 +95,7 @@ def stub_children(server, model: str) -> list[int]:
 
 
 def test_a_request_streams_its_previews_and_one_final_from_the_ranks(parallel_server):
-    assert len(workers(parallel_server)) == 2
+    assert len(workers(parallel_server)) == RANKS["qwen_image"]
     result = run_request(parallel_server.grpc_url, prompt="a red cube", num_inference_steps=3, preview_interval=1,
                          **CFG)
     assert not result.errors and result.num_final == 1
@@ -107,7 +109,7 @@ def test_a_request_streams_its_previews_and_one_final_from_the_ranks(parallel_se
 ])
 def test_a_cancel_mid_request_ends_its_stream_once_and_frees_its_state_on_every_rank(parallel_server, model, inputs,
                                                                                    rank_states):
-    assert len(workers(parallel_server, model)) == 2
+    assert len(workers(parallel_server, model)) == RANKS[model]
     budget = parallel_server.budget if model == "qwen_image" else parallel_server.hunyuan_budget
     budget.allow(1)  # one step, then the engine waits: the request is mid-denoise when the cancel arrives
     stream = RequestStream(parallel_server.grpc_url).send("to-cancel", model=model, prompt="a long request",
@@ -137,7 +139,8 @@ COMBINED = dict(PLAIN, prompt="a red cube", lora_name="toy_a", lora_scale=0.6, c
 
 def test_true_cfg_a_lora_and_a_step_cache_on_the_ranks_equal_the_single_process_server(parallel_server, server):
     """Solo, then in one step batch with the plain request: each image within 1 level of the single-process
-    server's; the ranks' cache reused steps (counted by the driver's metric) and is freed when the request ends."""
+    server's; the ranks' cache reused steps (counted by the driver's metric: each CFG group's ranks decide over the
+    group's tokens, alike) and is freed on every rank when the request ends."""
     def reused() -> float:
         return metric(scrape(parallel_server.metrics_url), "diffusion_cache_steps_total", model="qwen_image",
                       outcome="reused")
@@ -213,13 +216,13 @@ def test_a_killed_worker_ends_the_request_in_flight_and_the_model_serves_again_b
     after = run_request(parallel_server.grpc_url, prompt="after the kill", num_inference_steps=2, **CFG)
     assert not after.errors and after.num_final == 1
     now = workers(parallel_server)
-    assert len(now) == 2 and not set(now) & set(before)
-    assert not running(before[0])  # the survivor of the broken group ended too
+    assert len(now) == RANKS["qwen_image"] and not set(now) & set(before)
+    assert not [pid for pid in before if running(pid)]  # the survivors of the broken group ended too
 
 
 def test_sigterm_to_tritonserver_exits_cleanly_and_leaves_no_worker(parallel_server):
     pids = workers(parallel_server) + workers(parallel_server, HUNYUAN)
-    assert len(pids) == 4
+    assert len(pids) == sum(RANKS.values())
     assert parallel_server.stop() == 0  # SIGTERM: every model unloads, the stub closes its workers
     assert not [pid for pid in pids if running(pid)]
     assert not stub_children(parallel_server, "qwen_image") + stub_children(parallel_server, HUNYUAN)
