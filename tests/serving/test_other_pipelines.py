@@ -1,8 +1,8 @@
 """Every registered pipeline besides qwen_image (which the session's server covers) behind a real
 tritonserver, from its generated repository entry: it loads, a served image is the diffusers image,
 HTTP generate_stream streams PNGs; and for Flux and SD3 gRPC streaming with previews and their own
-input rules. Flux and SD3 run with `mixed_size_batching=true`; they, BAGEL and HunyuanImage-3.0 have a
-tick budget each (held by the tests that check which requests share a forward).
+input rules. Flux, SD3 and FLUX.1 Kontext run with `mixed_size_batching=true`; they, BAGEL and HunyuanImage-3.0
+have a tick budget each (held by the tests that check which requests share a forward).
 
 One server for the module, holding every such model on its tiny pipeline (`model_path`
 set per model: $DIFFUSION_MODEL_PATH is shared by every model of a server).
@@ -33,7 +33,8 @@ from .streaming import (RequestStream, close_all, metric, post_json, run_concurr
                         wait_for_metric)
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
-MIXED_SIZES = ("flux", "sd3")  # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py)
+# served with mixed_size_batching: image tokens packed (*/mixed_sizes.py; Kontext's with each row's condition tokens)
+MIXED_SIZES = ("flux", "sd3", "flux_kontext")
 HELD = MIXED_SIZES + ("bagel", "hunyuan_image3")  # with a tick budget (`server.budgets`, `run_together`)
 SIZE_32 = ("qwen_image_edit", "qwen_image_edit_plus")  # sizes are multiples of 32 (their tiny VAE downsamples 16x)
 # Served with cfg_batching=false, diffusers' own CFG execution (two forwards), so that a CFG request is bitwise
@@ -82,9 +83,9 @@ def start_models_server(tmp_path_factory) -> ProbedServer:
 @pytest.fixture(scope="module")
 @starts_early(start_models_server)
 def server(tmp_path_factory):
-    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux and
-    SD3 with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`). Started early
-    (tests/early_servers.py): its ten stubs load while the tests before this module run."""
+    """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux, SD3
+    and FLUX.1 Kontext with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`).
+    Started early (tests/early_servers.py): its ten stubs load while the tests before this module run."""
     yield from serve_early(start_models_server, tmp_path_factory)
 
 
@@ -175,10 +176,14 @@ def test_requests_of_different_sizes_share_every_forward_and_match_their_solo_im
     """mixed_size_batching: four requests, held until all four wait, then run together, packed
     (*/mixed_sizes.py; token counts 64, 32, 32, 64: the packing reorders rows, and 32x64 and 64x32
     share a count but not their positions): each of their three ticks holds all four, and each image is
-    within 1 level (in <= 0.1 % of values) of the same request served alone."""
+    within 1 level (in <= 0.1 % of values) of the same request served alone. FLUX.1 Kontext's rows each carry
+    their own image's tokens (two image sizes: 32x32 and 48x32, kept at their size)."""
     sizes = ((64, 64), (32, 64), (64, 32), (64, 64))
-    cases = {f"{model}-{i}-{h}x{w}": dict(prompt=prompt, height=h, width=w, num_inference_steps=3, seed=i)
-             for i, (prompt, (h, w)) in enumerate(zip(("a red cube", "a green sphere", "a cat", "a boat"), sizes))}
+    images = [dict(image=png_of(32 + 16 * (i % 2), 32), auto_resize=0) if model == "flux_kontext" else {}
+              for i in range(len(sizes))]
+    cases = {f"{model}-{i}-{h}x{w}": dict(prompt=prompt, height=h, width=w, num_inference_steps=3, seed=i, **image)
+             for i, (prompt, (h, w), image) in enumerate(zip(("a red cube", "a green sphere", "a cat", "a boat"),
+                                                             sizes, images))}
     together, rows = run_together(server, model, cases)
     assert rows == 12, "not all four in every forward"
     for rid, case in cases.items():

@@ -18,8 +18,9 @@ carries the whole video, which is those chunks end to end.
 * `chunk_outputs`: `vae.decode` of the finished chunk, postprocessed as the
   pipeline does; `post_decode` only joins the chunks.
 
-One active request at a time (`max_step_batch=1`). Image and video
-conditioning (I2V, V2V) are not served.
+One active request at a time (`max_step_batch=1`). Sequence parallel
+(`sequence_parallel_size`): each transformer call runs on the ranks, its tokens split over them
+(video_sequence_parallel.py). Image and video conditioning (I2V, V2V) are not served.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import torch
 
 from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
+from engine_lib.config import ConfigError
+from engine_lib.pipelines import video_sequence_parallel
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
+from engine_lib.pipelines.helios import context_parallel
 from engine_lib.pipelines.vae import video_vae_stats
 from engine_lib.request import InvalidInputError, SamplingParams
 
@@ -109,12 +113,24 @@ class HeliosAdapter(DiffusersAdapter):
     outputs = (VIDEO, FRAME_OFFSET, FRAME_RATE)
     state_class = HeliosState
     # one active request at a time; previews: progress responses (no frames: a chunk is the preview)
-    capabilities = make("step_execution", "previews", max_step_batch=1)
+    capabilities = make("step_execution", "previews", "sequence_parallel", max_step_batch=1)
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
     def __init__(self, pipe, device, dtype, options=None):
         super().__init__(pipe, device, dtype, options)
         self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
+
+    def start_workers(self, model_path: str, options: dict):
+        if self.pipe.transformer.config.is_amplify_history:
+            raise ConfigError(f"parameter 'sequence_parallel_size'={options['parallel']['sequence_parallel_size']}: "
+                              "this Helios checkpoint amplifies its history keys (is_amplify_history), and where "
+                              "they end is counted from the tokens of the forward, of which each rank holds a share")
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
+
+    @staticmethod
+    def context_parallel_plan(transformer) -> dict:
+        """On each sequence-parallel rank, before its parallelism is enabled (helios/context_parallel.py)."""
+        return context_parallel.plan(transformer)
 
     # -- the declaration, refined by the checkpoint ------------------------------------
     @property
@@ -213,11 +229,10 @@ class HeliosAdapter(DiffusersAdapter):
                       **FRAME_INDICES, latents_history_short=state.history["short"],
                       latents_history_mid=state.history["mid"], latents_history_long=state.history["long"],
                       attention_kwargs=None, return_dict=False)
-        with self.pipe.transformer.cache_context("cond"):
-            pred = self.pipe.transformer(encoder_hidden_states=state.text["cond"]["embeds"], **kwargs)[0]
+        call = video_sequence_parallel.transformer_call  # on the sequence-parallel ranks, if any
+        pred = call(self, "cond", encoder_hidden_states=state.text["cond"]["embeds"], **kwargs)[0]
         if "uncond" in state.text:
-            with self.pipe.transformer.cache_context("uncond"):
-                uncond = self.pipe.transformer(encoder_hidden_states=state.text["uncond"]["embeds"], **kwargs)[0]
+            uncond = call(self, "uncond", encoder_hidden_states=state.text["uncond"]["embeds"], **kwargs)[0]
             pred = uncond + state.params.guidance_scale * (pred - uncond)
         return pred
 

@@ -29,6 +29,9 @@ token's own timestep, so a text-to-video row is the same row with every token at
 a forward that holds an image request passes per-token timesteps for all its rows, and
 requests with and without an image share it.
 
+Sequence parallel (`sequence_parallel_size`): each transformer call runs on the ranks, its video and text
+tokens split over them (video_sequence_parallel.py, with the plan of ltx2/context_parallel.py).
+
 Not served: conditioning on other frames or videos (`LTX2ConditionPipeline`), a chosen
 `image_crf`, prompt enhancement, the duration head (a request always says its
 `num_frames`), `num_videos_per_prompt` > 1.
@@ -47,8 +50,10 @@ import torch
 from engine_lib import interface
 from engine_lib.host_copy import to_device
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
+from engine_lib.pipelines import video_sequence_parallel
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
+from engine_lib.pipelines.ltx2 import context_parallel
 from engine_lib.request import InvalidInputError, SamplingParams
 
 STG_BLOCK = 28  # LTX2Pipeline.__call__'s spatio_temporal_guidance_blocks=[28] (the last block, if there are fewer)
@@ -153,7 +158,7 @@ class LTX2Adapter(DiffusersAdapter):
     inputs = LTX2_INPUTS
     outputs = (VIDEO, AUDIO, AUDIO_SAMPLE_RATE, FRAME_RATE)
     state_class = LTX2State
-    capabilities = make("request_batch", "step_execution", "previews", "image_input")
+    capabilities = make("request_batch", "step_execution", "previews", "image_input", "sequence_parallel")
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
     def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
@@ -172,6 +177,7 @@ class LTX2Adapter(DiffusersAdapter):
         return specs
 
     def check_inputs(self, params: SamplingParams) -> None:
+        self._check_token_shares(params)
         if params.image is not None and min(params.image.size) < 2:
             width, height = params.image.size
             raise InvalidInputError("image", f"{width}x{height} is too small: at least 2 pixels a side (the pipeline "
@@ -187,6 +193,29 @@ class LTX2Adapter(DiffusersAdapter):
                                     f"{0.5 / self.audio_latents_per_second:.3f} s, the least that gives the sound one "
                                     "latent frame: ask for more frames or a lower frame_rate")
 
+    def _check_token_shares(self, params: SamplingParams) -> None:
+        """Under sequence parallel every rank takes at least one text and one video token."""
+        degree = int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
+        if self.workers is None or degree < 2:
+            return
+        mode = f"sequence_parallel_size={degree}"
+        if params.max_sequence_length < degree:
+            raise InvalidInputError("max_sequence_length", f"must be at least {degree} with {mode}")
+        if self.video_tokens(params) < degree:
+            raise InvalidInputError("height", f"the video must have at least {degree} latent tokens with {mode} "
+                                    f"(one per {self.pipe.vae_spatial_compression_ratio} x "
+                                    f"{self.pipe.vae_spatial_compression_ratio} pixels of each latent frame)")
+
+    def start_workers(self, model_path: str, options: dict):
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
+
+    @staticmethod
+    def context_parallel_plan(transformer) -> dict:
+        """On each sequence-parallel rank, before its parallelism is enabled: the plan, and the mask shim its
+        attention needs (ltx2/context_parallel.py)."""
+        context_parallel.one_head_masks()
+        return context_parallel.plan(transformer)
+
     @property
     def audio_latents_per_second(self) -> float:
         pipe = self.pipe
@@ -196,11 +225,14 @@ class LTX2Adapter(DiffusersAdapter):
         """Audio latent frames of the request's duration, as `__call__` rounds them."""
         return round(params.num_frames / params.frame_rate * self.audio_latents_per_second)
 
+    def video_tokens(self, params: SamplingParams) -> int:
+        """Latent video tokens of one row (patch size 1)."""
+        spatial, temporal = self.pipe.vae_spatial_compression_ratio, self.pipe.vae_temporal_compression_ratio
+        return ((params.num_frames - 1) // temporal + 1) * (params.height // spatial) * (params.width // spatial)
+
     def request_cost(self, params: SamplingParams) -> int:
         """Video tokens x the rows of the main pass (the largest forward)."""
-        spatial, temporal = self.pipe.vae_spatial_compression_ratio, self.pipe.vae_temporal_compression_ratio
-        tokens = ((params.num_frames - 1) // temporal + 1) * (params.height // spatial) * (params.width // spatial)
-        return tokens * (2 if Guidance.of(params).cfg else 1)
+        return self.video_tokens(params) * (2 if Guidance.of(params).cfg else 1)
 
     def pipe_kwargs(self, params: SamplingParams) -> dict:
         """`LTX2Pipeline`'s arguments; with an image, `LTX2ImageToVideoPipeline`'s (the decoded PIL image)."""
@@ -328,17 +360,16 @@ class LTX2Adapter(DiffusersAdapter):
         if any(s.condition for s, _ in members):  # one timestep per token, for every row (see the module docstring)
             video_timestep = torch.cat([self._token_timesteps(s).expand(n, -1) for (s, _), n in zip(members, counts)])
         shape = members[0][0].shape
-        with self.pipe.transformer.cache_context(context):
-            video, audio = self.pipe.transformer(
-                hidden_states=repeat(lambda s: s.latents["video"]).to(dtype),
-                audio_hidden_states=repeat(lambda s: s.latents["audio"]).to(dtype),
-                encoder_hidden_states=text["video"], audio_encoder_hidden_states=text["audio"],
-                timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=text["mask"],
-                audio_encoder_attention_mask=text["mask"], num_frames=shape["frames"], height=shape["height"],
-                width=shape["width"], fps=shape["fps"], audio_num_frames=shape["audio_frames"],
-                video_coords=repeat(lambda s: s.coords["video"]), audio_coords=repeat(lambda s: s.coords["audio"]),
-                isolate_modalities=isolate_modalities, spatio_temporal_guidance_blocks=spatio_temporal_guidance_blocks,
-                perturbation_mask=None, use_cross_timestep=True, attention_kwargs=None, return_dict=False)
+        video, audio = video_sequence_parallel.transformer_call(
+            self, context, hidden_states=repeat(lambda s: s.latents["video"]).to(dtype),
+            audio_hidden_states=repeat(lambda s: s.latents["audio"]).to(dtype),
+            encoder_hidden_states=text["video"], audio_encoder_hidden_states=text["audio"],
+            timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=text["mask"],
+            audio_encoder_attention_mask=text["mask"], num_frames=shape["frames"], height=shape["height"],
+            width=shape["width"], fps=shape["fps"], audio_num_frames=shape["audio_frames"],
+            video_coords=repeat(lambda s: s.coords["video"]), audio_coords=repeat(lambda s: s.coords["audio"]),
+            isolate_modalities=isolate_modalities, spatio_temporal_guidance_blocks=spatio_temporal_guidance_blocks,
+            perturbation_mask=None, use_cross_timestep=True, attention_kwargs=None, return_dict=False)
         out, start = {}, 0
         for (state, _), n in zip(members, counts):
             out[state.request_id] = (video[start:start + n].float(), audio[start:start + n].float())
