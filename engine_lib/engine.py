@@ -167,9 +167,14 @@ class DiffusionEngine:
         steps = int(self.inputs.specs["num_inference_steps"].low or 1)  # the fewest steps the pipeline runs
         start = time.monotonic()
         inputs = {"prompt": "warm-up", "num_inference_steps": steps, **self.adapter.example_inputs()}
-        final = self.add_request("__warmup__", inputs).result(timeout=timeout)
-        if final.error is not None:
-            raise RuntimeError(f"warm-up failed: {final.error}") from final.error
+        waves = [1]
+        if getattr(getattr(self.adapter, "levers", None), "compiler", None) is not None and self.config.max_num_seqs > 1:
+            waves.append(2)  # compiled: a batch of one is specialised, so two rows compile the dynamic graph at load
+        for size in waves:
+            streams = [self.add_request(f"__warmup_{size}_{i}__", inputs) for i in range(size)]
+            for final in [stream.result(timeout=timeout) for stream in streams]:
+                if final.error is not None:
+                    raise RuntimeError(f"warm-up failed: {final.error}") from final.error
         logger.info("engine warm-up done in %.2fs", time.monotonic() - start)
 
     # -- caller side (any thread) --------------------------------------------

@@ -25,7 +25,7 @@ step_server = module_server("scheduling", step_execution="true", max_num_seqs="2
                             **LEVERS)
 
 
-RECOMPILES = 4  # measured 3 in-process for these two requests from a cold start (CFG's rows, the sizes' tokens)
+RECOMPILES = 2  # measured 1 after the warm-up's two waves (with a LoRA too; 3 in-process from a cold start)
 
 
 def final_order(streams: list[RequestStream]) -> list[str]:
@@ -92,9 +92,10 @@ def test_a_compatible_request_passes_an_incompatible_head(step_server):
 
 
 def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recompiles(step_server):
-    """int8 weights at most 0.35x of the checkpoint's float32 transformer (by the gauge), two sizes (one with CFG,
-    one with a LoRA) sharing compiled forwards, and the load log naming the levers, the warm-up's compile time
-    and the weight bytes."""
+    """int8 weights at most 0.35x of the checkpoint's float32 transformer (by the gauge), two sizes (one with CFG)
+    sharing compiled forwards, and the load log naming the levers, the warm-up's compile time and the weight bytes.
+    (A LoRA's first load traces its hooks' graphs, about 20 s here: LoRAs on compiled and on int8 transformers are
+    checked in-process, tests/pipelines/test_levers.py.)"""
     url, labels = step_server.grpc_url, {"model": "qwen_image"}
     log = step_server.log_text()
     assert re.search(r"levers compile=regional compile_backend=eager quantization=int8_weight_only "
@@ -103,7 +104,7 @@ def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recomp
     before = metric(scrape(step_server.metrics_url), "diffusion_compile_recompiles_total", **labels)
     requests = [dict(prompt="a red car", height=64, width=48, num_inference_steps=3, seed=7, num_images=2),
                 dict(prompt="a bowl of fruit", height=32, width=64, num_inference_steps=4, seed=8,
-                     lora_name="toy_a", lora_scale=0.7, negative_prompt="blurry", true_cfg_scale=3.3)]
+                     negative_prompt="blurry", true_cfg_scale=3.3)]
     results = run_concurrently(url, requests, prefix="levers")
     for request, result in zip(requests, results):
         assert not result.errors and result.num_final == 1, result.errors
@@ -117,6 +118,6 @@ def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recomp
     assert 0 < served <= 0.35 * float32, (served, float32)
     assert metric(samples, "diffusion_weight_bytes", component="vae", **labels) > 0
     recompiles = metric(samples, "diffusion_compile_recompiles_total", **labels) - before
-    print(f"served with regional compile: {recompiles:.0f} recompilation(s) for two new sizes, a LoRA and CFG")
+    print(f"served with regional compile: {recompiles:.0f} recompilation(s) for two new sizes and CFG")
     assert 0 <= recompiles <= RECOMPILES
 
