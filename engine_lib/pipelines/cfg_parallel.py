@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
-from engine_lib.pipelines.rank_states import RankStates, RowFacts
+from engine_lib.pipelines.rank_states import RankHandler, RowFacts
 from engine_lib.pipelines.sequence_parallel import enable_ulysses, gather_tokens
 
 SIDES = ("cond", "uncond")  # group g runs the rows of SIDES[g]
@@ -50,23 +50,15 @@ def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, t
     return replies[0][0].to(latents.device)
 
 
-class CfgRank:
+class CfgRank(RankHandler):
     """One rank's handler: the transformer forward of its CFG side (its share of the tokens, in a group of
     several ranks)."""
 
     def __init__(self, adapter, rank: int, world_size: int):
-        self.adapter, self.rank, self.world_size = adapter, rank, world_size
+        super().__init__(adapter, rank, world_size)
         self.degree = world_size // len(SIDES)  # ranks per CFG group
         if self.degree > 1:
             enable_ulysses(adapter.pipe.transformer, self.degree, adapter.device)
-        self.held = RankStates()
-
-    def held_states(self) -> int:
-        """Requests whose step cache (of this rank's branch) this rank holds."""
-        return len(self.held)
-
-    def free(self, request_ids: list[str]) -> None:
-        self.held.free(request_ids)
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, facts, plan):

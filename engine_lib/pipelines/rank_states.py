@@ -4,7 +4,8 @@ The driver keeps every request's state; a rank runs the transformer for the batc
 features reach the ranks with each call: its LoRA as the call's row plan (each rank's own LoRA library loads it),
 its cache settings and step index as `RowFacts`. The first-block cache's residuals and TaylorSeer's factors are
 those of the forwards a rank runs (its CFG branch, its share of the tokens), so they live on the rank, held by
-request id (`RankStates`) until the driver's `release` frees them.
+request id (`RankStates`) until the driver's `release` frees them. `RankHandler` is what every such rank
+answers besides its forward.
 """
 
 from __future__ import annotations
@@ -69,3 +70,32 @@ class RankStates:
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._caches.pop(request_id, None)
+
+
+class RankHandler:
+    """The part of a cfg_parallel or sequence_parallel rank's handler besides its forward: the step caches it holds
+    (`held_states`, for the metrics), freeing them, and the rows its transformer's blocks ran (`rows_into`)."""
+
+    def __init__(self, adapter, rank: int, world_size: int):
+        self.adapter, self.rank, self.world_size = adapter, rank, world_size
+        self.held = RankStates()
+        self._rows: dict[str, int] = {}  # transformer submodule -> rows that entered it (owned by the handler thread)
+
+    def held_states(self) -> int:
+        """Requests whose step cache (of this rank's forwards) this rank holds."""
+        return len(self.held)
+
+    def free(self, request_ids: list[str]) -> None:
+        self.held.free(request_ids)
+
+    def rows_into(self, name: str) -> int:
+        """Rows that entered the transformer's submodule `name` on this rank since the first call for it (a forward
+        pre-hook): the block evaluations the step caches skip, counted where they run."""
+        if name not in self._rows:
+            self._rows[name] = 0
+
+            def count(module, args, kwargs):
+                self._rows[name] += (args[0] if args else kwargs["hidden_states"]).shape[0]
+
+            self.adapter.pipe.transformer.get_submodule(name).register_forward_pre_hook(count, with_kwargs=True)
+        return self._rows[name]

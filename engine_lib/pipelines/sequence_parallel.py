@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
-from engine_lib.pipelines.rank_states import RankStates, RowFacts
+from engine_lib.pipelines.rank_states import RankHandler, RowFacts
 
 
 def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
@@ -112,20 +112,12 @@ def enable_ulysses(transformer: torch.nn.Module, degree: int, device: torch.devi
         transformer.enable_parallelism(config=config, cp_plan=plan)
 
 
-class SequenceRank:
+class SequenceRank(RankHandler):
     """One rank's handler: its share of the tokens of a tick's forwards."""
 
     def __init__(self, adapter, rank: int, world_size: int):
-        self.adapter, self.rank, self.world_size = adapter, rank, world_size
+        super().__init__(adapter, rank, world_size)
         enable_ulysses(adapter.pipe.transformer, world_size, adapter.device)
-        self.held = RankStates()
-
-    def held_states(self) -> int:
-        """Requests whose step cache (of this rank's tokens) this rank holds."""
-        return len(self.held)
-
-    def free(self, request_ids: list[str]) -> None:
-        self.held.free(request_ids)
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, cfg_batching, facts, plan):

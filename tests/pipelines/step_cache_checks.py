@@ -195,3 +195,38 @@ def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
 
     loras = ensure_loras(pipeline, ensure_model(pipeline, "tiny"))
     return with_options(adapter, lora_dir=str(loras), mixed_size_batching=True)
+
+
+def head_and_tail(adapter: PipelineAdapter) -> tuple[str, str]:
+    """Submodules of the first-block cache's head and tail blocks that see one row per row the block runs (as the
+    tail_rows fixtures of test_step_cache.py and test_step_cache_flux.py pick them), by name."""
+    transformer = adapter.pipe.transformer
+    if adapter.name == "flux":
+        return "transformer_blocks.0.norm1.linear", \
+            f"single_transformer_blocks.{len(transformer.single_transformer_blocks) - 1}.norm.linear"
+    return "transformer_blocks.0.txt_mlp", f"transformer_blocks.{len(transformer.transformer_blocks) - 1}.txt_mlp"
+
+
+@contextlib.contextmanager
+def rows_through(adapter: PipelineAdapter, names: tuple[str, ...]):
+    """The rows entering each of the transformer's submodules `names` in this process while the block runs, summed
+    (as a parallel rank counts them: `rank_states.RankHandler.rows_into`)."""
+    counts = dict.fromkeys(names, 0)
+    handles = []
+    for name in names:
+        def count(module, args, name=name):
+            counts[name] += args[0].shape[0]
+
+        handles.append(adapter.pipe.transformer.get_submodule(name).register_forward_pre_hook(count))
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def rank_rows(parallel: PipelineAdapter, names: tuple[str, ...]) -> list[dict]:
+    """Each of a parallel adapter's ranks' rows into the transformer's submodules `names` so far, rank by rank."""
+    n = parallel.workers.world_size
+    per_name = {name: parallel.workers.call_all("rows_into", [(name,)] * n) for name in names}
+    return [{name: per_name[name][rank] for name in names} for rank in range(n)]

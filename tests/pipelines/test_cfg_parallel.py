@@ -23,6 +23,7 @@ from engine_lib.pipelines import cfg_parallel, rank_states
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
+from step_cache_checks import head_and_tail, rank_rows, rows_through
 
 LATENT_BOUND = 1e-5
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
@@ -153,7 +154,17 @@ def test_groups_of_sequence_parallel_ranks_equal_the_single_process_run_solo_and
     their share of its branch's caches and decide over the group's tokens, as one process decides."""
     solo = parse(single, dict(prompt="a red cube", num_inference_steps=2, seed=5, height=24, width=24, **CFG))
     assert_same_run(groups_of_two, single, two_forwards, {"solo": (0, solo)}, exact=False)
-    assert_same_cached_run(groups_of_two, single, two_forwards, mixed_loras_and_caches(single), exact=False)
+    names, arrivals = head_and_tail(single), mixed_loras_and_caches(single)
+    before = rank_rows(groups_of_two, names)
+    assert_same_cached_run(groups_of_two, single, two_forwards, arrivals, exact=False)
+    ran = [{name: now[name] - then[name] for name in names}
+           for now, then in zip(rank_rows(groups_of_two, names), before)]
+    with rows_through(two_forwards, names) as rows:  # (its pipe is the batched adapter's: counted on its own)
+        step_latents(two_forwards, arrivals)
+    # the block evaluations the first-block cache skipped: each group's ranks alike, the two groups' as one process's
+    head, tail = names
+    assert ran[0] == ran[1] and ran[2] == ran[3] and rows[head] > rows[tail]
+    assert {name: ran[0][name] + ran[2][name] for name in names} == rows
 
 
 def test_a_killed_worker_fails_the_next_tick_without_hanging(parallel, single):

@@ -23,7 +23,8 @@ from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
 from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
-from step_cache_checks import cached_inputs, diffusers_cache, hook_decisions
+from step_cache_checks import (cached_inputs, diffusers_cache, head_and_tail, hook_decisions, rank_rows,
+                               rows_through)
 
 LATENT_BOUND = 1e-5
 TAYLORSEER_BOUND = 2e-4  # rows that predict with TaylorSeer (measured: 1.5e-4 for Qwen-Image)
@@ -134,20 +135,27 @@ def test_mixed_loras_in_a_step_batch_joined_at_different_ticks_equal_the_single_
 def test_step_caches_next_to_plain_rows_under_mixed_loras_equal_the_single_process_run(pipeline, request):
     """Each rank keeps the first block's residuals and the TaylorSeer factors of its share of the tokens; the
     first-block cache decides over every rank's tokens (the sums of the residual change all-reduced), so every
-    rank decides as one process does. TaylorSeer extrapolates from the differences of its last computed steps, so
+    rank decides as one process does and skips the blocks one process skips (rows through the head and tail
+    blocks counted on each rank). TaylorSeer extrapolates from the differences of its last computed steps, so
     the ranks' last-bit differences (their token order: the other rows stay within LATENT_BOUND) grow about
     tenfold in its rows: within TAYLORSEER_BOUND there, images within 1 level."""
     single, parallel = request.getfixturevalue(pipeline.split("_")[0]), request.getfixturevalue(
         pipeline.split("_")[0] + "_sp")
     inputs = CFG if pipeline == "qwen_image" else dict(max_sequence_length=7)
     batch = mixed_loras(single, **inputs)
-    caches = [dict(cache="first_block", cache_threshold=0.3), dict(cache="taylorseer"), {}]
+    caches = [dict(cache="first_block", cache_threshold=0.6), dict(cache="taylorseer"), {}]
     arrivals = {rid: (at, parse(single, {**p, "num_inference_steps": 6, **cache}))
                 for (rid, (at, p)), cache in zip(batch.items(), caches)}
-    one = Counter(single.cache_steps)
-    assert_same_run(parallel, single, arrivals)
+    one, names = Counter(single.cache_steps), head_and_tail(single)
+    before = rank_rows(parallel, names)
+    with rows_through(single, names) as rows:
+        assert_same_run(parallel, single, arrivals)
     one = single.cache_steps - one
     assert one["reused"] >= 2, one  # each kind of cache reused steps
+    head, tail = names  # the block evaluations the first-block cache skipped, on every rank as in one process
+    assert rows[head] > rows[tail]
+    ran = [{name: now[name] - then[name] for name in names} for now, then in zip(rank_rows(parallel, names), before)]
+    assert ran == [rows] * 2
 
 
 def test_first_block_decisions_at_the_edge_are_made_over_every_rank_s_tokens(qwen_sp, qwen):
