@@ -131,14 +131,17 @@ def test_a_taylorseer_request_under_mixed_size_batching_is_admitted(name):
 
 
 def test_qwen_image_and_flux_refuse_exactly_the_parallel_pairs_that_do_not_run():
-    """CFG groups of sequence-parallel ranks, and per-row LoRAs and both step caches on the ranks, run (their parity:
-    test_cfg_parallel.py, test_sequence_parallel.py); packed forwards of mixed sizes stay in one process. A rule
-    removed (a refused pair accepted) or added fails here, where the walk above would only lose or gain its cell."""
+    """CFG groups of sequence-parallel ranks (Qwen-Image), and per-row LoRAs and both step caches on the ranks, run
+    (their parity: test_cfg_parallel.py, test_cfg_parallel_flux.py, test_sequence_parallel.py); packed forwards of
+    mixed sizes stay in one process, and Flux runs one kind of parallelism at a time. A rule removed (a refused pair
+    accepted) or added fails here, where the walk above would only lose or gain its cell."""
     kinds = {"cfg_parallel", "sequence_parallel", "tensor_parallel"}
     parallel = {(name, a, b) for name, a, b, _ in CELLS if name in ("qwen_image", "flux") and {a, b} & kinds}
     assert parallel == {("qwen_image", "mixed_sizes", "cfg_parallel"),
                         ("qwen_image", "mixed_sizes", "sequence_parallel"),
-                        ("flux", "mixed_sizes", "sequence_parallel")}
+                        ("flux", "mixed_sizes", "cfg_parallel"),
+                        ("flux", "mixed_sizes", "sequence_parallel"),
+                        ("flux", "cfg_parallel", "sequence_parallel")}
     config = config_of("qwen_image", "cfg_parallel", "sequence_parallel")
     assert config.world_size == 4
     params = tiny("qwen_image").input_schema(config).parse({"prompt": "a cat", "negative_prompt": "blurry",

@@ -64,7 +64,7 @@ class FluxAdapter(FlowMatchAdapter):
     )
     state_class = FluxState
     capabilities = FlowMatchAdapter.capabilities.with_features(
-        "mixed_sizes", "first_block", "taylorseer", "sequence_parallel")
+        "mixed_sizes", "first_block", "taylorseer", "sequence_parallel", "cfg_parallel")
     batch_inputs = ("txt_ids", "img_ids")  # one text length and image size per forward (without packing)
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 

@@ -60,8 +60,9 @@ class FluxKontextAdapter(FluxAdapter):
     inputs = tuple(spec for spec in FluxAdapter.inputs if spec.name not in _CACHE_NAMES) + (IMAGE, AUTO_RESIZE)
     state_class = FluxKontextState
     step_key_skips = ("height", "width", "condition")  # with mixed_size_batching: packed, each row its own ids
-    # its image's tokens join the sequence (cut off after the forward): no sequence parallel
-    capabilities = FluxAdapter.capabilities.without("sequence_parallel", "first_block",
+    # its image's tokens join the sequence (cut off after the forward): no sequence parallel; no cfg_parallel either
+    # (Flux's runs, its ranks with the condition tokens are untested)
+    capabilities = FluxAdapter.capabilities.without("sequence_parallel", "cfg_parallel", "first_block",
                                                     "taylorseer").with_features("image_input")
 
     @classmethod
