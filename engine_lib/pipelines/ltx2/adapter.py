@@ -195,9 +195,9 @@ class LTX2Adapter(DiffusersAdapter):
 
     def _check_token_shares(self, params: SamplingParams) -> None:
         """Under sequence parallel every rank takes at least one text and one video token."""
-        degree = int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
-        if self.workers is None or degree < 2:
+        if self.workers is None:
             return
+        degree = int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
         mode = f"sequence_parallel_size={degree}"
         if params.max_sequence_length < degree:
             raise InvalidInputError("max_sequence_length", f"must be at least {degree} with {mode}")
