@@ -92,7 +92,8 @@ def main() -> None:
             row["skipped"] = f"{world} ranks, {gpus} devices"
             continue
         path = str(ensure_model(pipeline, preset))
-        base = {"lora_dir": str(ensure_loras(pipeline, Path(path), Path(path) / "loras"))} if "lora_name" in extra else {}
+        loras = Path(f"{path}-loras")  # the toy LoRAs of this preset (their shapes follow its transformer)
+        base = {"lora_dir": str(ensure_loras(pipeline, Path(path), loras))} if "lora_name" in extra else {}
         inputs = [{"prompt": f"a photo of object {i}", "seed": i, "num_inference_steps": args.steps, **extra}
                   for i in range(args.requests)]
         try:
