@@ -24,7 +24,7 @@ from engine_lib.pipelines.base import InputBatch
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import InvalidInputError
-from parity_checks import load_tiny_adapter, parse
+from parity_checks import load_tiny_adapter, parse, run_wave
 from test_ltx2 import NO_GUIDANCE
 from test_ltx2_image_to_video import png
 from test_sequence_parallel import sequence_parallel
@@ -120,6 +120,18 @@ def test_ltx2_step_batch_joined_at_different_ticks_with_an_image_request_equals_
                      **{**NO_GUIDANCE, "stg_scale": 0.6})]
     assert_same_run(ltx2_sp, ltx2, {f"r{i}": (i, parse(ltx2, {**inputs, **LTX2_SIZE}))
                                     for i, inputs in enumerate(requests)})
+
+
+def test_ltx2_request_mode_wave_equals_the_single_process_run(ltx2_sp, ltx2):
+    """Request batching: two requests admitted together, run to completion through the runner (the main pass of
+    three rows, the STG and modality passes of one), each video within 1 uint8 level of one process's."""
+    wave = [dict(prompt="a cat", seed=7, num_inference_steps=2, guidance_scale=2.6, **LTX2_SIZE),
+            dict(prompt="rain on a roof", seed=8, num_inference_steps=2, **NO_GUIDANCE, **LTX2_SIZE)]
+    before = ltx2_sp.workers.calls
+    for video, expected in zip(run_wave(ltx2_sp, wave, float_output=True), run_wave(ltx2, wave, float_output=True)):
+        assert video.shape == expected.shape and np.abs(to_uint8(video).astype(int) -
+                                                        to_uint8(expected).astype(int)).max() <= 1
+    assert ltx2_sp.workers.calls - before == 2 * 3  # two steps of three passes, each one call on the ranks
 
 
 def test_helios_two_chunks_with_cfg_then_one_without_equal_the_single_process_run(helios_sp, helios):
