@@ -4,7 +4,8 @@ The driver (the engine's process) keeps every request's state, the text encoding
 steps and the decode; each tick it sends the first group the batch's cond text and the second its
 uncond text, with the same latents, timesteps and per-row inputs. Each group runs the transformer
 forward of its half, and rank 0 combines the two predictions with the adapter's own `_combine_cfg`,
-the operations of the single-process path, and returns the guided prediction to the driver. Only
+the operations of the single-process path, and returns the guided prediction to the driver (a tick
+without CFG: the first group's cond forward alone, the second group idle). Only
 the transformer runs on the ranks, so the engine's contracts (keys, pauses, previews, decode
 groups) are unchanged. Each row runs under its own LoRA on every rank (the call's row plan), and
 a request's step cache of a branch lives on that branch's ranks (rank_states.py).
@@ -18,6 +19,7 @@ are gathered to rank 0, each group's joined along the tokens (`sequence_parallel
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import torch
 
@@ -38,12 +40,14 @@ def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,
-            scale: float, facts: list[RowFacts], plan: list, tally: Counter) -> torch.Tensor:
-    """The guided prediction of a tick, computed on the ranks, on the latents' device (`plan`: each row's LoRA);
-    `tally` (the driver's count of step cache decisions) gets each branch's, made on its ranks (each group's
-    first rank answers for its group: its ranks decide alike)."""
+            scale: Optional[float], facts: list[RowFacts], plan: list, tally: Counter) -> torch.Tensor:
+    """The guided prediction of a tick (without a CFG `scale`: the cond prediction, the first group's forward
+    alone), computed on the ranks, on the latents' device (`plan`: each row's LoRA); `tally` (the driver's count of
+    step cache decisions) gets each branch's, made on its ranks (each group's first rank answers for its group:
+    its ranks decide alike)."""
     degree = group.world_size // len(SIDES)
-    args = [(latents, timestep, text[side], rows, scale, facts, plan) for side in SIDES for _ in range(degree)]
+    sent = {side: text[side] for side in (SIDES if scale is not None else SIDES[:1])}
+    args = [(latents, timestep, sent.get(side), rows, scale, facts, plan) for side in SIDES for _ in range(degree)]
     replies = group.call_all("forward", args)
     for _, decisions in replies:
         tally.update(decisions)
@@ -62,20 +66,24 @@ class CfgRank(RankHandler):
 
     @torch.inference_mode()
     def forward(self, latents, timestep, text, rows, scale, facts, plan):
-        """Rank 0: the guided prediction; each group's first rank: its step cache decisions of this call."""
+        """Rank 0: the guided prediction (`text` None on the second group's ranks: a tick without CFG, the cond
+        prediction); each group's first rank: its step cache decisions of this call."""
         side = SIDES[self.rank // self.degree]
-        failed = None
+        failed, pred = None, torch.zeros_like(latents[:, :1])  # (an idle rank's share: padded, then left out)
         self.adapter.cache_steps.clear()
         try:
-            states = self.held.states(facts)
-            with self.adapter._cache_context(side), self.adapter.loras.rows(plan):
-                pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, states)
+            if text is not None:
+                states = self.held.states(facts)
+                with self.adapter._cache_context(side), self.adapter.loras.rows(plan):
+                    pred = self.adapter._transformer(latents, timestep, text, {**rows, "branches": (side,)}, states)
         except Exception as error:
-            failed, pred = error, torch.zeros_like(latents)
+            failed = error
         agree(failed, latents.device)  # every rank learns whether both forwards ran: they stay in step
         preds = gather_tokens(pred, latents.shape[1], self.rank, self.world_size, self.degree)
         decisions = dict(self.adapter.cache_steps) if self.rank % self.degree == 0 else {}
         if self.rank != 0:
             return None, decisions
         preds = preds.chunk(len(SIDES))
+        if scale is None:
+            return preds[0], decisions
         return self.adapter._combine_cfg(preds[0], preds[1], scale), decisions

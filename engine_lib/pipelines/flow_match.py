@@ -364,8 +364,9 @@ class FlowMatchAdapter(DiffusersAdapter):
             assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
             scale = scales.pop()
         cfg_ranks = bool((self.options.get("parallel") or {}).get("cfg_parallel"))
-        if self.workers is not None and cfg_ranks and scale is not None:  # cond rows on the first group of ranks,
-            # uncond rows on the second (each group one rank, or sequence_parallel_size ranks that split the tokens)
+        if self.workers is not None and cfg_ranks:  # cond rows on the first group of ranks, uncond rows on the
+            # second (each group one rank, or sequence_parallel_size ranks that split the tokens); without CFG the
+            # first group alone
             return cfg_parallel.forward(self.workers, latents, timestep, text, rows, scale, RowFacts.of(states),
                                         plan, self.cache_steps)
         if self.workers is not None and not cfg_ranks and self.sequence_parallel_size > 1:  # every rank its tokens

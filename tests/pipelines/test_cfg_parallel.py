@@ -104,8 +104,11 @@ def assert_same_run(parallel, single, two_forwards, arrivals, exact=True):
 
 
 def test_a_solo_request_equals_the_single_process_run(parallel, single, two_forwards):
+    """With true CFG, then without (rank 0's cond forward alone)."""
     p = parse(single, dict(prompt="a red cube", num_inference_steps=3, seed=5, **CFG))
     assert_same_run(parallel, single, two_forwards, {"solo": (0, p)})
+    plain = parse(single, dict(prompt="fruit", num_inference_steps=2, seed=7, height=32, width=48))
+    assert_same_run(parallel, single, two_forwards, {"plain": (0, plain)})
 
 
 def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(parallel, single, two_forwards):
@@ -151,9 +154,12 @@ def test_groups_of_sequence_parallel_ranks_equal_the_single_process_run_solo_and
     """Four ranks: each CFG group splits its forward's tokens over its two ranks (an all_to_all of its own), rank 0
     joins each group's shards and combines the two predictions. A solo request at 24x24 pixels (9 image tokens: 5
     and 4 per group), then mixed LoRAs and both step caches joining at different ticks: each group's ranks keep
-    their share of its branch's caches and decide over the group's tokens, as one process decides."""
+    their share of its branch's caches and decide over the group's tokens, as one process decides. A request
+    without CFG runs on the first group alone."""
     solo = parse(single, dict(prompt="a red cube", num_inference_steps=2, seed=5, height=24, width=24, **CFG))
     assert_same_run(groups_of_two, single, two_forwards, {"solo": (0, solo)}, exact=False)
+    plain = parse(single, dict(prompt="fruit", num_inference_steps=2, seed=7, height=32, width=48))  # no CFG: the
+    assert_same_run(groups_of_two, single, two_forwards, {"plain": (0, plain)}, exact=False)  # first group alone
     names, arrivals = head_and_tail(single), mixed_loras_and_caches(single)
     before = rank_rows(groups_of_two, names)
     assert_same_cached_run(groups_of_two, single, two_forwards, arrivals, exact=False)
