@@ -12,7 +12,9 @@ patch 2; `scale` multiplies them):
 
 Three ways to run them:
 
-* packed: the pipeline's `packed_forward` (`mixed_size_batching`), every row in one forward;
+* packed: the pipeline's `packed_forward` (`mixed_size_batching`), every row in one forward, its joint
+  attention one call per group of rows of one token count (and, Qwen-Image and Flux, on the flex backend:
+  one call a block over every row's segment under a block mask, `packed flex`);
 * per size: diffusers' forward once per size, what size-keyed step batching runs;
 * padded: diffusers' forward of all 8 rows at the largest size, what right-padding the other
   rows would compute (without the masks that would make it correct).
@@ -83,7 +85,7 @@ def qwen_image_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
           encoder_hidden_states_mask=mask[rows], img_shapes=[[(1, *size)]] * (rows.stop - rows.start),
           return_dict=False)
 
-    return _three(setup, lambda: packed_forward(t, latents, timestep, None, text, mask, packing), diffusers)
+    return _three(setup, lambda: packed_forward(t, latents, timestep, None, text, mask, packing), diffusers, t)
 
 
 def flux_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
@@ -109,7 +111,7 @@ def flux_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
           guidance=None if guidance is None else guidance[rows], pooled_projections=pooled[rows],
           encoder_hidden_states=text[rows], txt_ids=txt_ids, img_ids=ids(size), return_dict=False)
 
-    return _three(setup, lambda: packed_forward(t, latents, timestep, guidance, pooled, text, packing), diffusers)
+    return _three(setup, lambda: packed_forward(t, latents, timestep, guidance, pooled, text, packing), diffusers, t)
 
 
 def sd3_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
@@ -131,11 +133,25 @@ def sd3_forwards(setup: Setup) -> dict[str, Callable[[], object]]:
     return _three(setup, lambda: packed_forward(t, latents, timestep, pooled, text, packing), diffusers)
 
 
-def _three(setup: Setup, packed: Callable[[], object],
-           diffusers: Callable[[slice, tuple], None]) -> dict[str, Callable[[], object]]:
-    return {"packed": packed,
-            "per_size": lambda: [diffusers(rows, size) for size, rows in setup.by_size],
+def _three(setup: Setup, packed: Callable[[], object], diffusers: Callable[[slice, tuple], None],
+           flex_on=None) -> dict[str, Callable[[], object]]:
+    """The ways to run one workload; with `flex_on` (a transformer whose processors take a backend) also the
+    packed forward on diffusers' flex backend (its joint attention one call a block under a block mask)."""
+    ways = {"packed": packed, "per_size": lambda: [diffusers(rows, size) for size, rows in setup.by_size],
             "padded": lambda: diffusers(slice(0, len(setup.sizes)), setup.largest)}
+    if flex_on is not None:
+        ways["packed_flex"] = lambda: _on_flex(flex_on, packed)
+    return ways
+
+
+def _on_flex(transformer, call: Callable[[], object]) -> object:
+    processors = [m.processor for m in transformer.modules() if hasattr(m, "processor")]
+    for backend in ("flex", None):  # None: the processors' default again
+        for processor in processors:
+            processor._attention_backend = backend
+        if backend:
+            out = call()
+    return out
 
 
 PIPELINES = {"qwen_image": qwen_image_forwards, "flux": flux_forwards, "sd3": sd3_forwards}

@@ -184,10 +184,12 @@ def profile_tables(result: dict) -> list[str]:
 
 
 def packing_tables(result: dict) -> list[str]:
-    return [table([[p["pipeline"], p["workload"], *(num(p["median_ms"][k], 1) for k in ("packed", "per_size", "padded")),
+    kinds = ("packed", "packed_flex", "per_size", "padded")
+    return [table([[p["pipeline"], p["workload"], *(num(p["median_ms"].get(k), 1) for k in kinds),
                     num(p["per_size_over_packed"], 2, "x"), num(p["padded_over_packed"], 2, "x")]
                    for p in result["points"]],
-                  ["pipeline", "rows", "packed ms", "per size ms", "padded ms", "per size / packed", "padded / packed"])]
+                  ["pipeline", "rows", "packed ms", "packed flex ms", "per size ms", "padded ms", "per size / packed",
+                   "padded / packed"])]
 
 
 def psnr(image: "np.ndarray", reference: "np.ndarray") -> float:
