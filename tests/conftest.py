@@ -6,12 +6,12 @@ import atexit
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.early_servers import serve_early, start_marked, starts_early, stop_untaken
+from tests.helpers.early_servers import serve_early, start_marked, starts_early, stop_untaken
+from tests.helpers.waiting import TickBudget
 
 # One torch thread per process: the tests run pytest and tritonserver's stub side by
 # side on 2 cores, where 2 threads each oversubscribe the CPU (measured: a tiny Flux
@@ -33,63 +33,8 @@ def tiny_qwen_dir() -> Path:
     return ensure_model("qwen_image", "tiny")
 
 
-def wait_until(predicate, timeout: float) -> bool:
-    """Whether `predicate()` holds within `timeout` seconds (polled every 10 ms)."""
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
-
-
-class TickBudget:
-    """An engine's tick budget (engine_lib/hooks.py's `FileTickBudget`), seen from a test.
-
-    `hold()` stops the engine before its next tick; `allow(n)` lets exactly n more
-    ticks (denoise steps of the running batch) run, then holds again; `release()`
-    removes the limit. Works across processes (the file is the whole protocol), so
-    server tests hold a tritonserver's engine the same way.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def hold(self) -> "TickBudget":
-        return self.allow(0)
-
-    def allow(self, ticks: int) -> "TickBudget":
-        from engine_lib.hooks import write_atomically
-
-        write_atomically(str(self.path), str(ticks))
-        return self
-
-    def release(self) -> None:
-        """Remove the file, and again if the engine wrote it back: a tick that read the budget just before
-        the unlink writes the decremented value after it (a held engine only reads)."""
-        for _ in range(200):
-            self.path.unlink(missing_ok=True)
-            time.sleep(0.05)
-            if not self.path.exists():
-                time.sleep(0.05)
-                if not self.path.exists():
-                    return
-
-    def left(self):
-        """Ticks still allowed (None: no limit)."""
-        try:
-            return int(self.path.read_text() or 0)
-        except FileNotFoundError:
-            return None
-
-
-    def hooks(self):
-        """EngineHooks for an in-process engine held by this budget."""
-        from engine_lib.hooks import EngineHooks, FileTickBudget
-
-        return EngineHooks(tick_gate=FileTickBudget(str(self.path)))
-
-
 def pytest_collection_finish(session):
-    start_marked(session)  # tests/early_servers.py
+    start_marked(session)  # tests/helpers/early_servers.py
 
 
 def pytest_sessionfinish(session):
@@ -98,7 +43,7 @@ def pytest_sessionfinish(session):
 
 def _start_shared_server(tmp_path_factory):
     """The session's `server`, not waiting until it is ready."""
-    from tests.serving.conftest import FAIL_PROMPT, NAN_PROMPT, default_model_path, start_server
+    from tests.helpers.servers import FAIL_PROMPT, NAN_PROMPT, default_model_path, start_server
 
     return start_server(tmp_path_factory.mktemp("server"), default_model_path(), fail_prompt=FAIL_PROMPT,
                         nan_prompt=NAN_PROMPT, wait=False)
@@ -108,7 +53,7 @@ def _start_shared_server(tmp_path_factory):
 @starts_early(_start_shared_server)
 def server(tmp_path_factory):
     """The shipped qwen_image configuration on the tiny model behind a real tritonserver, shared by the session's
-    served tests (tests/serving, tests/client), started early (tests/early_servers.py)."""
+    served tests (tests/serving, tests/client), started early (tests/helpers/early_servers.py)."""
     yield from serve_early(_start_shared_server, tmp_path_factory)
 
 

@@ -18,7 +18,7 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.capabilities import Capabilities
 from engine_lib.request import EngineUnavailableError, InvalidInputError, PipelineError, RequestCancelledError
 from engine_lib.sched import scheduler
-from tests import conftest
+from tests.helpers.waiting import wait_until as wait_within
 
 MODES = [
     pytest.param(False, 1, id="request-serial"),
@@ -58,7 +58,7 @@ def drain(stream, timeout=120):
             return outputs
 
 
-wait_until = functools.partial(conftest.wait_until, timeout=10.0)
+wait_until = functools.partial(wait_within, timeout=10.0)
 
 
 def assert_idle(engine):

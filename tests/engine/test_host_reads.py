@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
-from tests.pipelines.parity_checks import load_tiny_adapter, parse
+from tests.helpers.parity_checks import load_tiny_adapter, parse
 
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_numpy", "argwhere", "masked_select",
               "bincount", "lift_fresh", "lift_fresh_copy", "_unique2", "unique_consecutive", "unique_dim"}

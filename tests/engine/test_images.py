@@ -17,7 +17,8 @@ from PIL import Image
 from engine_lib import images
 from engine_lib.images import decode_image
 from engine_lib.request import InvalidInputError
-from tests.hostile_images import base64_forms, encode, hostile, near_the_byte_limit, odd_but_valid, png_header_only
+from tests.helpers.hostile_images import (base64_forms, encode, hostile, near_the_byte_limit, odd_but_valid,
+                                          png_header_only)
 
 RNG = np.random.default_rng(0)
 

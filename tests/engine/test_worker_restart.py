@@ -18,8 +18,7 @@ from engine_lib.engine import DiffusionEngine
 from engine_lib.hooks import EngineHooks, FileTickBudget
 from engine_lib.parallel import WorkerError
 from engine_lib.request import EngineUnavailableError, PipelineError
-from tests import conftest
-from tests.conftest import TickBudget
+from tests.helpers.waiting import TickBudget, wait_until as wait_within
 
 DEATH = "rank 1 (pid 4242) died with exit code -9"
 
@@ -74,7 +73,7 @@ def ranks(tiny_qwen_dir):
     return ranks
 
 
-wait_until = functools.partial(conftest.wait_until, timeout=30.0)
+wait_until = functools.partial(wait_within, timeout=30.0)
 
 
 def make(ranks, budget, ticks=None):

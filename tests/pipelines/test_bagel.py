@@ -27,7 +27,7 @@ from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.pipeline import BagelPipeline
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel"
 # The reference's cases (README): num_timesteps 6 = 5 updates, cfg_interval [0.4, 1], shift 3.

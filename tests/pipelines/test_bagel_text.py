@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
-from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
+from engine_lib.pipelines.base import move_tensors
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse, run_preempting
+from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
 SYSTEM = {"answer_ends": "", "answer_capped": "", "think_answer": VLM_THINK_SYSTEM_PROMPT,

@@ -10,7 +10,7 @@ import pytest
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.decoder_parts import held_bytes
-from parity_checks import load_tiny_adapter, run_ticks
+from tests.helpers.parity_checks import load_tiny_adapter, run_ticks
 
 LATENT_BOUND = 1e-5
 STEPS = 6

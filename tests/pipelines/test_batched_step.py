@@ -11,7 +11,7 @@ from engine_lib.pipelines.base import InputBatch
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, step_batched_then_alone
+from tests.helpers.parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, step_batched_then_alone
 
 ADAPTERS = {"qwen_image": QwenImageAdapter, "flux": FluxAdapter, "sd3": SD3Adapter}
 

@@ -22,8 +22,8 @@ from engine_lib.parallel import WorkerError
 from engine_lib.pipelines import cfg_parallel, rank_states
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
-from step_cache_checks import head_and_tail, rank_rows, rows_through
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
+from tests.helpers.step_cache_checks import head_and_tail, rank_rows, rows_through
 
 LATENT_BOUND = 1e-5
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)

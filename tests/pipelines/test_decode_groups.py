@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.sched import scheduler
-from parity_checks import Arrival, assert_close_images, drive_steps, load_tiny_adapter
+from tests.helpers.parity_checks import Arrival, assert_close_images, drive_steps, load_tiny_adapter
 
 STAGGERED = [Arrival(tick, f"r{tick}", {"prompt": f"a photo {tick}", "num_inference_steps": 3, "seed": tick,
                                         "height": 32, "width": 32}) for tick in range(3)]

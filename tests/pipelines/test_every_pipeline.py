@@ -15,7 +15,7 @@ from engine_lib.interface import BATCH_ROLES, to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.pipelines.base import PipelineAdapter
 from engine_lib.serving.tensors import ENCODERS
-from parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching
+from tests.helpers.parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching
 
 NAMES = registry.names()
 

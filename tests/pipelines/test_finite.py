@@ -17,7 +17,7 @@ from engine_lib.interface import InputSpec
 from engine_lib.pipelines import registry
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner, _latents
-from parity_checks import TEST_CONFIG, load_tiny_adapter, parse
+from tests.helpers.parity_checks import TEST_CONFIG, load_tiny_adapter, parse
 
 NAMES = registry.names()
 

@@ -17,8 +17,9 @@ from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapte
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError
-from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, packed_attention_on, parse, pipe_reference, with_cfg_batching)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
+                                         image_diff, load_tiny_adapter, packed_attention_on, parse, pipe_reference,
+                                         with_cfg_batching)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
 # (one test runs the default).

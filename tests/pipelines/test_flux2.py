@@ -13,8 +13,9 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux2.adapter import Flux2Adapter
 from engine_lib.request import InvalidInputError
-from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
+                                         image_diff, load_tiny_adapter, parse, pipe_reference, solo_steps,
+                                         with_cfg_batching)
 
 TEXT_LENGTH = 32  # Qwen3 tokens per prompt (diffusers' default, 512, runs in one test)
 

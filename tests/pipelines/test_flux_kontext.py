@@ -20,9 +20,10 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux_kontext.adapter import FluxKontextAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.hostile_images import encode
-from parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching, run_preempting)
+from tests.helpers.hostile_images import encode
+from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, drive_steps, image_diff,
+                                         load_tiny_adapter, parse, pipe_reference, run_preempting, solo_steps,
+                                         with_cfg_batching)
 
 RNG = np.random.default_rng(11)
 

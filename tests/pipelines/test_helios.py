@@ -16,7 +16,7 @@ from engine_lib.modes import select_mode
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference
+from tests.helpers.parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from engine_lib.pipelines.hunyuan_image3.model import image_positions, rope_2d, 
 from engine_lib.pipelines.hunyuan_image3.pipeline import HunyuanImage3Pipeline
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hunyuan_image3"
 # The reference's cases (README): 4 steps, flow_shift 3.

@@ -30,8 +30,8 @@ from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.tiny_models import ensure_model
-from tests import conftest
-from parity_checks import load_tiny_adapter, parse, run_preempting, run_ticks, step_latents
+from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting, run_ticks, step_latents
+from tests.helpers.waiting import wait_until
 
 LATENT_BOUND = 1e-5
 SPLIT = ("self_attn.qkv_proj", "self_attn.o_proj", "shared_mlp", "experts", "model.wte")  # the parts split over the ranks
@@ -174,7 +174,7 @@ def test_an_aborted_request_frees_every_ranks_caches(ep):
     assert held(ep) == [0, 0] and held(ep, "held_bytes") == [0, 0]
 
 
-_wait = functools.partial(conftest.wait_until, timeout=60.0)
+_wait = functools.partial(wait_until, timeout=60.0)
 
 
 # -- think and recaption on the ranks -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from engine_lib.pipelines.hunyuan_image3 import think
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse, run_preempting
+from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hunyuan_image3" / "think.npz"
 # case -> the reference's generate_image arguments (reference_think.py's CASES)

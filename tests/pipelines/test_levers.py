@@ -20,7 +20,7 @@ from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.tiny_models import ensure_model
-from parity_checks import Arrival, drive_steps, solo_steps
+from tests.helpers.parity_checks import Arrival, drive_steps, solo_steps
 
 BASE = {"prompt": "a red car", "height": 64, "width": 64, "num_inference_steps": 3, "seed": 7,
         "negative_prompt": "blurry", "true_cfg_scale": 3.7}

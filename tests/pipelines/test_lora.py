@@ -21,9 +21,7 @@ from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_loras, ensure_model
-
-from tests.pipelines.parity_checks import (MAX_UINT8_CHANGED_FRACTION, Arrival, drive_steps, parse, run_wave,
-                                           solo_steps)
+from tests.helpers.parity_checks import MAX_UINT8_CHANGED_FRACTION, Arrival, drive_steps, parse, run_wave, solo_steps
 
 PIPELINES = ("qwen_image", "flux", "sd3", "z_image", "flux2")
 BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}

@@ -17,8 +17,8 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import (FLOAT_BOUND, Arrival, assert_close_images, drive_steps, load_tiny_adapter, parse,
-                           run_wave)
+from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, assert_close_images, drive_steps, load_tiny_adapter,
+                                         parse, run_wave)
 
 NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
                    modality_scale=1.0, audio_modality_scale=1.0)

@@ -20,8 +20,9 @@ from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.hostile_images import encode
-from parity_checks import FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse, run_preempting
+from tests.helpers.hostile_images import encode
+from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse,
+                                         run_preempting)
 from test_ltx2 import NO_GUIDANCE, run
 
 RNG = np.random.default_rng(11)

@@ -12,7 +12,7 @@ from engine_lib.pipelines import registry
 from engine_lib.pipelines.base import move_tensors
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
-from parity_checks import load_tiny_adapter, parse
+from tests.helpers.parity_checks import load_tiny_adapter, parse
 
 
 def tensors_of(obj) -> list[torch.Tensor]:

@@ -17,8 +17,8 @@ from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
 from engine_lib.request import InvalidInputError
-from parity_checks import (FlowMatchParitySuite, load_tiny_adapter, packed_attention_on, parse, pipe_reference,
-                           with_cfg_batching)
+from tests.helpers.parity_checks import (FlowMatchParitySuite, load_tiny_adapter, packed_attention_on, parse,
+                                         pipe_reference, with_cfg_batching)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from PIL import Image
 from engine_lib.pipelines.qwen_image_edit.adapter import MAX_IMAGES, QwenImageEditAdapter, QwenImageEditPlusAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_preempting,
-                           solo_steps)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference,
+                                         run_preempting, solo_steps)
 
 
 def png(width: int, height: int, color: tuple) -> bytes:

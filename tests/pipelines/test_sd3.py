@@ -17,8 +17,8 @@ from engine_lib.pipelines.sd3.adapter import DEFAULT_GUIDANCE_SCALE, SD3Adapter
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, packed_forward
 from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
 from engine_lib.request import InvalidInputError
-from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
+                                         image_diff, load_tiny_adapter, parse, pipe_reference)
 
 TEXT_LENGTH = 32  # T5 tokens after CLIP's 77 (diffusers' default, 256, runs in one test)
 

@@ -21,8 +21,8 @@ from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps,
-                           step_batched_then_alone, run_preempting)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, run_preempting,
+                                         solo_steps, step_batched_then_alone)
 
 RNG = np.random.default_rng(7)
 

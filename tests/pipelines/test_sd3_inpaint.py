@@ -19,7 +19,8 @@ from PIL import Image
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from parity_checks import PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps, run_preempting
+from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps,
+                                         run_preempting)
 from test_sd3_img2img import IMAGES
 from test_sd3_img2img import params as img2img_params
 

@@ -22,9 +22,9 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_model
-from parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
-from step_cache_checks import (cached_inputs, diffusers_cache, head_and_tail, hook_decisions, rank_rows,
-                               rows_through)
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
+from tests.helpers.step_cache_checks import (cached_inputs, diffusers_cache, head_and_tail, hook_decisions, rank_rows,
+                                             rows_through)
 
 LATENT_BOUND = 1e-5
 TAYLORSEER_BOUND = 2e-4  # rows that predict with TaylorSeer (measured: 1.5e-4 for Qwen-Image)

@@ -17,10 +17,11 @@ from engine_lib.config import EngineConfig
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.step_cache import caches, threshold
 from engine_lib.request import InvalidInputError
-from parity_checks import load_tiny_adapter, parse, solo_steps
-from step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge, check_pause_resume_and_abort,
-                               check_rows_decide_alone, check_shared_batch, check_solo_is_the_hooks, diffusers_cache,
-                               lora_runner, rows_into, with_options)
+from tests.helpers.parity_checks import load_tiny_adapter, parse, solo_steps
+from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge,
+                                             check_pause_resume_and_abort, check_rows_decide_alone, check_shared_batch,
+                                             check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into,
+                                             with_options)
 
 # Thresholds measured on the tiny model with these inputs (relative residual changes 0.2-0.45): 0.5 reuses 4 of
 # the 6 steps, 0.3 some, 0.05 none; none sits near a decision's edge.

@@ -22,8 +22,9 @@ from engine_lib.pipelines.bagel.model import QueryRows
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, Guidance, guide
 from engine_lib.pipelines.step_cache import threshold
 from engine_lib.request import InvalidInputError
-from parity_checks import load_tiny_adapter, parse, step_latents
-from step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch, rows_into
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
+from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch,
+                                             rows_into)
 
 # The tiny model's first-layer residual changes little between steps: without CFG 0.05 reuses 3 of the 6 steps,
 # 0.1 four; with CFG (the default interval) 0.05 reuses 6 of 11 branch forwards.

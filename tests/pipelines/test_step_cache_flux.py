@@ -14,10 +14,10 @@ from functools import partial
 import pytest
 
 from engine_lib.pipelines.flux.adapter import FluxAdapter
-from parity_checks import load_tiny_adapter, parse
-from step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge, check_rows_decide_alone,
-                               check_shared_batch, check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into,
-                               with_options)
+from tests.helpers.parity_checks import load_tiny_adapter, parse
+from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge, check_rows_decide_alone,
+                                             check_shared_batch, check_solo_is_the_hooks, diffusers_cache, lora_runner,
+                                             rows_into, with_options)
 
 # Measured on the tiny model with these inputs: the first block's residual changes by 0.36-0.49 relative to the
 # first step's, so 0.5 reuses all 5 later steps, 0.4 some, 0.3 none.

@@ -17,8 +17,8 @@ import torch
 
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.step_cache import threshold
-from parity_checks import load_tiny_adapter, parse, step_latents
-from step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch
+from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
+from tests.helpers.step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch
 
 # The tiny model's first-layer residual changes by 0.1-0.2 from step to step (seed 3 solo: 0.1 reuses none of the
 # 6 steps, 0.15 three, 0.2 five).

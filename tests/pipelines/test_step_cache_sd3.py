@@ -17,9 +17,9 @@ from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_blo
 from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
-from parity_checks import FLOAT_BOUND, image_diff, load_tiny_adapter, solo_steps, with_cfg_batching
-from step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
-                               check_solo_is_the_hooks, lora_runner, rows_into, with_options)
+from tests.helpers.parity_checks import FLOAT_BOUND, image_diff, load_tiny_adapter, solo_steps, with_cfg_batching
+from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_rows_decide_alone, check_shared_batch,
+                                             check_solo_is_the_hooks, lora_runner, rows_into, with_options)
 
 # Measured on the tiny model with these inputs: the first block's residual changes by 0.30-0.53 relative to the
 # first step's, so 0.6 reuses all 5 later steps, 0.4 some, 0.2 none. guidance_scale 1: no CFG.

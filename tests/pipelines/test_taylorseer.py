@@ -27,9 +27,9 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
-from parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, run_preempting, solo_steps,
-                           with_cfg_batching)
-from step_cache_checks import STEPS, cached_inputs, rows_into
+from tests.helpers.parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, run_preempting, solo_steps,
+                                         with_cfg_batching)
+from tests.helpers.step_cache_checks import STEPS, cached_inputs, rows_into
 
 PREDICTED = [step for step in range(STEPS) if not taylorseer.computes(step)]  # [3, 5]
 BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64, "cache": "taylorseer"}

@@ -9,7 +9,7 @@ import torch
 from engine_lib.pipelines import registry
 from engine_lib.pipelines.base import move_tensors
 from engine_lib.pipelines.text_cache import TextEmbeddingCache
-from parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching
+from tests.helpers.parity_checks import load_tiny_adapter, parse, pipe_reference, solo_steps, with_cfg_batching
 
 
 def text(value: float, tokens: int = 4) -> dict:

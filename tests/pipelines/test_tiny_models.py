@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from engine_lib import tiny_models
-from tests.early_servers import starts_early, take_early
+from tests.helpers.early_servers import starts_early, take_early
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
 CALL_KWARGS = {"flux": {"max_sequence_length": 32},
@@ -61,7 +61,7 @@ def start_other_process_build(tmp_path_factory) -> OtherProcessBuild:
 @pytest.fixture(scope="module")
 @starts_early(start_other_process_build)
 def other_process_builds(tmp_path_factory) -> Path:
-    """The other process's builds, started right after collection (tests/early_servers.py): they run on the
+    """The other process's builds, started right after collection (tests/helpers/early_servers.py): they run on the
     core the tests before this module leave idle."""
     build = take_early(start_other_process_build, tmp_path_factory)
     assert build.process.wait() == 0, "the other process's build failed"

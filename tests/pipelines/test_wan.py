@@ -17,7 +17,8 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
-from parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_wave, solo_steps
+from tests.helpers.parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_wave,
+                                         solo_steps)
 
 # 4 steps cross each two-expert preset's boundary: timesteps 999, 973, 923 | 800 (wan, boundary 875) and
 # 999, 937 | 833, 625 (wan_i2v, boundary 900)
@@ -182,7 +183,7 @@ def test_the_first_block_cache_is_diffusers_hook_on_each_expert_and_shares_a_ste
     on both transformers, bitwise; each expert keeps its own residuals, so its first step computes. Then a cached
     request, one without the cache and one cached at another threshold without CFG, joining at ticks 0, 1, 2, each
     within 1 level of its solo run, with fewer rows through the last blocks than without the cache."""
-    from step_cache_checks import diffusers_cache
+    from tests.helpers.step_cache_checks import diffusers_cache
 
     adapter = get(adapters, "wan")
     cached = inputs_for(adapter, num_inference_steps=6, cache="first_block", cache_threshold=0.1)

@@ -18,8 +18,8 @@ from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.z_image.adapter import ZImageAdapter
 from engine_lib.request import InvalidInputError
-from parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps, image_diff,
-                           load_tiny_adapter, parse, pipe_reference, solo_steps)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
+                                         image_diff, load_tiny_adapter, parse, pipe_reference, solo_steps)
 
 TEXT_LENGTH = 64  # text tokens before the prompt's own are dropped (diffusers' default, 512, runs in one test)
 REPOSITORY_CONFIG = Path(__file__).resolve().parents[2] / "model_repository" / "z_image" / "config.pbtxt"

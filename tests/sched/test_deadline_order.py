@@ -6,15 +6,7 @@ cannot make it any more; preemption of a running request that is less pressing; 
 from __future__ import annotations
 
 from engine_lib.sched import Scheduler, SchedulerOutput, make_policy, step_batch_key
-from tests.sched.test_priorities import add, req, tick
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.scheduling import Clock, add, req, tick
 
 
 def edf(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, seconds_per_step=1.0) -> tuple[Scheduler, Clock]:

@@ -5,44 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine_lib.request import DiffusionRequest, RequestStatus, RequestTimedOutError, SamplingParams
-from engine_lib.sched import RunnerOutput, Scheduler, make_policy, step_batch_key
+from engine_lib.request import RequestStatus, RequestTimedOutError
+from engine_lib.sched import Scheduler, make_policy, step_batch_key
 from engine_lib.sched.keys import request_batch_key
-
-_clock = iter(range(1, 10**6))
-
-
-def req(request_id: str, priority: int = 2, steps: int = 4, height: int = 64, timeout_at=None) -> DiffusionRequest:
-    params = SamplingParams({"prompt": request_id, "height": height, "num_inference_steps": steps})
-    return DiffusionRequest(request_id, params, arrival_time=float(next(_clock)), priority=priority,
-                            timeout_at=timeout_at)
+from tests.helpers.scheduling import add, admission_order, req, tick
 
 
 def step(max_num_seqs=2, max_preemptions=1, max_batch_tokens=0, max_head_bypass=16) -> Scheduler:
     return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
                      cost_fn=lambda p: p["height"], max_batch_tokens=max_batch_tokens, max_preemptions=max_preemptions)
-
-
-def tick(sched):
-    """One tick: every scheduled request advances a step."""
-    out = sched.schedule()
-    progress = {rid: sched.get_request(rid).step_index + 1 for rid in out.scheduled_ids}
-    ended = sched.update_from_output(out, RunnerOutput(step_index=progress))
-    return out, [r.request_id for r in ended]
-
-
-def admission_order(sched) -> list[str]:
-    """Tick until every request has ended; the ids in the order they were admitted."""
-    order = []
-    while sched.has_requests:
-        out, _ = tick(sched)
-        order += out.new_ids
-    return order
-
-
-def add(sched, *requests):
-    for request in requests:
-        sched.add_request(request)
 
 
 def test_the_most_urgent_waiting_request_is_admitted_first_then_the_oldest():

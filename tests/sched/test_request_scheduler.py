@@ -10,7 +10,7 @@ import pytest
 
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, request_batch_key
-from tests.sched.test_deadline_order import Clock
+from tests.helpers.scheduling import Clock
 
 
 def req(request_id: str, **overrides) -> DiffusionRequest:

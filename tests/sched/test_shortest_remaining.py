@@ -8,7 +8,7 @@ import pytest
 
 from engine_lib.sched import Scheduler, make_policy, step_batch_key
 from engine_lib.sched.keys import request_batch_key
-from tests.sched.test_priorities import add, admission_order, req, tick
+from tests.helpers.scheduling import add, admission_order, req, tick
 
 
 def srpt(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, order="shortest_remaining") -> Scheduler:

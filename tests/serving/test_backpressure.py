@@ -11,8 +11,8 @@ from __future__ import annotations
 import signal
 import time
 
-from .conftest import module_server
-from .streaming import RequestStream, close_all, metric, post_json, run_held, scrape, wait_for_metric
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, metric, post_json, run_held, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image", outcome="unavailable")
 

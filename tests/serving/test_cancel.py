@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 
-from .streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
+from tests.helpers.streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
 
 
 def wait_for_log(server, pattern: str, timeout: float) -> bool:

@@ -6,8 +6,8 @@ is many times its deadline."""
 
 from __future__ import annotations
 
-from .conftest import module_server
-from .streaming import RequestStream, close_all, run_request, wait_for_metric
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, run_request, wait_for_metric
 
 LABELS = dict(model="qwen_image")
 

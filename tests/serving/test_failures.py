@@ -10,8 +10,8 @@ engine is held until all four have joined one step batch.
 
 from __future__ import annotations
 
-from .conftest import FAIL_PROMPT, NAN_PROMPT
-from .streaming import RequestStream, close_all, metric, run_held, scrape, wait_for_metric
+from tests.helpers.servers import FAIL_PROMPT, NAN_PROMPT
+from tests.helpers.streaming import RequestStream, close_all, metric, run_held, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image")
 

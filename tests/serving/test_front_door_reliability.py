@@ -19,15 +19,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from engine_lib.serving.openai_api import app as app_module
-from engine_lib.serving.openai_api import generate as generate_module
+from engine_lib.serving.openai_api import app as app_module, generate as generate_module
 from engine_lib.serving.openai_api.gateway import InputType, Response
 from engine_lib.serving.openai_api.generate import MAX_RESPONSE_JSON_BYTES, UINT8_CHARS
 from engine_lib.serving.openai_api.keys import FrontDoorKeys
-
-from .fake_gateway import OneModelGateway
-from .launched import FRONT_DOOR_KEY, MODEL
-from .streaming import metric, scrape, wait_for_metric
+from tests.helpers.fake_gateway import OneModelGateway
+from tests.helpers.launched import FRONT_DOOR_KEY, MODEL
+from tests.helpers.streaming import metric, scrape, wait_for_metric
 
 INPUTS = {name: InputType(kind) for name, kind in (
     ("prompt", "TYPE_STRING"), ("height", "TYPE_INT32"), ("width", "TYPE_INT32"), ("num_frames", "TYPE_INT32"),

@@ -11,7 +11,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
-from .streaming import MODEL, run_concurrently, run_request
+from tests.helpers.streaming import MODEL, run_concurrently, run_request
 
 
 def test_model_is_ready(server):

@@ -22,10 +22,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from engine_lib.serving.serve import GATE_DRAIN_MARGIN_S
-
-from .conftest import module_launcher, running
-from .launched import MODEL, command_lines, raw_post, rss_bytes
-from .streaming import RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape, wait_for_metric
+from tests.helpers.launched import MODEL, command_lines, module_launcher, raw_post, rss_bytes
+from tests.helpers.servers import running
+from tests.helpers.streaming import (RequestStream, is_final_response, make_inputs, metric, run_concurrently, scrape,
+                                     wait_for_metric)
 
 MAX_UNSENT = 256 * 1024  # GRPC_MAX_UNSENT_BYTES of this launcher's gate
 EXIT_TIMEOUT_S = 10  # EXIT_TIMEOUT_SECS: the gate's drain is GATE_DRAIN_MARGIN_S shorter

@@ -8,7 +8,7 @@ import json
 
 from PIL import Image
 
-from .streaming import post_json, sse_events
+from tests.helpers.streaming import post_json, sse_events
 
 
 def test_generate_stream_events_end_with_a_decodable_png(server):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from .conftest import module_server
-from .streaming import RequestStream, close_all, metric, scrape, wait_for_metric
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, metric, scrape, wait_for_metric
 
 INSTANCES = ("qwen_image_0_0", "qwen_image_0_1")
 

@@ -17,8 +17,7 @@ import pytest
 
 from engine_lib.serving.openai_api.store import (ORPHAN_AGE_S, RESTARTED, STALE_S, PostgresStore, SQLiteStore,
                                                  StoreFull, open_store)
-
-from .postgres import postgres_bin, throwaway_cluster
+from tests.helpers.postgres import postgres_bin, throwaway_cluster
 
 VIDEO = bytes(range(256)) * 9  # not a multiple of any block size
 databases = itertools.count()  # the tests' stores on one PostgreSQL server

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 
 from engine_lib.serving import serve
-from engine_lib.serving.processes import REPO_ROOT, TritonServerError
+from engine_lib.serving.processes import REPO_ROOT, TritonServerError, free_port
 from engine_lib.serving.serve import repository_models, select_models
 from engine_lib.serving.tritonserver import DEFAULT_MODEL_REPOSITORY, TritonServer
 from engine_lib.serving.wheel import find_pytriton_dist, prepare_backend_dir, server_env
-
-from .conftest import free_port, running, write_repository
+from tests.helpers.servers import running, write_repository
 
 
 def make_server(repo: Path, tmp_path: Path, **kwargs) -> TritonServer:

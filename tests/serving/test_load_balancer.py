@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_lib.serving.processes import REPO_ROOT
-
-from .conftest import free_port, module_server
-from .streaming import RequestStream, close_all, metric, post_json, scrape, sse_events
+from engine_lib.serving.processes import REPO_ROOT, free_port
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, metric, post_json, scrape, sse_events
 
 RECIPE = REPO_ROOT / "deploy" / "nginx" / "nginx.conf"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"

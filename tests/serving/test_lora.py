@@ -13,9 +13,8 @@ import torch
 
 from engine_lib.interface import to_uint8
 from engine_lib.tiny_models import ensure_loras
-
-from .conftest import default_model_path, module_server_of, start_server
-from .streaming import RequestStream, close_all, run_held, run_request
+from tests.helpers.servers import default_model_path, module_server_of, start_server
+from tests.helpers.streaming import RequestStream, close_all, run_held, run_request
 
 BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}
 

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
+from tests.helpers.streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
 
 LABELS = {"model": "qwen_image"}
 

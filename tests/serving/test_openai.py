@@ -9,7 +9,6 @@ when the test acts are held by the engine's tick budget.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import re
@@ -24,12 +23,11 @@ from typing import Optional
 import numpy as np
 import openai
 import pytest
-from PIL import Image
 
-from engine_lib.serving.processes import OpenAIFrontDoor
-
-from .conftest import free_port, module_server
-from .streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
+from engine_lib.serving.processes import OpenAIFrontDoor, free_port
+from tests.helpers.front_door import decode, front_door, sdk
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, metric, run_held, run_request, scrape, wait_for_metric
 
 MODEL = "qwen_image"
 
@@ -37,28 +35,11 @@ MODEL = "qwen_image"
 triton = module_server("openai", step_execution="true", max_num_seqs="1", max_queue="1")
 
 
-def front_door(triton_url: str, tmp_path, **env) -> OpenAIFrontDoor:
-    import os
-
-    return OpenAIFrontDoor(triton_url, port=free_port(), log_path=tmp_path / "openai.log",
-                           env={**os.environ, **env}).start()
-
-
 @pytest.fixture(scope="module")
 def door(triton, tmp_path_factory):
     fd = front_door(triton.grpc_url, tmp_path_factory.mktemp("door"), OPENAI_API_KEY="")
     yield fd
     assert fd.stop() in (0, -signal.SIGTERM), fd.log_tail()  # uvicorn re-raises the SIGTERM it handled
-
-
-def sdk(door: OpenAIFrontDoor, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(api_key=api_key, base_url=f"{door.url}/v1", max_retries=0, timeout=120)
-
-
-def decode(b64: str) -> np.ndarray:
-    image = Image.open(io.BytesIO(base64.b64decode(b64)))
-    assert image.format == "PNG"
-    return np.asarray(image)
 
 
 def test_models_lists_the_ready_triton_models(door):

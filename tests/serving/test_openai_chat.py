@@ -13,9 +13,7 @@ from fastapi.testclient import TestClient
 
 from engine_lib.serving.openai_api import app as app_module
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
-
-from .fake_gateway import OneModelGateway
-from .test_security_front_door import HOSTILE_VALUES
+from tests.helpers.fake_gateway import HOSTILE_VALUES, OneModelGateway
 
 INPUTS = {"prompt": InputType("TYPE_STRING"), "output_modality": InputType("TYPE_STRING"),
           "max_new_tokens": InputType("TYPE_INT32"), "temperature": InputType("TYPE_FP32"),

@@ -15,10 +15,8 @@ from engine_lib.images import MAX_IMAGE_BYTES, decode_image
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api import app as app_module
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
-from tests.hostile_images import hostile, odd_but_valid
-
-from .fake_gateway import OneModelGateway
-from .test_security_front_door import HOSTILE_VALUES
+from tests.helpers.fake_gateway import HOSTILE_VALUES, OneModelGateway
+from tests.helpers.hostile_images import hostile, odd_but_valid
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"not decoded by the front door"
 EDIT_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT32"),

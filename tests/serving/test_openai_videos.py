@@ -13,11 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine_lib.serving.openai_api import app as app_module
-from engine_lib.serving.openai_api.store import RESULT_TTL_S, SQLiteStore
 from engine_lib.serving.openai_api.gateway import InputType, Response, TritonRequestError
 from engine_lib.serving.openai_api.keys import FrontDoorKeys
-
-from .fake_gateway import OneModelGateway
+from engine_lib.serving.openai_api.store import RESULT_TTL_S, SQLiteStore
+from tests.helpers.fake_gateway import OneModelGateway
 
 PNG = b"\x89PNG\r\n\x1a\nan image the front door passes on"
 VIDEO_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT32"),

@@ -24,13 +24,12 @@ from PIL import Image
 
 from engine_lib.hooks import hooks_environment
 from engine_lib.pipelines import registry
-from engine_lib.serving.processes import REPO_ROOT
-from tests.conftest import TickBudget
-from tests.early_servers import serve_early, starts_early
-
-from .conftest import ProbedServer, free_port, set_parameter
-from .streaming import (RequestStream, close_all, metric, post_json, run_concurrently, run_request, scrape, sse_events,
-                        wait_for_metric)
+from engine_lib.serving.processes import REPO_ROOT, free_port
+from tests.helpers.early_servers import serve_early, starts_early
+from tests.helpers.servers import ProbedServer, set_parameter
+from tests.helpers.streaming import (RequestStream, close_all, metric, post_json, run_concurrently, run_request, scrape,
+                                     sse_events, wait_for_metric)
+from tests.helpers.waiting import TickBudget
 
 MODELS = tuple(name for name in registry.names() if name != "qwen_image")
 # served with mixed_size_batching: image tokens packed (*/mixed_sizes.py; Kontext's with each row's condition tokens)
@@ -85,7 +84,7 @@ def start_models_server(tmp_path_factory) -> ProbedServer:
 def server(tmp_path_factory):
     """The shipped configurations (flux, sd3: step execution, max_num_seqs 4), on the tiny models; Flux, SD3
     and FLUX.1 Kontext with mixed_size_batching on; the HELD models with a tick budget each (`server.budgets`).
-    Started early (tests/early_servers.py): its ten stubs load while the tests before this module run."""
+    Started early (tests/helpers/early_servers.py): its ten stubs load while the tests before this module run."""
     yield from serve_early(start_models_server, tmp_path_factory)
 
 
@@ -258,7 +257,7 @@ def test_sd3_takes_an_image_in_every_base64_form_and_at_the_byte_and_pixel_limit
     """One PNG as its bytes and as each base64 form clients write (MIME lines, CRLF, spaces, URL-safe, unpadded,
     data: URLs) gives one image, bitwise; a PNG of random pixels between 6 and 8 MiB as MIME base64 (10.4 MB of
     text) and a 4096 x 4096 PNG as an unpadded URL-safe data: URL are served."""
-    from tests.hostile_images import base64_forms, encode, near_the_byte_limit
+    from tests.helpers.hostile_images import base64_forms, encode, near_the_byte_limit
 
     picture = encode(Image.fromarray(np.random.default_rng(6).integers(0, 256, (40, 48, 3), dtype=np.uint8)))
     square = encode(Image.new("RGB", (4096, 4096), (30, 60, 90)), compress_level=1)
@@ -358,7 +357,7 @@ def test_the_front_door_edits_an_image_as_sd3_does_over_grpc(server, tmp_path):
 
     from engine_lib.serving.openai_api.app import MAX_EDIT_BODY_BYTES
 
-    from .test_openai import decode, front_door, sdk
+    from tests.helpers.front_door import decode, front_door, sdk
 
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(buffer, "PNG")
@@ -435,11 +434,11 @@ def test_z_image_serves_turbos_defaults_and_refuses_bad_inputs_by_name(server):
 
 
 def test_sd3_refuses_each_hostile_image_and_mask_by_name_then_inpaints(server):
-    """Each hostile file (tests/hostile_images.py: empty, 20 MB of zeros, decompression bombs, truncated, a GIF of
+    """Each hostile file (tests/helpers/hostile_images.py: empty, 20 MB of zeros, decompression bombs, truncated, a GIF of
     500 frames, 16-bit) as `image` and as `mask_image` gets INVALID_ARG naming that input over gRPC, at admission
     (20 MB reach the model here: tritonserver's own gRPC takes it, the launcher's gate would refuse the message
     first); then an inpainting request with a CMYK JPEG image and a palette mask with transparency is served."""
-    from tests.hostile_images import hostile, odd_but_valid
+    from tests.helpers.hostile_images import hostile, odd_but_valid
 
     good = dict(prompt="a red door", height=64, width=64, num_inference_steps=4, seed=3, guidance_scale=1.0,
                 strength=0.75, image=odd_but_valid()["cmyk-jpeg"], mask_image=odd_but_valid()["palette-transparent"])
@@ -562,7 +561,7 @@ def test_bagel_answers_in_text_and_thinks_before_its_image(server):
 def test_the_front_door_chats_with_bagel_as_grpc_answers_and_returns_its_thought(server, tmp_path):
     """The official SDK's chat completion equals gRPC's `output_modality=text` answer of the same inputs, with its
     finish_reason; streamed, its deltas add up to it; an image with think returns the thought as `revised_prompt`."""
-    from .test_openai import front_door, sdk
+    from tests.helpers.front_door import front_door, sdk
 
     golden = np.load(REPO_ROOT / "tests" / "golden" / "bagel" / "think.npz")
     expected = run_request(server.grpc_url, model="bagel", request_id="chat", prompt="a red cube",
@@ -615,7 +614,7 @@ def test_hunyuan_image3_recaptions_before_its_image(server):
 def test_helios_streams_each_chunk_as_it_is_decoded_then_the_whole_video(server, model_dirs):
     """65 frames = two chunks of 2 steps: progress at steps 1 and 3, a chunk at steps 2 and 4, then the final
     video, which is the chunks end to end and the pipeline's own; frames are counted in the metrics."""
-    from .streaming import metric, scrape, wait_for_metric
+    from tests.helpers.streaming import metric, scrape, wait_for_metric
 
     labels = dict(model="helios")
     frames_before = metric(scrape(server.metrics_url), "diffusion_frames_generated_total", **labels)
@@ -847,7 +846,7 @@ def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request
 
     from engine_lib.serving.mp4 import probe_mp4
 
-    from .test_openai import front_door, sdk
+    from tests.helpers.front_door import front_door, sdk
 
     door = front_door(server.grpc_url, tmp_path, OPENAI_API_KEY="")
     try:
@@ -921,7 +920,7 @@ def test_video_jobs_outlive_a_front_door_killed_mid_job(server, tmp_path):
     """SIGKILL of the front door (the process that runs the jobs) while a job runs, then a new one on the same
     DIFFUSION_DATA_DIR: the completed job is listed, retrieved and downloaded with the same bytes, and the one
     that was running is `failed` with "server restarted" at once."""
-    from .test_openai import front_door, sdk
+    from tests.helpers.front_door import front_door, sdk
 
     env = {"OPENAI_API_KEY": "", "DIFFUSION_DATA_DIR": str(tmp_path / "data")}
     door = front_door(server.grpc_url, tmp_path, **env)
@@ -954,8 +953,8 @@ def test_two_front_doors_on_one_postgresql_store_answer_for_each_others_jobs(ser
     server, the mp4s on one shared folder)."""
     import openai
 
-    from .postgres import postgres_bin, throwaway_cluster
-    from .test_openai import front_door, sdk
+    from tests.helpers.postgres import postgres_bin, throwaway_cluster
+    from tests.helpers.front_door import front_door, sdk
 
     if postgres_bin() is None:
         pytest.skip("no PostgreSQL binaries (initdb, pg_ctl): scripts/setup.sh installs Debian's postgresql")

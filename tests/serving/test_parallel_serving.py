@@ -23,11 +23,11 @@ import pytest
 from engine_lib.hooks import hooks_environment
 from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
 from engine_lib.tiny_models import ensure_model
-from tests.conftest import TickBudget, wait_until
-
-from .conftest import SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter, write_repository
-from .streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
-                        wait_for_metric)
+from tests.helpers.servers import (SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter,
+                                   write_repository)
+from tests.helpers.streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
+                                     wait_for_metric)
+from tests.helpers.waiting import TickBudget, wait_until
 
 CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0, height=32, width=32)  # the two forwards run on the ranks
 
@@ -39,7 +39,7 @@ RANKS = {"qwen_image": 4, HUNYUAN: 2}
 
 @pytest.fixture(scope="module")
 def parallel_server(tmp_path_factory, request):
-    """conftest.start_server's server, its repository holding the Hunyuan instance too; `hunyuan_budget` holds
+    """start_server's server, its repository holding the Hunyuan instance too; `hunyuan_budget` holds
     that engine."""
     tmp = tmp_path_factory.mktemp("parallel")
     repo = write_repository(tmp / "repository", model_path=model_path(request), cfg_parallel="true",
@@ -179,7 +179,7 @@ def test_think_and_recaption_on_the_ranks_give_the_texts_and_images_of_one_proce
     as the single-process adapter writes it in-process, each image within 1 level; every rank frees its shards."""
     from engine_lib.interface import to_uint8
     from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
-    from tests.pipelines.parity_checks import load_tiny_adapter, run_ticks
+    from tests.helpers.parity_checks import load_tiny_adapter, run_ticks
 
     served = run_concurrently(parallel_server.grpc_url, list(THINKS.values()), prefix="think", model=HUNYUAN)
     single = load_tiny_adapter(HUNYUAN, HunyuanImage3Adapter)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conftest import URGENT, module_server
-from .streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
+from tests.helpers.servers import URGENT, module_server
+from tests.helpers.streaming import RequestStream, close_all, metric, run_request, scrape, wait_for_metric
 
 LABELS = dict(model="qwen_image")
 FIRST = dict(priority=1, parameters=URGENT)  # the most urgent level, with the key that may ask for it

@@ -15,9 +15,9 @@ import re
 from safetensors import safe_open
 
 from engine_lib.tiny_models import ensure_model
-
-from .conftest import module_server
-from .streaming import RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape, wait_for_metric
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
+                                     wait_for_metric)
 
 LEVERS = dict(quantization="int8_weight_only", attention_backend="_native_math", compile="regional",
               compile_backend="eager")

@@ -1,6 +1,6 @@
 """Triton's admin APIs behind the launcher's admin key (docs/serving.md, Admin APIs and Triton's advisories).
 
-Through the session's `secured` launcher (tests/serving/launched.py): every admin-like protocol is refused
+Through the session's `secured` launcher (tests/helpers/launched.py): every admin-like protocol is refused
 without TRITON_ADMIN_KEY on HTTP and on gRPC and answers with it, a Python stub's own shared-memory region
 cannot be registered and written by an inference output, and the key is on no command line.
 """
@@ -16,9 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 from engine_lib.serving.processes import proc_stat
 from engine_lib.serving.tritonserver import ADMIN_HEADER
-
-from .launched import ADMIN_KEY, MODEL
-from .streaming import RequestStream, make_inputs, run_request
+from tests.helpers.launched import ADMIN_KEY, MODEL
+from tests.helpers.streaming import RequestStream, make_inputs, run_request
 
 # tritonserver 2.51 expects a restricted gRPC protocol's header with this prefix (its error says so).
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"

@@ -23,9 +23,8 @@ from engine_lib.serving.openai_api import app as app_module
 from engine_lib.serving.openai_api.gateway import InputType, Response
 from engine_lib.serving.openai_api.keys import FrontDoorKeys, parse_priority_keys
 from engine_lib.serving.openai_api.requests import OpenAIError
-
-from .fake_gateway import OneModelGateway
-from .launched import FRONT_DOOR_KEY, URGENT_FRONT_DOOR_KEY, raw_post
+from tests.helpers.fake_gateway import HOSTILE_VALUES, OneModelGateway
+from tests.helpers.launched import FRONT_DOOR_KEY, URGENT_FRONT_DOOR_KEY, raw_post
 
 API_KEY, URGENT_KEY, SOON_KEY, MODEL_KEY = "api-key", "urgent-key", "soon-key", "model-priority-key"
 INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_INT32"), "width": InputType("TYPE_INT32"),
@@ -159,8 +158,6 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, raw, field):
     assert_error(post(client, path, b"{" + raw + b"}"), 400, field)
 
 
-HOSTILE_VALUES = ["null", "true", "-0", "2147483648", "1" + "0" * 400, "1e400", "NaN", "-Infinity", '""', '"\\u0000"',
-                  '"64x64\\n"', "[]", "{}", "[[1]]", '{"a": [1]}', "[" * 900 + "]" * 900, '{"a":' * 900 + "1" + "}" * 900]
 FIELDS = ["model", "prompt", "n", "size", "stream", "partial_images", "quality", "response_format", "id", "seed",
           "priority", "guidance_scale", "cfg_interval", "unknown"]
 
@@ -265,7 +262,7 @@ def test_served_keys_surrogates_and_openapi(secured):
     status, reply = raw_post(secured.front, "/v1/images/generations", b'{"prompt": "\\ud800"}',
                              headers={"Authorization": f"bearer {FRONT_DOOR_KEY}"})
     assert status == 400 and json.loads(reply)["error"]["param"] == "prompt", reply
-    from .launched import http_status
+    from tests.helpers.launched import http_status
 
     assert http_status(f"{secured.front_url}/openapi.json") == 401
     assert http_status(f"{secured.front_url}/openapi.json", {"Authorization": f"Bearer {FRONT_DOOR_KEY}"}) == 200

@@ -1,6 +1,6 @@
 """What a client may send, through a real tritonserver: inputs only as typed tensors (request parameters never
 stand in for them), float knobs only in their finite ranges, and a priority above the model's default only with
-the server's priority key. The shared `server` (conftest.SERVER_PRIORITY_KEY) and the `secured` launcher
+the server's priority key. The shared `server` (tests/helpers/servers.py: SERVER_PRIORITY_KEY) and the `secured` launcher
 (launched.PRIORITY_KEY) serve qwen_image: default_priority_level 2 of 3."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from .conftest import SERVER_PRIORITY_KEY, URGENT
-from .streaming import RequestStream, make_inputs, post_json, run_request
+from tests.helpers.servers import SERVER_PRIORITY_KEY, URGENT
+from tests.helpers.streaming import RequestStream, make_inputs, post_json, run_request
 
 SMALL = dict(height=32, width=32, num_inference_steps=2)
 
@@ -103,7 +103,7 @@ def test_priority_key_over_http_generate_is_a_json_key(server):
 
 
 def test_the_launchers_priority_key_opens_priority_one(secured):
-    from .launched import PRIORITY_KEY  # noqa: PLC0415
+    from tests.helpers.launched import PRIORITY_KEY  # noqa: PLC0415
 
     refused = run_request(secured.grpc_url, request_id="secured-no-key", prompt="x", priority=1, **SMALL)
     assert_refused(refused, "secured-no-key", "priority", "priority_key")

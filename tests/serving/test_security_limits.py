@@ -20,9 +20,8 @@ from tritonclient.utils import InferenceServerException
 
 from engine_lib.serving import serve
 from engine_lib.serving.grpc_gate import DEFAULT_MAX_MESSAGE_BYTES
-
-from .launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines, rss_bytes
-from .streaming import RequestStream, metric, run_request, scrape, wait_for_metric
+from tests.helpers.launched import ADMIN_KEY, MODEL, PRIORITY_KEY, command_lines, rss_bytes
+from tests.helpers.streaming import RequestStream, metric, run_request, scrape, wait_for_metric
 
 # -- the gate, served ------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import signal
 import time
 
-from .conftest import module_server
-from .streaming import RequestStream, close_all, run_held
+from tests.helpers.servers import module_server
+from tests.helpers.streaming import RequestStream, close_all, run_held
 
 
 doomed_server = module_server("shutdown", exit_timeout_s=30)

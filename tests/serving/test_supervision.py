@@ -29,14 +29,13 @@ import tritonclient.grpc as grpcclient
 
 from client.grpc_transport import stop_stream
 from engine_lib.serving import supervisor
-from engine_lib.serving.processes import proc_stat
+from engine_lib.serving.processes import free_port, proc_stat
 from engine_lib.serving.serve import GATE_DRAIN_MARGIN_S, unready_ports
 from engine_lib.serving.supervisor import Backoff, Supervisor, in_flight
-
-from .conftest import free_port, model_path, module_launcher, running
-from .launched import MODEL, Launcher, raw_post
-from .streaming import (RequestStream, close_all, is_final_response, make_inputs, metric, post_json, run_request, scrape,
-                        sse_events, wait_for_metric)
+from tests.helpers.launched import MODEL, Launcher, module_launcher, raw_post
+from tests.helpers.servers import model_path, running
+from tests.helpers.streaming import (RequestStream, close_all, is_final_response, make_inputs, metric, post_json,
+                                     run_request, scrape, sse_events, wait_for_metric)
 
 LABELS = {"model": MODEL}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .streaming import RequestStream, post_json
+from tests.helpers.streaming import RequestStream, post_json
 
 VALID = dict(prompt="a valid prompt", height=32, width=32, num_inference_steps=2)
 
@@ -91,7 +91,7 @@ def test_the_cache_inputs_reach_the_engine(server, cache):
     """A served request with a step cache is the image the engine makes for it in-process, which the cache
     changed (it reused or predicted steps)."""
     from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-    from tests.pipelines.parity_checks import load_tiny_adapter, solo_steps
+    from tests.helpers.parity_checks import load_tiny_adapter, solo_steps
 
     inputs = dict(prompt="a cat", height=64, width=64, num_inference_steps=6, seed=3)
     cached = dict(inputs, **cache)

@@ -19,10 +19,11 @@ import torch
 from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 
 from engine_lib.pipelines.base import PipelineAdapter, move_tensors
+from engine_lib.pipelines.step_cache import threshold
 from engine_lib.request import DiffusionRequest, SamplingParams
 from engine_lib.runner import ModelRunner
-from engine_lib.pipelines.step_cache import threshold
-from parity_checks import FLOAT_BOUND, Arrival, drive_steps, image_diff, parse, solo_steps, with_cfg_batching
+from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, drive_steps, image_diff, parse, solo_steps,
+                                         with_cfg_batching)
 
 STEPS = 6
 

@@ -97,7 +97,7 @@ class RequestStream:
     def send(self, request_id: str = "", model: str = MODEL, timeout_us: Optional[int] = None,
              parameters: Optional[dict] = None, **inputs: Any) -> "RequestStream":
         """`timeout_us`: Triton's request timeout (tritonclient's `timeout=`); `parameters`: request parameters
-        (e.g. conftest.URGENT, the priority key)."""
+        (e.g. servers.URGENT, the priority key)."""
         self.request_id = request_id
         self.client.async_stream_infer(model, make_inputs(**inputs), request_id=request_id,
                                        enable_empty_final_response=True, timeout=timeout_us, parameters=parameters)

@@ -10,9 +10,6 @@ slowing them. With `ahead=True` (a module's own server) it starts only once it i
 servers the tests will need, so that few idle servers hold memory at once. The fixture takes it with
 `take_early` (its priority back to normal) and waits until it is ready. Servers nobody took are stopped with
 the session.
-
-One module, imported as tests.early_servers everywhere: pytest imports tests/conftest.py a second time under
-another name, and both must see one registry.
 """
 
 from __future__ import annotations
@@ -130,4 +127,4 @@ def serve_early(start, tmp_path_factory):
 def stop_untaken() -> None:
     while _early:
         started = _early.popitem()[1]
-        (getattr(started, "stop", None) or started.kill)()  # a TritonServer, or a tests/serving/launched.py Launcher
+        (getattr(started, "stop", None) or started.kill)()  # a TritonServer, or a tests/helpers/launched.py Launcher

@@ -1,8 +1,8 @@
 """`python -m engine_lib.serving.serve serve` as a test fixture: the whole served stack (supervisor,
 tritonserver, front door) on free loopback ports, serving the qwen_image tiny model.
 
-`Launcher` is started by a module (tests/serving/test_supervision.py, which kills and stops its own) or
-shared by the session as `secured` (tests/serving/conftest.py): every key the launcher takes is set, so
+`Launcher` is started by a module (`module_launcher`, or tests/serving/test_supervision.py, which kills and stops its
+own) or shared by the session as `secured` (tests/serving/conftest.py): every key the launcher takes is set, so
 tests can check what each key opens and what stays closed without it.
 """
 
@@ -20,12 +20,14 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from engine_lib.hooks import hooks_environment
-from tests.conftest import TickBudget
-from tests.early_servers import process_tree
+import pytest
 
-from .conftest import free_port, write_repository
-from .streaming import run_request
+from engine_lib.hooks import hooks_environment
+from engine_lib.serving.processes import free_port
+from tests.helpers.early_servers import process_tree, starts_early, take_early
+from tests.helpers.servers import default_model_path, write_repository
+from tests.helpers.streaming import run_request
+from tests.helpers.waiting import TickBudget
 
 MODEL = "qwen_image"
 # The keys of the session's `secured` launcher.
@@ -202,3 +204,17 @@ def raw_post(port: int, path: str, body: bytes, timeout: float = 30.0,
         return reply.status, reply.read()
     finally:
         connection.close()
+
+
+def module_launcher(directory: str, env=None):
+    """A module-scoped fixture: `serving` with `env`, started while the tests before
+    its module run (tests/helpers/early_servers.py), killed after its module."""
+    def start(tmp_path_factory):
+        return Launcher(tmp_path_factory.mktemp(directory), default_model_path(), env=env)
+
+    @pytest.fixture(scope="module")
+    @starts_early(start, ahead=True)
+    def fixture(tmp_path_factory):
+        with served(take_early(start, tmp_path_factory)) as launched:
+            yield launched
+    return fixture
