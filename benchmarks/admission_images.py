@@ -1,14 +1,10 @@
-"""What an input image costs at admission, where a model decodes it before queueing the request.
+"""What an input image costs at admission, where a model decodes it before queueing the request:
+`python -m benchmarks.admission_images [--served]` prints one line per measurement, then a JSON summary.
 
-In-process: CPU seconds of `decode_image` for files at the limits and past them, and what it costs on
-a 1 x 16777216 PNG with the side limit lifted (what admission did before there was one). With
-`--served`: SD3's tiny pipeline behind tritonserver, the latency of one valid request sent alone, with
-six such tall PNGs (each on its own stream, each refused), and with six files of random bytes (refused
-as no image: what six refusals cost anyway); the median and the least of interleaved rounds.
-
-    python -m benchmarks.admission_images [--served]
-
-Prints one line per measurement and a JSON summary last.
+In-process: CPU seconds of `decode_image` for files at the limits and past them, and on a 1 x 16777216 PNG with the
+side limit lifted (admission before there was one). With `--served`: SD3's tiny pipeline behind tritonserver, one
+valid request's latency alone, beside six such tall PNGs (each refused) and beside six files of random bytes
+(refused as no image: what six refusals cost anyway); the median and the least of interleaved rounds.
 """
 
 from __future__ import annotations

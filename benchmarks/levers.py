@@ -1,17 +1,10 @@
 """The `levers` scenario: what each GPU lever does to one denoise step (in-process, engine_lib/pipelines/levers.py).
 
-Qwen-Image on the scenario's preset, loaded through the engine's own loader once per arm: eager, compile
-(regional), int8 (weight-only), fp8 (dynamic e4m3 on CUDA; weight-only elsewhere: the dynamic form needs SM 8.9+),
-compile+fp8, each with the step cache off and at `cache=first_block`. One wave of `batch` requests runs once to
-warm up (the compile happens there), then `repeats` timed waves; per arm:
-
-* time per step: the median wave's seconds / steps (the batch shares each step);
-* weight bytes of the transformer (what `diffusion_weight_bytes` reports);
-* PSNR and the largest uint8 level difference of every image against eager float32 without the cache (on CUDA the
-  reference is the same eager arm in float32, loaded once).
-
-A lever this device or the installed packages cannot run is recorded with the load's refusal (or the run's
-failure), not raised.
+Qwen-Image loaded through the engine's own loader once per arm (ARMS, each with the step cache off and on); one
+warm-up wave of `batch` requests (the compile happens there), then `repeats` timed waves: the time per step, the
+transformer's weight bytes, and PSNR and the largest uint8 difference of every image against eager float32 without
+the cache. A lever this device or the installed packages cannot run is recorded with its refusal, not raised;
+docs/benchmarks.md (`levers`).
 """
 
 from __future__ import annotations
@@ -23,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from benchmarks.offline import run_wave, sync
 
 ARMS = {"eager": {}, "compile": {"compile": "regional"}, "int8": {"quantization": "int8_weight_only"},
         "fp8": {"quantization": "fp8"}, "compile+fp8": {"compile": "regional", "quantization": "fp8"}}
@@ -40,38 +35,21 @@ def arm_parameters(arm: str, device: str) -> dict:
     return params
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _wave(adapter, inputs: list[dict]) -> tuple[float, list[np.ndarray]]:
-    from engine_lib.request import DiffusionRequest
-    from engine_lib.runner import ModelRunner
-
-    from engine_lib.config import EngineConfig
-
-    schema = adapter.input_schema(EngineConfig())
-    requests = [DiffusionRequest(f"r{i}", schema.parse(p)) for i, p in enumerate(inputs)]
+    """The seconds of one wave of `inputs`, and its images."""
     start = time.perf_counter()
-    result = ModelRunner(adapter).run_to_completion(requests)
-    _sync(adapter.device.type)
-    seconds = time.perf_counter() - start
-    if result.errors:
-        raise RuntimeError(next(iter(result.errors.values())))
-    return seconds, [result.outputs[r.request_id]["image"] for r in requests]
+    outputs = run_wave(adapter, inputs)
+    sync()
+    return time.perf_counter() - start, [output["image"] for output in outputs]
 
 
 def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch: int, repeats: int) -> dict:
     import torch
 
     from benchmarks.report import psnr
-    from engine_lib.config import EngineConfig
+    from engine_lib.config import ConfigError, EngineConfig
     from engine_lib.pipelines import levers
     from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.config import ConfigError
 
     base = EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False,
                         max_num_seqs=batch, max_loras=1)

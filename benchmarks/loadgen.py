@@ -1,25 +1,21 @@
 """Load generator: closed-loop concurrency and open-loop Poisson arrivals over tritonclient gRPC.
 
-Each virtual client owns one connection with at most one request in flight:
-for the decoupled models a `StreamClient` (one gRPC stream, so an error
-response, which carries no request id, belongs to the one request in flight),
-for the non-decoupled baseline an `InferClient` (plain blocking `infer`).
-
-Every request is checked: exactly one response with `is_final` true, exactly
-one Triton FINAL flag, nothing after it, and an image of shape
-[num_images, height, width, 3] uint8. A request that fails any check counts as
-an error, never as a completion.
+Each virtual client owns one connection with at most one request in flight: a `StreamClient` (one gRPC stream, so
+an error response, which carries no request id, belongs to the one request in flight) for the decoupled models, an
+`InferClient` (plain `infer`) for the baseline. A request counts as completed only with exactly one is_final
+response, exactly one Triton FINAL flag, nothing after it, and an image of the shape it asked for.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -76,18 +72,6 @@ class RequestRecord:
     def latency(self) -> Optional[float]:
         return None if self.done is None else self.done - self.scheduled
 
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("image")
-        out["spec"] = self.spec.to_dict()
-        out["ok"] = self.ok
-        out["check_error"] = self.check_error()
-        return out
-
-
-# ---------------------------------------------------------------------------
-# Inputs
-
 
 TRITON_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
 
@@ -127,12 +111,8 @@ def infer_inputs(spec: RequestSpec, streaming: bool, batch_dim: bool = False) ->
     return inputs
 
 
-# ---------------------------------------------------------------------------
-# Clients: one virtual client, one request in flight
-
-
-class StreamClient:
-    """One gRPC stream to a decoupled model."""
+class InferClient:
+    """Plain (non-decoupled) gRPC inference, as a client of the naive baseline does it."""
 
     def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
         import tritonclient.grpc as grpcclient
@@ -140,6 +120,30 @@ class StreamClient:
         self.model = model
         self.timeout_s = timeout_s
         self._client = grpcclient.InferenceServerClient(url)
+
+    def run(self, record: RequestRecord) -> RequestRecord:
+        record.sent = time.perf_counter()
+        try:
+            result = self._client.infer(self.model, infer_inputs(record.spec, streaming=False, batch_dim=True),
+                                        request_id=record.request_id, client_timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            record.error = str(exc)
+            record.done = time.perf_counter()
+            return record
+        record.done = record.first_response = time.perf_counter()
+        record.num_responses = record.num_final_flags = record.num_final_outputs = 1
+        record.image_shape = tuple(int(d) for d in result.as_numpy("image").shape)
+        return record
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class StreamClient(InferClient):
+    """One gRPC stream to a decoupled model, on InferClient's connection."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(url, model, timeout_s)
         self._responses: "queue.Queue[tuple]" = queue.Queue()
         self._previous: Optional[RequestRecord] = None
         self._client.start_stream(callback=self._on_response)
@@ -147,10 +151,13 @@ class StreamClient:
     def _on_response(self, result, error) -> None:
         self._responses.put((time.perf_counter(), result, error))
 
-    def _restart_stream(self) -> None:
+    def _fail(self, record: RequestRecord, error: str, done: Optional[float] = None) -> RequestRecord:
+        """The request ends with `error`, and the stream starts clean (an error response has no request id)."""
+        record.error, record.done = error, done
         self._client.stop_stream(cancel_requests=True)
         self._responses = queue.Queue()
         self._client.start_stream(callback=self._on_response)
+        return record
 
     def _drain_late(self) -> None:
         """Responses still queued belong to the previous request: they arrived after its FINAL."""
@@ -174,22 +181,15 @@ class StreamClient:
                                             parameters={"priority_key": PRIORITY_KEY} if record.spec.priority else None,
                                             **timeout)
         except Exception as exc:  # noqa: BLE001 - any client failure is this request's error
-            record.error = f"send failed: {exc}"
-            self._restart_stream()
-            return record
+            return self._fail(record, f"send failed: {exc}")
         deadline = record.sent + self.timeout_s
         while True:
             try:
                 t, result, error = self._responses.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
-                record.error = f"no FINAL within {self.timeout_s:.0f} s"
-                self._restart_stream()
-                return record
+                return self._fail(record, f"no FINAL within {self.timeout_s:.0f} s")
             if error is not None:
-                record.error = str(error)
-                record.done = t
-                self._restart_stream()  # an error has no request id: start clean
-                return record
+                return self._fail(record, str(error), t)
             if self._handle(record, t, result):
                 return record
 
@@ -224,35 +224,7 @@ class StreamClient:
         self._drain_late()
         # A held stream keeps tritonserver 2.51 from shutting down: always stop it.
         self._client.stop_stream(cancel_requests=True)
-        self._client.close()
-
-
-class InferClient:
-    """Plain (non-decoupled) gRPC inference, as a client of the naive baseline does it."""
-
-    def __init__(self, url: str, model: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-        import tritonclient.grpc as grpcclient
-
-        self.model = model
-        self.timeout_s = timeout_s
-        self._client = grpcclient.InferenceServerClient(url)
-
-    def run(self, record: RequestRecord) -> RequestRecord:
-        record.sent = time.perf_counter()
-        try:
-            result = self._client.infer(self.model, infer_inputs(record.spec, streaming=False, batch_dim=True),
-                                        request_id=record.request_id, client_timeout=self.timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            record.error = str(exc)
-            record.done = time.perf_counter()
-            return record
-        record.done = record.first_response = time.perf_counter()
-        record.num_responses = record.num_final_flags = record.num_final_outputs = 1
-        record.image_shape = tuple(int(d) for d in result.as_numpy("image").shape)
-        return record
-
-    def close(self) -> None:
-        self._client.close()
+        super().close()
 
 
 @dataclass(frozen=True)
@@ -265,12 +237,7 @@ class Target:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def open(self):
-        cls = StreamClient if self.streaming else InferClient
-        return cls(self.url, self.model, self.timeout_s)
-
-
-# ---------------------------------------------------------------------------
-# Runs
+        return (StreamClient if self.streaming else InferClient)(self.url, self.model, self.timeout_s)
 
 
 @dataclass
@@ -281,48 +248,54 @@ class RunResult:
     records: list[RequestRecord]
     concurrency: Optional[int] = None
     offered_rate: Optional[float] = None
-    extra: dict = field(default_factory=dict)
 
 
 def _ids(tag: str) -> Iterable[str]:
     return (f"{tag}-{i}" for i in itertools.count())
 
 
-def run_closed_loop(target: Target, specs: Sequence[RequestSpec], concurrency: int, tag: str = "c") -> RunResult:
-    """`concurrency` virtual clients each send their next request as soon as the last one ends."""
+def run_closed_loop(target: Target, specs: Iterable[RequestSpec], concurrency: int, tag: str = "c",
+                    pause_s: float = 0.0) -> RunResult:
+    """`concurrency` virtual clients each send their next request `pause_s` after the last one ends, until `specs`
+    (which may be an endless generator that the caller stops) runs out."""
     clients = [target.open() for _ in range(concurrency)]
-    ids = _ids(tag)
-    jobs = iter(list(specs))
-    lock = threading.Lock()
     records: list[RequestRecord] = []
 
-    def worker(client) -> None:
-        while True:
-            with lock:
-                spec = next(jobs, None)
-                if spec is None:
-                    return
-                record = RequestRecord(next(ids), spec)
-                records.append(record)
-            record.scheduled = time.perf_counter()
-            client.run(record)
+    def send(client, job: tuple[str, RequestSpec]) -> None:
+        record = RequestRecord(*job)
+        records.append(record)
+        record.scheduled = time.perf_counter()
+        client.run(record)
+        time.sleep(pause_s)
 
     try:
-        _run_threads([lambda c=c: worker(c) for c in clients])
+        share(zip(_ids(tag), specs), [functools.partial(send, client) for client in clients])
     finally:
         for client in clients:
             client.close()
     return RunResult("closed", records, concurrency=concurrency)
 
 
+def share(jobs: Iterable, workers: Sequence[Callable[[Any], None]]) -> None:
+    """Each worker, in a thread of its own, takes the next job as soon as it is done with the last, until none is
+    left (a closed loop); the first error of any is raised here."""
+    jobs, lock = iter(jobs), threading.Lock()
+
+    def take_turns(work) -> None:
+        while True:
+            with lock:
+                job = next(jobs, None)
+            if job is None:
+                return
+            work(job)
+
+    _run_threads([functools.partial(take_turns, work) for work in workers])
+
+
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n arrival offsets (seconds from the start) of a Poisson process of `rate` per second."""
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
 
 
 def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, seed: int = 0,
@@ -336,31 +309,20 @@ def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, see
     """
     offsets = poisson_arrivals(len(specs), rate, seed)
     clients = [target.open() for _ in range(min(max_outstanding, len(specs)))]
-    jobs: "queue.Queue[Optional[RequestRecord]]" = queue.Queue()
     records = [RequestRecord(rid, spec) for rid, spec in zip(_ids(tag), specs)]
 
-    def dispatcher() -> None:
+    def arrivals() -> Iterator[RequestRecord]:
+        """Each record at its arrival time, to the first free client (`share` holds its lock meanwhile)."""
         start = time.perf_counter() + 0.05
         for record, offset in zip(records, offsets):
             record.scheduled = start + offset
             if slo_s is not None:
                 record.deadline = record.scheduled + slo_s[record.spec.shape_key]
-            delay = record.scheduled - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            jobs.put(record)
-        for _ in clients:
-            jobs.put(None)
-
-    def worker(client) -> None:
-        while True:
-            record = jobs.get()
-            if record is None:
-                return
-            client.run(record)
+            time.sleep(max(0.0, record.scheduled - time.perf_counter()))
+            yield record
 
     try:
-        _run_threads([dispatcher] + [lambda c=c: worker(c) for c in clients])
+        share(arrivals(), [client.run for client in clients])
     finally:
         for client in clients:
             client.close()
@@ -385,10 +347,6 @@ def _run_threads(bodies: Sequence[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-# ---------------------------------------------------------------------------
-# Metrics
-
-
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
 
@@ -403,9 +361,7 @@ def summarize(run: RunResult, solo_latency: Optional[dict] = None, slo_factor: f
     ok = [r for r in run.records if r.ok]
     errors = [r for r in run.records if not r.ok]
     latencies = [r.latency for r in ok]
-    span = None
-    if ok:
-        span = max(r.done for r in ok) - min(r.scheduled for r in run.records)
+    span = max(r.done for r in ok) - min(r.scheduled for r in run.records) if ok else None
     previews = [r.first_preview - r.scheduled for r in ok if r.first_preview is not None]
     firsts = [r.first_response - r.scheduled for r in ok if r.first_response is not None]
     out = {

@@ -1,16 +1,9 @@
 """The offline limit and a per-phase profile: the same pipeline called in-process, no server.
 
-`OfflineLimit` times the plain diffusers call `pipe(prompt=[...], ...)` with a
-batch list and the engine's own `ModelRunner` running the same batch as one
-request-mode wave (`run_to_completion`: the served loop without the engine's
-threads or Triton); the faster of the two is the throughput a server could
-reach at that batch size if serving cost nothing.
-
-`phase_profile` times one request's phases (prompt encode, one denoise step,
-scheduler step, VAE decode) solo and in a batch, per request, one denoise step
-at every batch size up to it, and the top operators of one denoise step from
-torch.profiler: where the time goes, and how much of it batching amortises on
-this device.
+`OfflineLimit` times the plain diffusers call `pipe(prompt=[...])` and the engine's own `ModelRunner` over the same
+batch (the served loop without threads or Triton); the faster is what a server could reach at that batch size if
+serving cost nothing. `phase_profile` times one request's phases solo and batched: where the time goes, and how
+much of it batching amortises.
 """
 
 from __future__ import annotations
@@ -31,20 +24,22 @@ def load_adapter(model_path: Path, device: str = "cpu", dtype: str = "auto"):
     return _load(EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False))
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for the GPU's queued work, so that a timing ends when the work does."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int) -> list[float]:
+    """The seconds of each of `repeats` calls of `fn`."""
     out = []
     for _ in range(repeats):
-        _sync()
+        sync()
         start = time.perf_counter()
         fn()
-        _sync()
+        sync()
         out.append(time.perf_counter() - start)
     return out
 
@@ -67,9 +62,6 @@ class OfflineLimit:
     def _call(self, batch: int, path: str) -> None:
         import torch
 
-        from engine_lib.request import DiffusionRequest
-        from engine_lib.runner import ModelRunner
-
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         if path == "pipe":
             generators = [torch.Generator(device=self.adapter.device).manual_seed(i) for i in range(batch)]
@@ -77,10 +69,8 @@ class OfflineLimit:
                 self.adapter.pipe(prompt=prompts, height=self.size, width=self.size,
                                   num_inference_steps=self.steps, generator=generators, output_type="np")
         else:
-            requests = [DiffusionRequest(f"offline-{i}", request_params(self.adapter, p, self.size, self.steps, i))
-                        for i, p in enumerate(prompts)]
-            errors = ModelRunner(self.adapter).run_to_completion(requests).errors
-            assert not errors, errors
+            run_wave(self.adapter, [{"prompt": p, "height": self.size, "width": self.size,
+                                     "num_inference_steps": self.steps, "seed": i} for i, p in enumerate(prompts)])
 
     def warm(self) -> None:
         """One untimed call per path and batch size (first-call and first-shape effects)."""
@@ -91,7 +81,7 @@ class OfflineLimit:
     def sample(self) -> None:
         for b in self.batch_sizes:
             for path in self.PATHS:
-                self.seconds[(b, path)] += _timed(lambda: self._call(b, path), 1)
+                self.seconds[(b, path)] += timed(lambda: self._call(b, path), 1)
 
     def summary(self) -> dict:
         """Per batch size: each path's seconds, median and images/s, and the best of the two."""
@@ -108,49 +98,49 @@ class OfflineLimit:
         return out
 
 
-def request_params(adapter, prompt: str, size: int, steps: int, seed: int):
-    """Validated params for one benchmark request (the adapter's own defaults for everything else)."""
+def parse(adapter, values: dict):
+    """`values` validated as the adapter's inputs (its defaults for the rest), as the engine validates a request's."""
     from engine_lib.config import EngineConfig
 
-    schema = adapter.input_schema(EngineConfig())
-    return schema.parse({"prompt": prompt, "height": size, "width": size, "num_inference_steps": steps, "seed": seed})
+    return adapter.input_schema(EngineConfig()).parse(values)
 
 
-def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
-                  top_ops: int = 6) -> dict:
-    """Seconds per request of each phase, solo (batch 1) and batched (`batch`), plus top step operators.
+def run_wave(adapter, wave: Sequence[dict]) -> list[dict]:
+    """Requests of these inputs as one request-mode wave of the engine's own ModelRunner (the served loop without
+    the engine's threads or Triton): each request's outputs."""
+    from engine_lib.request import DiffusionRequest
+    from engine_lib.runner import ModelRunner
+
+    requests = [DiffusionRequest(f"wave-{i}", parse(adapter, values)) for i, values in enumerate(wave)]
+    result = ModelRunner(adapter).run_to_completion(requests)
+    if result.errors:
+        raise RuntimeError(next(iter(result.errors.values())))
+    return [result.outputs[r.request_id] for r in requests]
+
+
+def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3) -> dict:
+    """Seconds per request of each phase, solo (batch 1) and batched (`batch`), and of one step by rows.
 
     The batch uses different prompts (as real traffic does: prompt embeddings are padded and masked);
     `denoise_step_same_prompt_s` times the same batch with one prompt for every row, to show what
     the padding and mask cost.
     """
-    import torch
-
     from engine_lib.pipelines.base import InputBatch
 
     def new_state(request_id: str, prompt: str, seed: int):
-        return adapter.new_state(request_id, request_params(adapter, prompt, size, steps, seed))
+        return adapter.new_state(request_id, parse(adapter, {"prompt": prompt, "height": size, "width": size,
+                                                             "num_inference_steps": steps, "seed": seed}))
 
     out: dict = {"size": size, "steps": steps, "batch": batch}
     for n in (1, batch):
         states = [new_state(f"prof-{i}", PROMPTS[i % len(PROMPTS)], i) for i in range(n)]
-        start = time.perf_counter()
-        for state in states:
-            adapter.prepare_encode(state)
-        encode = time.perf_counter() - start
+        encode = timed(lambda: [adapter.prepare_encode(state) for state in states], 1)[0]
         input_batch = InputBatch.gather(states)
         adapter.denoise_step(input_batch, states=states)  # warm-up (and fills the text cache)
-        step = statistics.median(_timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
+        step = statistics.median(timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
         pred = adapter.denoise_step(input_batch, states=states)
-        start = time.perf_counter()
-        for state, rows in zip(states, input_batch.split(pred)):
-            adapter.step_scheduler(state, rows)
-        sched = time.perf_counter() - start
-        decode = statistics.median(_timed(lambda: adapter.post_decode(states), repeats))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            adapter.denoise_step(input_batch, states=states)
-        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        total_us = sum(e.self_cpu_time_total for e in events) or 1.0
+        sched = timed(lambda: [adapter.step_scheduler(s, r) for s, r in zip(states, input_batch.split(pred))], 1)[0]
+        decode = statistics.median(timed(lambda: adapter.post_decode(states), repeats))
         out[f"batch_{n}"] = {
             "encode_s_per_request": encode / n,
             "denoise_step_s": step,
@@ -158,16 +148,12 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3,
             "scheduler_step_s_per_request": sched / n,
             "decode_s_per_request": decode / n,
             "request_s_per_request": (encode + steps * (step + sched) + decode) / n,
-            "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total_us} for e in events[:top_ops]],
         }
     # The same batch with one prompt for every row: no text padding, no attention mask.
     out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = step_seconds(
         adapter, [new_state(f"same-{i}", PROMPTS[0], i) for i in range(batch)], repeats)
     out["step_s_by_rows"] = {n: step_seconds(adapter, [new_state(f"rows-{i}", PROMPTS[i % len(PROMPTS)], i)
                                                        for i in range(n)], repeats) for n in range(1, batch + 1)}
-    solo, batched = out["batch_1"], out[f"batch_{batch}"]
-    out["step_speedup_per_request"] = solo["denoise_step_s_per_request"] / batched["denoise_step_s_per_request"]
-    out["request_speedup_per_request"] = solo["request_s_per_request"] / batched["request_s_per_request"]
     return out
 
 
@@ -179,4 +165,4 @@ def step_seconds(adapter, states, repeats: int) -> float:
         adapter.prepare_encode(state)
     input_batch = InputBatch.gather(states)
     adapter.denoise_step(input_batch, states=states)
-    return statistics.median(_timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
+    return statistics.median(timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))

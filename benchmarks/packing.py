@@ -1,35 +1,22 @@
 """The `packing` scenario: one denoise forward over rows of several sizes, packed vs per size vs padded (in-process).
 
-For Qwen-Image, Flux and SD3, in one process (on the CPU: one thread), a random-weight
-transformer of the tiny preset's config widened to 4 heads of 64 (Qwen-Image's bench preset
-width; speed does not depend on weight values) runs 8 rows, 32 text tokens, each row its own
-timestep, in two workloads (sizes in patch tokens per side; 16 px each at VAE factor 8 and
-patch 2; `scale` multiplies them):
-
-* two sizes: 4 rows of 8x8 and 4 of 16x16 (128x128 and 256x256 images);
-* eight sizes: every row its own token count, from 8x8 to 16x16, so the packed forward's
-  joint attention runs once per row.
-
-Three ways to run them:
-
-* packed: the pipeline's `packed_forward` (`mixed_size_batching`), every row in one forward, its joint
-  attention one call per group of rows of one token count (and, Qwen-Image and Flux, on the flex backend:
-  one call a block over every row's segment under a block mask, `packed flex`);
-* per size: diffusers' forward once per size, what size-keyed step batching runs;
-* padded: diffusers' forward of all 8 rows at the largest size, what right-padding the other
-  rows would compute (without the masks that would make it correct).
-
-Timings interleaved, `repeats` rounds, medians (on CUDA each call synchronised).
+For Qwen-Image, Flux and SD3, a random-weight transformer of the tiny preset's config widened to 4 heads of 64 runs
+8 rows (WORKLOADS) three ways: packed (the pipeline's `packed_forward`, `mixed_size_batching`: joint attention one
+call per group of rows of one token count; for Qwen-Image and Flux also `packed flex`, one call a block under a block
+mask on the flex backend), per size (diffusers' forward once per size, what size-keyed step batching runs) and padded
+(every row at the largest size, what right-padding would compute). Timings interleaved over `repeats` rounds,
+medians; docs/benchmarks.md (`packing`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
 from typing import Callable
 
 import torch
+
+from benchmarks.offline import timed
 
 # Patch tokens per side (x --scale) of each workload's rows, equal sizes next to each other.
 WORKLOADS = {"two sizes": [(8, 8)] * 4 + [(16, 16)] * 4,
@@ -157,16 +144,6 @@ def _on_flex(transformer, call: Callable[[], object]) -> object:
 PIPELINES = {"qwen_image": qwen_image_forwards, "flux": flux_forwards, "sd3": sd3_forwards}
 
 
-def _timed(call: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: int = 1) -> dict:
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
@@ -187,7 +164,7 @@ def run(repeats: int = 15, device: str = "cpu", dtype: str = "float32", scale: i
                         call()  # warm-up
                     for _ in range(repeats):
                         for kind, call in forwards.items():
-                            times[kind].append(_timed(call, setup.device))
+                            times[kind] += timed(call, 1)
                     ms = {kind: 1000 * statistics.median(values) for kind, values in times.items()}
                     results["points"].append({"pipeline": pipeline, "workload": workload, "median_ms": ms,
                                               "per_size_over_packed": ms["per_size"] / ms["packed"],

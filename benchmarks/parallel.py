@@ -1,11 +1,9 @@
-"""One model over several GPUs against the same model on one: `bash benchmarks/gpu.sh` runs this on a host with
-more than one GPU (it prints that it skipped it otherwise).
+"""One model over several GPUs against the same model on one (`bash benchmarks/gpu.sh` runs it with more than one).
 
 For each parallel configuration (docs/deployment.md, One model over several devices) the engine runs the same
-requests twice, in this process (no Triton): on one GPU, then with the configuration's ranks. It reports the
-seconds of one request alone and of `--requests` sent at once, and the largest difference of their images in
-uint8 levels (the ranks compute what one GPU computes). A configuration a pipeline does not support, or one this
-host has too few GPUs for, is reported as skipped with the reason.
+requests in this process (no Triton) on one GPU, then on the configuration's ranks: the seconds of one request
+alone and of `--requests` at once, and the largest uint8 difference of their images. A configuration a pipeline
+does not support, or one this host has too few GPUs for, is reported as skipped with the reason.
 
     python -m benchmarks.parallel --device cuda --dtype bfloat16 --preset gpu --out benchmarks/results/gpu
 """
@@ -18,6 +16,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.report import table
 
 CFG = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
 
@@ -64,7 +64,7 @@ def measure(model_path: str, device: str, dtype: str, parameters: dict, inputs: 
 def main() -> None:
     import torch
 
-    from engine_lib.config import ConfigError
+    from engine_lib.config import ConfigError, EngineConfig
     from engine_lib.tiny_models import available, ensure_loras, ensure_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -84,8 +84,7 @@ def main() -> None:
         if args.only not in name:
             continue
         preset = args.preset if args.preset in available()[pipeline] else "tiny"
-        world = (2 if parameters.get("cfg_parallel") else 1) * max(parameters.get("sequence_parallel_size", 1),
-                                                                    parameters.get("tensor_parallel_size", 1))
+        world = EngineConfig(pipeline=pipeline, **parameters).world_size
         row = {"config": name, "preset": preset, "ranks": world}
         rows.append(row)
         if world > gpus:
@@ -110,17 +109,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parallel.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| config | preset | ranks | 1 GPU solo s | ranks solo s | 1 GPU together s | ranks together s | "
-             "max uint8 diff |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        if "skipped" in row:
-            lines.append(f"| {row['config']} | {row['preset']} | {row['ranks']} | skipped: {row['skipped']} |||||")
-        else:
-            lines.append(f"| {row['config']} | {row['preset']} | {row['ranks']} | {row['one_gpu_solo_s']:.2f} | "
-                         f"{row['ranks_solo_s']:.2f} | {row['one_gpu_together_s']:.2f} | "
-                         f"{row['ranks_together_s']:.2f} | {row['max_uint8_difference']} |")
-    (out / "parallel.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    keys = ("one_gpu_solo_s", "ranks_solo_s", "one_gpu_together_s", "ranks_together_s")
+    text = table([[row["config"], row["preset"], str(row["ranks"])] + (
+        [f"skipped: {row['skipped']}", "", "", "", ""] if "skipped" in row else
+        [f"{row[k]:.2f}" for k in keys] + [str(row["max_uint8_difference"])]) for row in rows],
+        ["config", "preset", "ranks", "1 GPU solo s", "ranks solo s", "1 GPU together s", "ranks together s",
+         "max uint8 diff"])
+    (out / "parallel.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
 """perf_analyzer against the streaming (decoupled) model, and its end-to-end latency.
 
-perf_analyzer prints "Detected decoupled model, using the first response for
-measuring latency" for a decoupled model, so its latency figure is meant as the
-time to the FIRST response (here a progress/preview message), not to the final
-image. Its `--profile-export-file` records every response's timestamp, so we
-derive both from it: first response minus request timestamp, and end-to-end =
-last response minus request timestamp. `which_latency` says which of the two
-perf_analyzer's own "Avg latency" actually matches (measured, not assumed), and
-`compare` checks the end-to-end figure against the load generator at the same
+For a decoupled model perf_analyzer measures latency to the FIRST response (EXPLANATION), so both latencies are
+derived from its `--profile-export-file`; `which_latency` says which of the two its own "Avg latency" actually
+matches (measured, not assumed), and `compare` checks the end-to-end figure against the load generator at the same
 concurrency.
 
 CLI: `python -m benchmarks.perf_analyzer --url 127.0.0.1:8001 --concurrency 4`
@@ -28,25 +23,20 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks.workloads import RequestSpec
-from engine_lib.serving.processes import hide_argument
+from benchmarks.loadgen import spec_values
+from benchmarks.workloads import PROMPTS, RequestSpec
+from engine_lib.serving.processes import REPO_ROOT, hide_argument
 from engine_lib.serving.tritonserver import ADMIN_HEADER
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-EXPLANATION = (
-    "For a decoupled model perf_analyzer announces that it uses the FIRST response for measuring latency "
-    "(here a progress/preview message, not the image). So both latencies are derived from its "
-    "--profile-export-file instead: first response, and end-to-end = last response timestamp minus "
-    "request timestamp."
-)
+EXPLANATION = ("For a decoupled model perf_analyzer measures latency to the FIRST response (here a preview, not the "
+               "image), so both latencies are derived from its --profile-export-file instead: first response, and "
+               "end to end (the last response's timestamp minus the request's).")
 
 
 def perf_analyzer_binary() -> str:
     """`.venv/bin/perf_analyzer_local` (made by scripts/setup.sh), else perf_analyzer on PATH."""
     local = REPO_ROOT / ".venv" / "bin" / "perf_analyzer_local"
-    if local.is_file():
-        return str(local)
-    found = shutil.which("perf_analyzer_local") or shutil.which("perf_analyzer")
+    found = str(local) if local.is_file() else shutil.which("perf_analyzer_local") or shutil.which("perf_analyzer")
     if not found:
         raise FileNotFoundError("perf_analyzer not found: run `bash scripts/setup.sh`")
     return found
@@ -54,30 +44,19 @@ def perf_analyzer_binary() -> str:
 
 def input_data(spec: RequestSpec) -> dict:
     """perf_analyzer --input-data JSON for one request spec (every request sends the same inputs)."""
-    return {"data": [{
-        "prompt": {"content": [spec.prompt], "shape": [1]},
-        "height": {"content": [spec.height], "shape": [1]},
-        "width": {"content": [spec.width], "shape": [1]},
-        "num_inference_steps": {"content": [spec.steps], "shape": [1]},
-        "seed": {"content": [spec.seed], "shape": [1]},
-        "num_images": {"content": [spec.num_images], "shape": [1]},
-        "preview_interval": {"content": [spec.preview_interval], "shape": [1]},
-    }]}
+    return {"data": [{name: {"content": [value], "shape": [1]} for name, _, value in spec_values(spec)}]}
 
 
 def command(url: str, model: str, data_path: Path, export_path: Path, concurrency: int,
             request_count: int) -> list[str]:
-    return [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-            "--input-data", str(data_path), "--concurrency-range", f"{concurrency}:{concurrency}",
-            "--request-count", str(request_count), "--profile-export-file", str(export_path), *admin_header()]
-
-
-def admin_header() -> list[str]:
     """perf_analyzer reads the server's statistics after each measurement and stops without them; the
     launcher's servers answer statistics only with their admin key. With TRITON_ADMIN_KEY set it goes as
     the gRPC header tritonserver expects (perf_analyzer's -H reaches gRPC calls too, measured on 2.51)."""
     key = admin_key()
-    return ["-H", f"triton-grpc-protocol-{ADMIN_HEADER}:{key}"] if key else []
+    return [perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
+            "--input-data", str(data_path), "--concurrency-range", f"{concurrency}:{concurrency}",
+            "--request-count", str(request_count), "--profile-export-file", str(export_path)] + (
+        ["-H", f"triton-grpc-protocol-{ADMIN_HEADER}:{key}"] if key else [])
 
 
 def admin_key() -> str:
@@ -147,7 +126,7 @@ def run(url: str, model: str, spec: RequestSpec, concurrency: int, request_count
             proc.communicate()
             raise
         shown = [Path(c).name if i == 0 or c.startswith(tmp) else c for i, c in enumerate(cmd)]
-        result = {"command": " ".join(c.replace(key, "$TRITON_ADMIN_KEY") if key else c for c in shown),
+        result = {"perf_analyzer_command": " ".join(c.replace(key, "$TRITON_ADMIN_KEY") if key else c for c in shown),
                   "returncode": proc.returncode, "concurrency": concurrency, "request_count": request_count,
                   "explanation": EXPLANATION}
         if proc.returncode != 0:
@@ -165,9 +144,8 @@ def which_latency(perf: dict) -> Optional[str]:
     export = perf.get("export", {})
     if avg is None or "e2e_mean_s" not in export:
         return None
-    to_first = abs(avg - export["first_response_mean_s"])
-    to_last = abs(avg - export["e2e_mean_s"])
-    return "first response" if to_first < to_last else "last response"
+    nearer_first = abs(avg - export["first_response_mean_s"]) < abs(avg - export["e2e_mean_s"])
+    return "first response" if nearer_first else "last response"
 
 
 def compare(perf: dict, loadgen_mean_latency_s: Optional[float], margin: float = 0.20) -> dict:
@@ -196,8 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--preview-interval", type=int, default=4)
     args = parser.parse_args(argv)
-    spec = RequestSpec("a photo of a cat sitting on a red chair in the sun", args.size, args.size, args.steps,
-                       seed=0, preview_interval=args.preview_interval)
+    spec = RequestSpec(PROMPTS[0], args.size, args.size, args.steps, seed=0, preview_interval=args.preview_interval)
     result = run(args.url, args.model, spec, args.concurrency, args.requests)
     print(EXPLANATION)
     print(json.dumps(result, indent=2))

@@ -6,6 +6,7 @@ is the median over the scenario's rounds; "a (b-c)" is the median with the lowes
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -41,12 +42,7 @@ def table(rows: list, headers: Sequence[str]) -> str:
 
 def of(points: Sequence[dict], *keys: str) -> list:
     """A (nested) metric of each round, e.g. of(points, "server", "mean_batch_size")."""
-    out = []
-    for point in points:
-        for key in keys:
-            point = (point or {}).get(key)
-        out.append(point)
-    return out
+    return [functools.reduce(lambda value, key: (value or {}).get(key), keys, point) for point in points]
 
 
 def render(result: dict) -> str:
@@ -245,13 +241,13 @@ def think_tables(result: dict) -> list[str]:
     names = [s["name"] for s in sc["systems"]]
     labels = {s["name"]: s["label"] for s in sc["systems"]}
     t = {name: totals(rounds, name) for name in names}
-    rows = [[labels[name], f"{t[name]['text_forwards']}", num(t[name]["text_rows_per_forward"], 2),
-             f"{t[name]['denoise_forwards']}", num(t[name]["denoise_rows_per_forward"], 2),
-             spread(of([r["systems"][name] for r in rounds], "requests_per_s")),
-             num(median(of([r["systems"][name] for r in rounds], "latency_p50_s", "think")), 2),
-             num(median(of([r["systems"][name] for r in rounds], "latency_p50_s", "plain")), 2),
-             "yes" if all(of([r["systems"][name] for r in rounds], "texts_equal")) else "no",
-             str(max(of([r["systems"][name] for r in rounds], "image_max_level")))] for name in names]
+    points = {name: [r["systems"][name] for r in rounds] for name in names}
+    rows = [[labels[name], str(t[name]["text_forwards"]), num(t[name]["text_rows_per_forward"], 2),
+             str(t[name]["denoise_forwards"]), num(t[name]["denoise_rows_per_forward"], 2),
+             spread(of(points[name], "requests_per_s")), num(median(of(points[name], "latency_p50_s", "think")), 2),
+             num(median(of(points[name], "latency_p50_s", "plain")), 2),
+             "yes" if all(of(points[name], "texts_equal")) else "no", str(max(of(points[name], "image_max_level")))]
+            for name in names]
     base = t[names[0]]
     ratios = [[labels[name], num(t[name]["text_forwards"] / base["text_forwards"], 2, "x"),
                num(t[name]["denoise_forwards"] / base["denoise_forwards"], 2, "x"),

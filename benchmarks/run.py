@@ -1,18 +1,16 @@
 """The benchmark runner: `python -m benchmarks.run [--scenario NAME[,NAME]] [--quick]`.
 
-For each scenario of benchmarks/scenarios.py: start its systems (one tritonserver each, on a
-temporary copy of the model repository, all up for the whole scenario), warm each one up, then run
-its workload in rounds (each round every system once, one after the other, so a slow drift of the
-machine hits every system alike). It writes benchmarks/results/<name>.json (every request's
-summary, the machine, the command) and benchmarks/results/<name>.md (the tables), and the plots
-into docs/img/<name>.png; with --quick everything goes to benchmarks/results/quick/ instead.
-A scenario that fails is recorded with its error and the next one runs.
+For each scenario of benchmarks/scenarios.py: its systems up and warmed, its workload in rounds (each round every
+system once, so a slow drift of the machine hits every system alike), then benchmarks/results/<name>.json and .md
+and docs/img/<name>.png (with --quick, all in benchmarks/results/quick/). A scenario that fails is recorded with its
+error and the next one runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -44,20 +42,14 @@ def machine_info() -> dict:
     import diffusers
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown")
-    mem = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal:")), 0)
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "ram_gib": round(mem / 1024**2, 1),
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+               platform.processor() or "unknown")
+    return {"cpus": os.cpu_count(), "cpu_model": cpu,
+            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "load_average": [float(x) for x in _read("/proc/loadavg").split()[:3]]}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
+            "load_average": [round(load, 2) for load in os.getloadavg()]}
 
 
 def model_path(sc: Scenario, pipeline: str) -> Path:
@@ -93,16 +85,26 @@ def serving(sc: Scenario, log_dir: Path):
 
 
 def measure(rs: systems.RunningSystem, run: Callable[[], loadgen.RunResult], solo: Optional[dict] = None,
-            slo_factor: float = 3.0) -> dict:
-    """A load-generator run's summary plus the server's batch statistics over it (its metrics endpoint)."""
+            slo_factor: float = 3.0) -> tuple[dict, loadgen.RunResult]:
+    """A load-generator run's summary plus the server's batch statistics over it (its metrics endpoint); the run."""
     before = systems.scrape_metrics(rs.server.metrics_url)
-    summary = loadgen.summarize(run(), solo, slo_factor)
+    result = run()
+    summary = loadgen.summarize(result, solo, slo_factor)
     summary["server"] = systems.batch_stats(before, systems.scrape_metrics(rs.server.metrics_url))
-    return summary
+    return summary, result
+
+
+def measure_closed(rs: systems.RunningSystem, workload: list, concurrency: int, tag: str) -> tuple[dict, dict]:
+    """`measure` of a closed loop, without its per-request latencies; and its images by request seed."""
+    point, run = measure(rs, lambda: loadgen.run_closed_loop(rs.target, workload, concurrency, tag))
+    point.pop("latencies_s")
+    return point, {rec.spec.seed: rec.image for rec in run.records if rec.ok}
 
 
 def run_closed(sc: Scenario, log_dir: Path) -> dict:
-    """Each round: every variant and concurrency on every system back to back, then the offline sample."""
+    """Closed loops (N clients, each sending its next request when its last one ends): each round every variant and
+    concurrency on every system back to back, then the offline sample; with `compare_images` each image against the
+    same request's on its pipeline's first system."""
     points: dict[str, list] = {}
     limit = None
     with serving(sc, log_dir) as running:
@@ -117,16 +119,8 @@ def run_closed(sc: Scenario, log_dir: Path) -> dict:
                     workload = specs(sc, max(sc.per_client * c, sc.min_requests), 100 + r, **overrides)
                     images: dict[str, dict] = {}
                     for name, rs in running.items():
-                        done = []
-
-                        def closed(rs=rs, tag=f"{name}{c}r{r}"):
-                            done.append(loadgen.run_closed_loop(rs.target, workload, c, tag))
-                            return done[0]
-
-                        point = measure(rs, closed)
-                        point.pop("latencies_s")
+                        point, images[name] = measure_closed(rs, workload, c, f"{name}{c}r{r}")
                         if sc.compare_images:
-                            images[name] = {rec.spec.seed: rec.image for rec in done[0].records if rec.ok}
                             first = next(s.name for s in sc.systems if s.pipeline == rs.system.pipeline)
                             if first != name:
                                 point["image_diff"] = image_diff(images[first], images[name])
@@ -180,7 +174,7 @@ def run_poisson(sc: Scenario, log_dir: Path) -> dict:
             log(f"round {r}: {rate:.3f} requests/s; solo latencies {solo}")
             for name, rs in running.items():
                 slo_s = {k: sc.slo_factor * v for k, v in solo.items()} if rs.system.deadlines else None
-                point = measure(rs, lambda: loadgen.run_open_loop(rs.target, workload, rate, seed=ARRIVAL_SEED,
+                point, _ = measure(rs, lambda: loadgen.run_open_loop(rs.target, workload, rate, seed=ARRIVAL_SEED,
                                                                   tag=f"{name}{r}", slo_s=slo_s), solo, sc.slo_factor)
                 point["solo_latency_s"] = solo
                 rows.setdefault(name, {"system": name, "label": rs.system.label, "points": []})["points"].append(point)
@@ -198,57 +192,34 @@ def run_priority(sc: Scenario, log_dir: Path) -> dict:
         arms = [("alone, idle server", first, 1, False)] + [
             (f"under load, {rs.system.label}", rs, 1, True) for rs in running.values()] + [
             ("under load, priority 3 like the background (arrival order)", first, 3, True)]
-        for label, rs, priority, loaded in arms:
-            with background(rs.target, specs(sc, 1, 7, priority=3)[0], sc.background if loaded else 0) as bg:
-                latencies = foreground(rs.target, [replace(s, priority=priority) for s in urgent], 0.2, label)
+        for i, (label, rs, priority, loaded) in enumerate(arms):
+            with background(rs.target, specs(sc, 1, 7, priority=3)[0], sc.background if loaded else 0, f"bg{i}") as bg:
+                run = loadgen.run_closed_loop(rs.target, [replace(s, priority=priority) for s in urgent], 1,
+                                              f"fg{i}", pause_s=0.2)
+            failed = [r.check_error() for r in run.records if not r.ok]
+            if failed:
+                raise RuntimeError(f"{label}: {failed[0]}")
+            latencies = [r.latency for r in run.records]
             rows.append({"label": label, "latencies_s": latencies, "background_done": sum(r.ok for r in bg)})
             log(f"{label}: p99 {loadgen.percentile(latencies, 99) * 1000:.0f} ms")
     return {"rows": rows}
 
 
-def foreground(target, requests: list, gap_s: float, tag: str) -> list[float]:
-    client, latencies = target.open(), []
-    try:
-        for i, spec in enumerate(requests):
-            record = loadgen.RequestRecord(f"fg-{i}-{time.monotonic_ns()}", spec)
-            record.scheduled = time.perf_counter()
-            client.run(record)
-            if not record.ok:
-                raise RuntimeError(f"{tag}: {record.check_error()}")
-            latencies.append(record.latency)
-            time.sleep(gap_s)
-    finally:
-        client.close()
-    return latencies
-
-
 @contextlib.contextmanager
-def background(target, spec, clients: int):
-    """`clients` closed-loop clients sending `spec` until the block ends; yields their records."""
+def background(target, spec, clients: int, tag: str):
+    """`clients` closed-loop clients sending `spec` (a new seed each time) until the block ends; the list it
+    yields holds their records after it."""
     stop, records = threading.Event(), []
-
-    def client(n: int) -> None:
-        conn = target.open()
-        try:
-            for i in range(10**9):
-                if stop.is_set():
-                    return
-                record = loadgen.RequestRecord(f"bg-{n}-{i}-{time.monotonic_ns()}", replace(spec, seed=n * 1000 + i))
-                record.scheduled = time.perf_counter()
-                records.append(conn.run(record))
-        finally:
-            conn.close()
-
-    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(clients)]
-    for thread in threads:
-        thread.start()
+    endless = itertools.takewhile(lambda _: not stop.is_set(), (replace(spec, seed=i) for i in itertools.count()))
+    thread = threading.Thread(target=lambda: records.extend(
+        loadgen.run_closed_loop(target, endless, clients, tag).records), daemon=True)
+    thread.start()
     time.sleep(1.0 if clients else 0)  # the queue fills before the first urgent request
     try:
         yield records
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(120)
+        thread.join(120)
 
 
 def run_perf_analyzer(sc: Scenario, log_dir: Path) -> dict:
@@ -256,10 +227,9 @@ def run_perf_analyzer(sc: Scenario, log_dir: Path) -> dict:
     c, spec = sc.concurrency[0], specs(sc, 1, 0)[0]
     with serving(sc, log_dir) as running:
         rs = running[sc.systems[0].name]
-        means = [loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-before"))]
+        before = loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-before"))
         result = perf_analyzer.run(rs.target.url, rs.target.model, spec, c, sc.requests)
-        means.append(loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-after")))
-    result["perf_analyzer_command"] = result.pop("command")
+        means = [before, loadgen.summarize(loadgen.run_closed_loop(rs.target, [spec] * sc.requests, c, tag="pa-after"))]
     result["loadgen_mean_latencies_s"] = means = [m["latency_mean_s"] for m in means if m["latency_mean_s"]]
     result["comparison"] = perf_analyzer.compare(result, statistics.mean(means) if means else None)
     return result
@@ -276,25 +246,15 @@ def run_cache(sc: Scenario, log_dir: Path) -> dict:
             workload = specs(sc, max(sc.per_client * c, sc.min_requests), 100 + r)
             points, images = {}, {}
             for arm in list(arms)[::-1 if r % 2 else 1]:
-                done = []
-
-                def closed(sent=[replace(spec, **arms[arm]) for spec in workload], tag=f"{arm}{r}"):
-                    done.append(loadgen.run_closed_loop(rs.target, sent, c, tag))
-                    return done[0]
-
-                points[arm] = measure(rs, closed)
-                points[arm].pop("latencies_s")
-                images[arm] = {rec.spec.seed: rec.image for rec in done[0].records if rec.ok}
+                points[arm], images[arm] = measure_closed(rs, [replace(spec, **arms[arm]) for spec in workload], c,
+                                                          f"{arm}{r}")
                 log(f"round {r} {arm}: {points[arm]['requests_per_s'] or 0:.3f} req/s, {points[arm]['errors']} errors")
             psnr = [report.psnr(images["off"][seed], image) for seed, image in images["first_block"].items()
                     if seed in images["off"]]
             rounds.append({"order": list(points), **points, "psnr_db": psnr})
-    return {"blocks": transformer_blocks(model_path(sc, sc.systems[0].pipeline)), "rounds": rounds}
-
-
-def transformer_blocks(path: Path) -> int:
-    """The transformer's block count (its config.json's num_layers), which a reused step runs one of."""
-    return int(json.loads((path / "transformer" / "config.json").read_text())["num_layers"])
+    # The transformer's block count (its config.json's num_layers): a reused step runs one of them.
+    config = model_path(sc, sc.systems[0].pipeline) / "transformer" / "config.json"
+    return {"blocks": int(json.loads(config.read_text())["num_layers"]), "rounds": rounds}
 
 
 def in_process_device() -> tuple[str, str]:
@@ -305,11 +265,13 @@ def in_process_device() -> tuple[str, str]:
 
 
 def run_profile(sc: Scenario, log_dir: Path) -> dict:
+    """One Qwen-Image request's phases solo and batched, in-process (offline.phase_profile)."""
     adapter = offline.load_adapter(model_path(sc, "qwen_image"), *in_process_device())
     return {"profile": offline.phase_profile(adapter, sc.sizes[0], sc.steps[0], sc.concurrency[0], sc.repeats)}
 
 
 def run_packing(sc: Scenario, log_dir: Path) -> dict:
+    """One forward over rows of several sizes, packed, per size and padded, in-process (benchmarks/packing.py)."""
     from benchmarks import packing
 
     device, dtype = in_process_device()

@@ -1,21 +1,8 @@
 """Every benchmark scenario, in one table: `make bench SCENARIO=<name>` runs one, `make bench` all of them.
 
-A scenario names the systems it puts side by side (each a tritonserver with its own config.pbtxt
-parameters, except where the scenario says "in-process"), the workload they all receive, and how
-it is sent (`kind`):
-
-* closed: N clients, each sending its next request when the last one ends (one point per concurrency); with
-  `edit_strength` the requests are image-to-image edits, each with its own input image and prompt, and with
-  `compare_images` each image is compared with the same request's image on its pipeline's first system;
-* poisson: requests arriving at random (a Poisson process) at a share of serial capacity, each with an
-  SLO of `slo_factor` x the latency it has alone on the first system;
-* priority: one client sending urgent requests one at a time, alone and under a full background load;
-* perf_analyzer: Triton's perf_analyzer against the first system, next to the load generator;
-* cache: closed loop on the first system, the same requests with the step cache off and at `cache_threshold`,
-  the two arms interleaved round by round;
-* profile, packing, levers: in-process measurements of the pipeline itself, no server (that is their point);
-* think: in-process, BAGEL requests thinking before their image mixed with plain ones in a closed loop, each
-  system the same engine (its parameters) with its `adapter` settings, the text and denoise forwards counted.
+A scenario names the systems it puts side by side (each a tritonserver with its own config.pbtxt parameters, except
+where the scenario says "in-process"), the workload they all receive (the `Scenario` fields), and how it is sent:
+its `kind`, the name of its runner in benchmarks/run.py (RUNNERS), whose docstring says what a round does.
 
 `QUICK` is `make bench-quick`: a few scenarios with fewer requests and repeats.
 """

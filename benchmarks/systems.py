@@ -1,13 +1,8 @@
 """The systems under test: one tritonserver each, on a temporary copy of a model repository.
 
-A system is a model repository (ours or the naive baseline) plus the
-`parameters` that select its execution mode. `serve(system, ...)` copies the
-repository, rewrites config.pbtxt through Triton's own ModelConfig protobuf (so
-comments and layout do not matter), starts the server on free ports and stops
-it afterwards. `scrape_metrics` reads the Prometheus endpoint, where the engine
-publishes `diffusion_batch_size` (requests per forward) and
-`diffusion_tick_seconds` (device time per tick). The systems themselves are in
-benchmarks/scenarios.py.
+A system is a model repository (ours or the naive baseline) plus the config.pbtxt `parameters` that select its
+execution mode (the systems themselves are in benchmarks/scenarios.py). `scrape_metrics` reads the server's
+Prometheus endpoint, where the engine publishes `diffusion_batch_size` and `diffusion_tick_seconds`.
 """
 
 from __future__ import annotations
@@ -60,23 +55,20 @@ def naive(device: str = "cpu") -> System:
                   {"device": device}, BASELINE_REPOSITORY, "qwen_image_naive", streaming=False)
 
 
-def rewrite_config(config_path: Path, parameters: Mapping[str, str]) -> None:
-    """Set `parameters` (string values) in a config.pbtxt, keeping everything else."""
+def prepare_repository(system: System, model_path: Path, workdir: Path) -> Path:
+    """A copy of the system's repository holding only its model, its config.pbtxt rewritten through Triton's own
+    ModelConfig protobuf (comments and layout do not matter) with the system's parameters and model_path set."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
-    for key, value in parameters.items():
-        config.parameters[key].string_value = str(value)
-    config_path.write_text(text_format.MessageToString(config))
-
-
-def prepare_repository(system: System, model_path: Path, workdir: Path) -> Path:
-    """A copy of the system's repository holding only its model, with parameters and model_path set."""
     target = workdir / "model_repository"
     model = system.model_name
     shutil.copytree(system.repository / model, target / model, ignore=shutil.ignore_patterns("__pycache__"))
-    rewrite_config(target / model / "config.pbtxt", {**system.parameters, "model_path": str(model_path)})
+    path = target / model / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    for key, value in {**system.parameters, "model_path": str(model_path)}.items():
+        config.parameters[key].string_value = str(value)
+    path.write_text(text_format.MessageToString(config))
     return target
 
 
@@ -85,11 +77,6 @@ class RunningSystem:
     system: System
     server: object  # engine_lib.serving.tritonserver.TritonServer
     target: Target
-
-    @property
-    def pid(self) -> Optional[int]:
-        process = getattr(self.server, "process", None)
-        return None if process is None else process.pid
 
 
 @contextlib.contextmanager

@@ -1,19 +1,13 @@
 """The `think` scenario: BAGEL requests that think before their image mixed with plain ones, in-process.
 
-Every system is the same engine (`DiffusionEngine`, its scheduler and runner, the config the system's parameters
-give) on one loaded adapter, fed the same requests by `concurrency` closed-loop client threads; a system's
-`adapter` settings are set on the adapter for its run (the baseline's `max_text_rows=1`: at most one request
-decodes a token per tick, the others in their text phase wait, seated, while the denoising ones go on).
-The work is counted, not only timed: `BagelPipeline.next_tokens` calls (text forwards) and their rows, and
-`BagelModel.velocity` calls (denoise forwards) and their rows (a CFG request puts two). Each request's text and
-image are compared with the first system's: the same texts, and images within a level (float rounding differs
-with a forward's row count on the CPU).
+Every system is the same engine on one loaded adapter (its `adapter` settings set for its run), fed the same
+requests by closed-loop client threads. The work is counted, not only timed (`counted`), and each request's text
+and image are compared with the first system's; docs/benchmarks.md (`think`).
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -21,7 +15,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from benchmarks.loadgen import share
 from benchmarks.workloads import PROMPTS
+
+KINDS = ("text", "denoise")  # the forwards counted
 
 
 def requests(n: int, size: int, steps: int, max_new_tokens: int, seed: int = 0) -> list[dict]:
@@ -34,19 +31,16 @@ def requests(n: int, size: int, steps: int, max_new_tokens: int, seed: int = 0) 
 def counted(pipe) -> Iterator[Counter]:
     """Counts text and denoise forwards and their rows while the block runs (the pipe's methods wrapped)."""
     counts: Counter = Counter()
-    next_tokens, velocity = pipe.next_tokens, pipe.model.velocity
 
-    def text_forward(decodes, *args, **kwargs):
-        counts["text_forwards"] += 1
-        counts["text_rows"] += len(decodes)
-        return next_tokens(decodes, *args, **kwargs)
+    def counting(kind: str, forward, rows_of):
+        def wrapped(rows, *args, **kwargs):
+            counts[f"{kind}_forwards"] += 1
+            counts[f"{kind}_rows"] += rows_of(rows)
+            return forward(rows, *args, **kwargs)
+        return wrapped
 
-    def denoise_forward(rows, *args, **kwargs):
-        counts["denoise_forwards"] += 1
-        counts["denoise_rows"] += len(rows.counts)
-        return velocity(rows, *args, **kwargs)
-
-    pipe.next_tokens, pipe.model.velocity = text_forward, denoise_forward
+    pipe.next_tokens = counting("text", pipe.next_tokens, len)
+    pipe.model.velocity = counting("denoise", pipe.model.velocity, lambda rows: len(rows.counts))
     try:
         yield counts
     finally:
@@ -56,32 +50,19 @@ def counted(pipe) -> Iterator[Counter]:
 def closed_loop(engine, specs: Sequence[dict], concurrency: int, tag: str) -> list[dict]:
     """Each of `concurrency` threads sends its next request when its last one ends; every request's latency,
     whether it thought, its text and image."""
-    todo, lock, records = iter(enumerate(specs)), threading.Lock(), []
+    records = []
 
-    def client() -> None:
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            i, spec = item
-            start = time.perf_counter()
-            final = engine.add_request(f"{tag}-{i}", spec).result(timeout=600)
-            latency = time.perf_counter() - start
-            if final.error is not None:
-                raise RuntimeError(f"{tag}-{i}: {final.error}")
-            text = final.outputs["text"][0] if "text" in final.outputs else None
-            with lock:
-                records.append({"index": i, "think": spec["think"], "latency_s": latency, "text": text,
-                                "image": final.outputs["image"][0]})
+    def send(item: tuple[int, dict]) -> None:
+        i, spec = item
+        start = time.perf_counter()
+        final = engine.add_request(f"{tag}-{i}", spec).result(timeout=600)
+        if final.error is not None:
+            raise RuntimeError(f"{tag}-{i}: {final.error}")
+        records.append({"index": i, "think": spec["think"], "latency_s": time.perf_counter() - start,
+                        "text": final.outputs["text"][0] if "text" in final.outputs else None,
+                        "image": final.outputs["image"][0]})
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if len(records) != len(specs):
-        raise RuntimeError(f"{tag}: {len(specs) - len(records)} requests failed")
+    share(enumerate(specs), [send] * concurrency)
     return sorted(records, key=lambda r: r["index"])
 
 
@@ -138,10 +119,10 @@ def run(systems: Sequence, specs_of_round, concurrency: int, repeats: int, model
 def totals(rounds: Sequence[dict], name: str) -> dict:
     """A system's counts summed over rounds, its rows per forward, and its median rate."""
     points = [r["systems"][name] for r in rounds]
-    total = {k: sum(p.get(k, 0) for p in points) for k in ("text_forwards", "text_rows", "denoise_forwards",
-                                                            "denoise_rows")}
-    total["text_rows_per_forward"] = total["text_rows"] / total["text_forwards"] if total["text_forwards"] else None
-    total["denoise_rows_per_forward"] = (total["denoise_rows"] / total["denoise_forwards"]
-                                         if total["denoise_forwards"] else None)
+    total = {f"{kind}_{k}": sum(p.get(f"{kind}_{k}", 0) for p in points) for kind in KINDS
+             for k in ("forwards", "rows")}
+    for kind in KINDS:
+        forwards = total[f"{kind}_forwards"]
+        total[f"{kind}_rows_per_forward"] = total[f"{kind}_rows"] / forwards if forwards else None
     total["requests_per_s"] = statistics.median(p["requests_per_s"] for p in points)
     return total

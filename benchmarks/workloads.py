@@ -1,15 +1,12 @@
-"""What the load generator sends: request specs and the deterministic workloads built from them.
-
-A workload is a deterministic list of `RequestSpec`s (seeded), so every system in
-one run sees exactly the same requests in the same order.
-"""
+"""What the load generator sends: request specs, and deterministic (seeded) workloads of them, so that every
+system of a run sees exactly the same requests in the same order."""
 
 from __future__ import annotations
 
 import functools
 import io
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -58,14 +55,6 @@ class RequestSpec:
     def shape_key(self) -> str:
         """Requests with the same key have the same solo latency (the SLO is per key)."""
         return f"{self.height}x{self.width}/{self.steps}" + (f"/{self.num_frames}f" if self.num_frames else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def uniform(n: int, size: int, steps: int, preview_interval: int = 0, seed: int = 0) -> list[RequestSpec]:
-    """n requests of one size and one step count (prompts and seeds vary)."""
-    return generate(n, (size,), (steps,), seed, preview_interval)
 
 
 def generate(n: int, sizes: Sequence[int], steps: Sequence[int], seed: int = 0, preview_interval: int = 0,
