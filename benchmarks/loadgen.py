@@ -61,9 +61,8 @@ class RequestRecord:
             return f"{self.num_final_outputs} responses with is_final=true"
         if self.late_responses:
             return f"{self.late_responses} responses after FINAL"
-        want = (self.spec.num_images, self.spec.height, self.spec.width, 3)
-        if self.spec.num_frames:
-            want = (1, self.spec.num_frames, self.spec.height, self.spec.width, 3)
+        want = ((1, self.spec.num_frames) if self.spec.num_frames else (self.spec.num_images,)) + (
+            self.spec.height, self.spec.width, 3)
         if self.image_shape != want:
             return f"image shape {self.image_shape}, expected {want}"
         return None
@@ -127,8 +126,7 @@ class InferClient:
             result = self._client.infer(self.model, infer_inputs(record.spec, streaming=False, batch_dim=True),
                                         request_id=record.request_id, client_timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001
-            record.error = str(exc)
-            record.done = time.perf_counter()
+            record.error, record.done = str(exc), time.perf_counter()
             return record
         record.done = record.first_response = time.perf_counter()
         record.num_responses = record.num_final_flags = record.num_final_outputs = 1
@@ -160,12 +158,10 @@ class StreamClient(InferClient):
         return record
 
     def _drain_late(self) -> None:
-        """Responses still queued belong to the previous request: they arrived after its FINAL."""
-        while True:
-            try:
-                self._responses.get_nowait()
-            except queue.Empty:
-                return
+        """Responses still queued belong to the previous request: they arrived after its FINAL (this thread is the
+        queue's one reader)."""
+        while not self._responses.empty():
+            self._responses.get_nowait()
             if self._previous is not None:
                 self._previous.late_responses += 1
 

@@ -74,14 +74,12 @@ class OfflineLimit:
 
     def warm(self) -> None:
         """One untimed call per path and batch size (first-call and first-shape effects)."""
-        for b in self.batch_sizes:
-            for path in self.PATHS:
-                self._call(b, path)
+        for b, path in self.seconds:
+            self._call(b, path)
 
     def sample(self) -> None:
-        for b in self.batch_sizes:
-            for path in self.PATHS:
-                self.seconds[(b, path)] += timed(lambda: self._call(b, path), 1)
+        for b, path in self.seconds:
+            self.seconds[(b, path)] += timed(lambda: self._call(b, path), 1)
 
     def summary(self) -> dict:
         """Per batch size: each path's seconds, median and images/s, and the best of the two."""
