@@ -93,48 +93,16 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
                        "points": points}}
 
 
-# The transformers of the releases (their config.json on the hub), for `python -m benchmarks.levers`: what each
-# lever leaves of their weights (docs/deployment.md).
-RELEASES = {
-    "Qwen-Image (qwen_image)": ("QwenImageTransformer2DModel", dict(
-        num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, in_channels=64,
-        out_channels=16, patch_size=2, axes_dims_rope=[16, 56, 56])),
-    "FLUX.1 [dev] (flux)": ("FluxTransformer2DModel", dict(
-        num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-        pooled_projection_dim=768, in_channels=64, guidance_embeds=True, axes_dims_rope=[16, 56, 56])),
-    "Stable Diffusion 3.5 Large (sd3)": ("SD3Transformer2DModel", dict(
-        sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
-        joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
-        pos_embed_max_size=192, qk_norm="rms_norm")),
-}
-BYTES_PER_WEIGHT = {"bfloat16": 2.0, "int8 / fp8": 1.0, "int4 / nf4": 0.5}  # Linear weights; the rest stays bf16
-
-
-def release_memory() -> list[dict]:
-    """Each release's transformer built on the meta device: its parameters, the share in Linear weights (what
-    quantization converts) and its GiB under each weight format (scales, about 1/in_features, left out)."""
-    import diffusers
-    import torch
-
-    rows = []
-    for name, (cls, config) in RELEASES.items():
-        with torch.device("meta"):
-            model = getattr(diffusers, cls)(**config)
-        total = sum(p.numel() for p in model.parameters())
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        rows.append({"release": name, "params_b": total / 1e9, "linear_share": linear / total,
-                     **{fmt: (linear * size + (total - linear) * 2) / 2**30 for fmt, size in BYTES_PER_WEIGHT.items()}})
-    return rows
-
-
-# Qwen-Image at release size for gpu.sh: the release transformer (RELEASES), diffusers' default VAE (the release's),
-# and a text encoder of the release's width but one layer (the levers change the transformer only).
+# Qwen-Image at release size for gpu.sh: the release transformer (release_sizes.TRANSFORMERS), diffusers' default
+# VAE (the release's), and a text encoder of the release's width but one layer (the levers change the transformer only).
 RELEASE_TEXT = dict(hidden_size=3584, intermediate_size=3584, num_hidden_layers=1, num_attention_heads=28)
 
 
 def release_preset() -> dict:
     """The release-size preset in the form of engine_lib/pipelines/qwen_image/tiny.py's presets."""
-    _, config = RELEASES["Qwen-Image (qwen_image)"]
+    from engine_lib.pipelines.release_sizes import TRANSFORMERS
+
+    _, config = TRANSFORMERS["Qwen-Image (qwen_image)"]
     transformer = {k: config[k] for k in ("num_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")}
     return {"transformer": transformer, "vae": {"z_dim": 16}, "text": RELEASE_TEXT,
             "gains": {"text_values": 1.0, "vae_out": 1.0}}
@@ -175,13 +143,7 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/gpu")
-    parser.add_argument("--memory", action="store_true", help="print each release's weight sizes and stop")
     args = parser.parse_args(argv)
-    if args.memory:
-        for row in release_memory():
-            print(f"{row['release']}: {row['params_b']:.2f} B parameters ({row['linear_share']:.1%} in Linear "
-                  "weights); " + ", ".join(f"{fmt} {row[fmt]:.1f} GiB" for fmt in BYTES_PER_WEIGHT))
-        return
     model = release_model(Path(args.model), args.device, args.dtype, args.preset)
     result = run(model, args.device, args.dtype, args.size, args.steps, args.batch, args.repeats)
     out = Path(args.out)
