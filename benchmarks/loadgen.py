@@ -82,9 +82,8 @@ def spec_values(spec: RequestSpec, streaming: bool = True) -> list[tuple[str, st
     values = [("prompt", "BYTES", spec.prompt), ("height", "INT32", spec.height), ("width", "INT32", spec.width),
               ("num_inference_steps", "INT32", spec.steps), ("seed", "INT64", spec.seed)]
     if streaming:
-        optional = (("num_images", "INT32", spec.num_images, 1),
-                    ("preview_interval", "INT32", spec.preview_interval, 0),
-                    ("lora_name", "BYTES", spec.lora_name, ""), ("priority", "INT32", spec.priority, 0),
+        optional = (("num_images", "INT32", spec.num_images, 1), ("lora_name", "BYTES", spec.lora_name, ""),
+                    ("preview_interval", "INT32", spec.preview_interval, 0), ("priority", "INT32", spec.priority, 0),
                     ("num_frames", "INT32", spec.num_frames, 0))
         values += [(name, dtype, value) for name, dtype, value, default in optional if value != default]
         if spec.cache:
@@ -298,10 +297,9 @@ def run_open_loop(target: Target, specs: Sequence[RequestSpec], rate: float, see
                   max_outstanding: int = 32, tag: str = "p", slo_s: Optional[dict] = None) -> RunResult:
     """Poisson arrivals at `rate` requests/s; latency counts from the arrival, not the send.
 
-    A pool of `max_outstanding` clients carries the requests; if all are busy a
-    request waits (and that wait is part of its latency, as it would be for users).
-    `slo_s` (shape key -> seconds): each request's deadline is its arrival plus its SLO,
-    sent as Triton's request timeout.
+    A pool of `max_outstanding` clients carries the requests; if all are busy a request waits (and that wait is part of
+    its latency, as it would be for users). `slo_s` (shape key -> seconds): each request's deadline is its arrival plus
+    its SLO, sent as Triton's request timeout.
     """
     offsets = poisson_arrivals(len(specs), rate, seed)
     clients = [target.open() for _ in range(min(max_outstanding, len(specs)))]
@@ -350,9 +348,8 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 def summarize(run: RunResult, solo_latency: Optional[dict] = None, slo_factor: float = 3.0) -> dict:
     """Throughput, latency percentiles, time to first preview, SLO attainment and errors of a run.
 
-    SLO: a request meets it when it completes correctly within slo_factor x the
-    solo latency of its shape and step count (`solo_latency[spec.shape_key]`).
-    Errors count as misses.
+    SLO: a request meets it when it completes correctly within slo_factor x the solo latency of its shape and step count
+    (`solo_latency[spec.shape_key]`). Errors count as misses.
     """
     ok = [r for r in run.records if r.ok]
     errors = [r for r in run.records if not r.ok]
@@ -360,26 +357,16 @@ def summarize(run: RunResult, solo_latency: Optional[dict] = None, slo_factor: f
     span = max(r.done for r in ok) - min(r.scheduled for r in run.records) if ok else None
     previews = [r.first_preview - r.scheduled for r in ok if r.first_preview is not None]
     firsts = [r.first_response - r.scheduled for r in ok if r.first_response is not None]
-    out = {
-        "kind": run.kind,
-        "concurrency": run.concurrency,
-        "offered_rate": run.offered_rate,
-        "requests": len(run.records),
-        "completed": len(ok),
-        "errors": len(errors),
-        "timed_out": sum(1 for r in errors if "timed out" in (r.error or "")),  # deadline passed before it started
-        "error_examples": sorted({r.check_error() for r in errors})[:3],
-        "duration_s": span,
-        "requests_per_s": (len(ok) / span) if span else None,
-        "images_per_s": (sum(r.spec.num_images for r in ok) / span) if span else None,
-        "latency_mean_s": float(np.mean(latencies)) if latencies else None,
-        "latency_p50_s": percentile(latencies, 50),
-        "latency_p95_s": percentile(latencies, 95),
-        "latency_p99_s": percentile(latencies, 99),
-        "first_response_p50_s": percentile(firsts, 50),
-        "first_preview_p50_s": percentile(previews, 50),
-        "latencies_s": latencies,
-    }
+    out = {"kind": run.kind, "concurrency": run.concurrency, "offered_rate": run.offered_rate,
+           "requests": len(run.records), "completed": len(ok), "errors": len(errors),
+           "timed_out": sum(1 for r in errors if "timed out" in (r.error or "")),  # deadline passed before it started
+           "error_examples": sorted({r.check_error() for r in errors})[:3], "duration_s": span,
+           "requests_per_s": (len(ok) / span) if span else None,
+           "images_per_s": (sum(r.spec.num_images for r in ok) / span) if span else None,
+           "latency_mean_s": float(np.mean(latencies)) if latencies else None,
+           **{f"latency_p{q}_s": percentile(latencies, q) for q in (50, 95, 99)},
+           "first_response_p50_s": percentile(firsts, 50), "first_preview_p50_s": percentile(previews, 50),
+           "latencies_s": latencies}
     if solo_latency:
         def meets(r: RequestRecord) -> bool:
             return r.ok and r.latency <= slo_factor * solo_latency[r.spec.shape_key]

@@ -3,7 +3,7 @@
 `OfflineLimit` times the plain diffusers call `pipe(prompt=[...])` and the engine's own `ModelRunner` over the same
 batch (the served loop without threads or Triton); the faster is what a server could reach at that batch size if
 serving cost nothing. `phase_profile` times one request's phases solo and batched: where the time goes, and how
-much of it batching amortises.
+much of it batching amortises. `run_wave` and `closed_loop` are the other in-process scenarios' drivers.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from benchmarks.loadgen import share
 from benchmarks.workloads import PROMPTS
 
 
@@ -54,8 +55,7 @@ class OfflineLimit:
     PATHS = ("pipe", "runner")
 
     def __init__(self, adapter, size: int, steps: int, batch_sizes: Sequence[int]):
-        self.adapter = adapter
-        self.size, self.steps = size, steps
+        self.adapter, self.size, self.steps = adapter, size, steps
         self.batch_sizes = sorted(set(batch_sizes))
         self.seconds: dict[tuple[int, str], list[float]] = {(b, p): [] for b in self.batch_sizes for p in self.PATHS}
 
@@ -139,14 +139,10 @@ def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3) 
         pred = adapter.denoise_step(input_batch, states=states)
         sched = timed(lambda: [adapter.step_scheduler(s, r) for s, r in zip(states, input_batch.split(pred))], 1)[0]
         decode = statistics.median(timed(lambda: adapter.post_decode(states), repeats))
-        out[f"batch_{n}"] = {
-            "encode_s_per_request": encode / n,
-            "denoise_step_s": step,
-            "denoise_step_s_per_request": step / n,
-            "scheduler_step_s_per_request": sched / n,
-            "decode_s_per_request": decode / n,
-            "request_s_per_request": (encode + steps * (step + sched) + decode) / n,
-        }
+        out[f"batch_{n}"] = {"encode_s_per_request": encode / n, "denoise_step_s": step,
+                             "denoise_step_s_per_request": step / n, "scheduler_step_s_per_request": sched / n,
+                             "decode_s_per_request": decode / n,
+                             "request_s_per_request": (encode + steps * (step + sched) + decode) / n}
     # The same batch with one prompt for every row: no text padding, no attention mask.
     out[f"batch_{batch}"]["denoise_step_same_prompt_s"] = step_seconds(
         adapter, [new_state(f"same-{i}", PROMPTS[0], i) for i in range(batch)], repeats)
@@ -164,3 +160,22 @@ def step_seconds(adapter, states, repeats: int) -> float:
     input_batch = InputBatch.gather(states)
     adapter.denoise_step(input_batch, states=states)
     return statistics.median(timed(lambda: adapter.denoise_step(input_batch, states=states), repeats))
+
+
+def closed_loop(engine, specs: Sequence[dict], concurrency: int, tag: str, timeout_s: float = 600) -> list[dict]:
+    """Each of `concurrency` threads sends its next request to the in-process engine when its last one ends: every
+    request's latency, whether it thought, its text and image, in order."""
+    records = []
+
+    def send(item: tuple[int, dict]) -> None:
+        i, spec = item
+        start = time.perf_counter()
+        final = engine.add_request(f"{tag}-{i}", spec).result(timeout=timeout_s)
+        if final.error is not None:
+            raise RuntimeError(f"{tag}-{i}: {final.error}")
+        records.append({"index": i, "think": spec.get("think", False), "latency_s": time.perf_counter() - start,
+                        "text": final.outputs["text"][0] if "text" in final.outputs else None,
+                        "image": final.outputs["image"][0]})
+
+    share(enumerate(specs), [send] * concurrency)
+    return sorted(records, key=lambda r: r["index"])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.offline import closed_loop
 from benchmarks.report import table
 
 CFG = {"negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0}
@@ -38,13 +39,8 @@ def configs(gpus: int) -> list[tuple[str, dict, dict]]:
 def run(engine, inputs: list[dict]) -> tuple[float, list[np.ndarray]]:
     """Every request at once: the seconds until the last final, and each image."""
     start = time.perf_counter()
-    streams = [engine.add_request(f"r{i}", values) for i, values in enumerate(inputs)]
-    finals = [stream.result(timeout=3600) for stream in streams]
-    seconds = time.perf_counter() - start
-    for final in finals:
-        if final.error is not None:
-            raise RuntimeError(final.error)
-    return seconds, [final.outputs["image"] for final in finals]
+    records = closed_loop(engine, inputs, len(inputs), "r", timeout_s=3600)
+    return time.perf_counter() - start, [record["image"] for record in records]
 
 
 def measure(model_path: str, device: str, dtype: str, parameters: dict, inputs: list[dict]) -> dict:

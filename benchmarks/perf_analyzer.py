@@ -1,13 +1,12 @@
 """perf_analyzer against the streaming (decoupled) model, and its end-to-end latency.
 
-For a decoupled model perf_analyzer measures latency to the FIRST response (EXPLANATION), so both latencies are
-derived from its `--profile-export-file`; `which_latency` says which of the two its own "Avg latency" actually
-matches (measured, not assumed), and `compare` checks the end-to-end figure against the load generator at the same
-concurrency.
+For a decoupled model perf_analyzer measures latency to the FIRST response (EXPLANATION), so both latencies are derived
+from its `--profile-export-file`; `which_latency` says which of the two its own "Avg latency" actually matches
+(measured, not assumed), and `compare` checks the end-to-end figure against the load generator at the same concurrency.
 
-CLI: `python -m benchmarks.perf_analyzer --url 127.0.0.1:8001 --concurrency 4`
-against a running server (e.g. `make serve`, with its TRITON_ADMIN_KEY in the environment:
-perf_analyzer reads the server's statistics, which need the key; docs/serving.md, Admin APIs).
+CLI: `python -m benchmarks.perf_analyzer --url 127.0.0.1:8001 --concurrency 4` against a running server (e.g.
+`make serve`, with its TRITON_ADMIN_KEY in the environment: perf_analyzer reads the server's statistics, which need
+the key; docs/serving.md, Admin APIs).
 """
 
 from __future__ import annotations
@@ -98,14 +97,9 @@ def parse_export(data: dict) -> dict:
             responses.append(len(stamps))
     if not e2e:
         return {"requests": 0}
-    return {
-        "requests": len(e2e),
-        "e2e_mean_s": float(np.mean(e2e)),
-        "e2e_p50_s": float(np.percentile(e2e, 50)),
-        "e2e_p99_s": float(np.percentile(e2e, 99)),
-        "first_response_mean_s": float(np.mean(first)),
-        "responses_per_request": float(np.mean(responses)),
-    }
+    return {"requests": len(e2e), "e2e_mean_s": float(np.mean(e2e)), "e2e_p50_s": float(np.percentile(e2e, 50)),
+            "e2e_p99_s": float(np.percentile(e2e, 99)), "first_response_mean_s": float(np.mean(first)),
+            "responses_per_request": float(np.mean(responses))}
 
 
 def run(url: str, model: str, spec: RequestSpec, concurrency: int, request_count: int,

@@ -46,8 +46,7 @@ def of(points: Sequence[dict], *keys: str) -> list:
 
 
 def render(result: dict) -> str:
-    sc = result["scenario"]
-    m = result["machine"]
+    sc, m = result["scenario"], result["machine"]
     lines = [f"### {sc['title']} (`{sc['name']}`)\n",
              f"`{result['command']}`, started {result['started']}, {result['wall_s'] / 60:.1f} min; "
              f"{m['cpus']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "

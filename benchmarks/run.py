@@ -105,7 +105,7 @@ def run_closed(sc: Scenario, log_dir: Path) -> dict:
     """Closed loops (N clients, each sending its next request when its last one ends): each round every variant and
     concurrency on every system back to back, then the offline sample; with `compare_images` each image against the
     same request's on its pipeline's first system."""
-    points: dict[str, list] = {}
+    points: dict[tuple, list] = {}  # (system, variant, concurrency) -> its point of each round
     limit = None
     with serving(sc, log_dir) as running:
         if sc.offline:
@@ -124,20 +124,17 @@ def run_closed(sc: Scenario, log_dir: Path) -> dict:
                             first = next(s.name for s in sc.systems if s.pipeline == rs.system.pipeline)
                             if first != name:
                                 point["image_diff"] = image_diff(images[first], images[name])
-                                base = points[f"{first}|{variant}|{c}"][-1]["requests_per_s"]
+                                base = points[first, variant, c][-1]["requests_per_s"]
                                 point["throughput_vs_first"] = point["requests_per_s"] / base if (
                                     base and point["requests_per_s"]) else None
-                        points.setdefault(f"{name}|{variant}|{c}", []).append(point)
+                        points.setdefault((name, variant, c), []).append(point)
                         log(f"round {r} {name} {variant} c={c}: {point['requests_per_s'] or 0:.3f} req/s, "
                             f"{point['errors']} errors" + (f", images {point['image_diff']}" if "image_diff" in point
                                                            else ""))
             if limit is not None:
                 limit.sample()
-    rows = []
-    for key, pts in points.items():
-        name, variant, c = key.split("|")
-        rows.append({"system": name, "label": running[name].system.label, "variant": variant,
-                     "concurrency": int(c), "points": pts})
+    rows = [{"system": name, "label": running[name].system.label, "variant": variant, "concurrency": c,
+             "points": pts} for (name, variant, c), pts in points.items()]
     return {"rows": rows, "offline": limit.summary() if limit else None}
 
 

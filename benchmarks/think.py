@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from benchmarks.loadgen import share
+from benchmarks.offline import closed_loop
 from benchmarks.workloads import PROMPTS
 
 KINDS = ("text", "denoise")  # the forwards counted
@@ -45,25 +45,6 @@ def counted(pipe) -> Iterator[Counter]:
         yield counts
     finally:
         del pipe.next_tokens, pipe.model.velocity
-
-
-def closed_loop(engine, specs: Sequence[dict], concurrency: int, tag: str) -> list[dict]:
-    """Each of `concurrency` threads sends its next request when its last one ends; every request's latency,
-    whether it thought, its text and image."""
-    records = []
-
-    def send(item: tuple[int, dict]) -> None:
-        i, spec = item
-        start = time.perf_counter()
-        final = engine.add_request(f"{tag}-{i}", spec).result(timeout=600)
-        if final.error is not None:
-            raise RuntimeError(f"{tag}-{i}: {final.error}")
-        records.append({"index": i, "think": spec["think"], "latency_s": time.perf_counter() - start,
-                        "text": final.outputs["text"][0] if "text" in final.outputs else None,
-                        "image": final.outputs["image"][0]})
-
-    share(enumerate(specs), [send] * concurrency)
-    return sorted(records, key=lambda r: r["index"])
 
 
 def run_system(adapter, config, settings: dict, specs: Sequence[dict], concurrency: int, tag: str) -> dict:

@@ -1,9 +1,8 @@
 """The naive baseline: one `pipe(...)` call per request, as Triton diffusion tutorials do.
 
-Deliberately simple and standalone (only diffusers and torch): it is what the
-engine is compared against. The dynamic batcher hands execute() up to
-max_batch_size requests; each one is generated in turn and all responses are
-returned together at the end.
+Deliberately simple and standalone (only diffusers and torch): it is what the engine is compared against. The dynamic
+batcher hands execute() up to max_batch_size requests; each one is generated in turn and all responses are returned
+together at the end.
 """
 
 from __future__ import annotations
