@@ -90,8 +90,7 @@ class OfflineLimit:
                 times = self.seconds[(b, path)]
                 median = statistics.median(times) if times else None
                 row[path] = {"seconds": times, "median_s": median, "images_per_s": b / median if median else None}
-            rates = [row[p]["images_per_s"] for p in self.PATHS if row[p]["images_per_s"]]
-            row["best_images_per_s"] = max(rates) if rates else None
+            row["best_images_per_s"] = max(filter(None, (row[p]["images_per_s"] for p in self.PATHS)), default=None)
             out[str(b)] = row
         return out
 

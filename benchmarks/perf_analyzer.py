@@ -64,10 +64,8 @@ def admin_key() -> str:
 
 def parse_stdout(text: str) -> dict:
     """The summary perf_analyzer prints: throughput and its latencies (seconds), and its decoupled-mode note."""
-    out = {}
     note = re.search(r"^\s*(Detected decoupled model.*)$", text, re.MULTILINE)
-    if note:
-        out["decoupled_note"] = note.group(1).strip()
+    out = {"decoupled_note": note.group(1).strip()} if note else {}
     patterns = {
         "throughput_per_s": r"(?m)^\s*Throughput:\s*([\d.]+)\s*infer/sec",
         "response_throughput_per_s": r"Response Throughput:\s*([\d.]+)\s*infer/sec",

@@ -16,6 +16,9 @@ from typing import Optional, Sequence
 
 from tabulate import tabulate
 
+from benchmarks.loadgen import percentile
+from benchmarks.think import totals
+
 
 def median(values: Sequence) -> Optional[float]:
     values = [v for v in values if v is not None]
@@ -142,8 +145,6 @@ def poisson_tables(result: dict) -> list[str]:
 
 
 def priority_tables(result: dict) -> list[str]:
-    from benchmarks.loadgen import percentile
-
     alone = percentile(result["rows"][0]["latencies_s"], 99)
     return [table([[r["label"], num(1000 * median(r["latencies_s"]), 0), num(1000 * percentile(r["latencies_s"], 99), 0),
                     num(percentile(r["latencies_s"], 99) / alone, 2, "x"), str(r["background_done"])]
@@ -234,8 +235,6 @@ def cache_tables(result: dict) -> list[str]:
 
 def think_tables(result: dict) -> list[str]:
     """Each system's counted work over every round, side by side, and the first system's ratios to each other's."""
-    from benchmarks.think import totals
-
     sc, rounds = result["scenario"], result["rounds"]
     names = [s["name"] for s in sc["systems"]]
     labels = {s["name"]: s["label"] for s in sc["systems"]}

@@ -82,8 +82,7 @@ def run(systems: Sequence, specs_of_round, concurrency: int, repeats: int, model
     adapter = load_adapter(configs[systems[0].name])
     rounds = []
     for r in range(repeats):
-        specs = specs_of_round(r)
-        points = {}
+        specs, points = specs_of_round(r), {}
         for system in systems[::-1] if r % 2 else systems:
             points[system.name] = run_system(adapter, configs[system.name], dict(system.adapter), specs,
                                              concurrency, f"{system.name}{r}")
