@@ -24,7 +24,7 @@ from engine_lib.pipelines.base import InputBatch
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import InvalidInputError
-from parity_checks import load_tiny_adapter, parse, run_wave
+from tests.helpers.parity_checks import load_tiny_adapter, parse, run_wave
 from test_ltx2 import NO_GUIDANCE
 from test_ltx2_image_to_video import png
 from test_sequence_parallel import sequence_parallel
