@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks on a GPU host: every scenario (or the ones named: `bash benchmarks/gpu.sh modes,slo`) on CUDA in
-# bfloat16 with the larger `gpu` preset (GPU_PRESET overrides; CACHE_THRESHOLD sets step-cache's threshold); with no
-# names, levers next on a random-weight Qwen-Image of the release's size at 1024x1024 (built once into
-# models/qwen_image-release, about 43 GB in bfloat16; `levers` alone skips the scenarios); with more than one GPU,
-# last, benchmarks/parallel.py (`parallel` alone runs only that). docs/benchmarks.md, On a GPU.
+# bfloat16 with the `gpu` preset (GPU_PRESET overrides; CACHE_THRESHOLD sets step-cache's threshold); with no names,
+# levers on a random-weight release-size Qwen-Image at 1024x1024 (`levers` alone skips the scenarios); with more than
+# one GPU, last, benchmarks/parallel.py (`parallel` alone runs only that). docs/benchmarks.md, On a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

@@ -1,9 +1,8 @@
 """What the front door's job store costs per video job: `python -m benchmarks.job_store [JOBS]`.
 
-Each job is what the front door does for one: create, ten progress updates (each a transaction), then
-complete with a 1 MiB mp4 (written, flushed to disk, renamed, committed). The store is the one the
-environment names (store.open_store: SQLite in a temporary DIFFUSION_DATA_DIR unless JOB_STORE_URL is set).
-"""
+Each job is what the front door does for one: create, ten progress updates (each a transaction), then complete
+with a 1 MiB mp4 (written, flushed to disk, renamed, committed). The store is the one the environment names
+(store.open_store: SQLite in a temporary DIFFUSION_DATA_DIR unless JOB_STORE_URL is set)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Qwen-Image loaded through the engine's own loader once per arm (ARMS, each with 
 warm-up wave of `batch` requests (the compile happens there), then `repeats` timed waves: the time per step, the
 transformer's weight bytes, and PSNR and the largest uint8 difference of every image against eager float32 without
 the cache. A lever this device or the installed packages cannot run is recorded with its refusal, not raised;
-docs/benchmarks.md (`levers`).
-"""
+docs/benchmarks.md (`levers`)."""
 
 from __future__ import annotations
 
@@ -146,11 +145,11 @@ def main(argv: Optional[list] = None) -> None:
     args = parser.parse_args(argv)
     model = release_model(Path(args.model), args.device, args.dtype, args.preset)
     result = run(model, args.device, args.dtype, args.size, args.steps, args.batch, args.repeats)
-    out = Path(args.out)
+    out, tables = Path(args.out), "\n\n".join(levers_tables(result))
     out.mkdir(parents=True, exist_ok=True)
     (out / "levers.json").write_text(json.dumps({**result, "preset": args.preset}, indent=1) + "\n")
-    (out / "levers.md").write_text("\n\n".join(levers_tables(result)) + "\n")
-    print("\n\n".join(levers_tables(result)))
+    (out / "levers.md").write_text(tables + "\n")
+    print(tables)
 
 
 if __name__ == "__main__":

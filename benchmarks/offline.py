@@ -3,8 +3,7 @@
 `OfflineLimit` times the plain diffusers call `pipe(prompt=[...])` and the engine's own `ModelRunner` over the same
 batch (the served loop without threads or Triton); the faster is what a server could reach at that batch size if
 serving cost nothing. `phase_profile` times one request's phases solo and batched: where the time goes, and how
-much of it batching amortises. `run_wave` and `closed_loop` are the other in-process scenarios' drivers.
-"""
+much of it batching amortises. `run_wave` and `closed_loop` are the other in-process scenarios' drivers."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ For Qwen-Image, Flux and SD3, a random-weight transformer of the tiny preset's c
 call per group of rows of one token count; for Qwen-Image and Flux also `packed flex`, one call a block under a block
 mask on the flex backend), per size (diffusers' forward once per size, what size-keyed step batching runs) and padded
 (every row at the largest size, what right-padding would compute). Timings interleaved over `repeats` rounds,
-medians; docs/benchmarks.md (`packing`).
-"""
+medians; docs/benchmarks.md (`packing`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Markdown tables (tabulate) and plots (matplotlib) of one scenario's results JSON.
-
-`python -m benchmarks.report benchmarks/results/<name>.json` prints the tables again. Every number
-is the median over the scenario's rounds; "a (b-c)" is the median with the lowest and highest round.
-"""
+"""Markdown tables (tabulate) and plots (matplotlib) of one scenario's results JSON: `python -m benchmarks.report
+benchmarks/results/<name>.json` prints the tables again. Every number is the median over the scenario's rounds;
+"a (b-c)" is the median with the lowest and highest round."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 For each scenario of benchmarks/scenarios.py: its systems up and warmed, its workload in rounds (each round every
 system once, so a slow drift of the machine hits every system alike), then benchmarks/results/<name>.json and .md
 and docs/img/<name>.png (with --quick, all in benchmarks/results/quick/). A scenario that fails is recorded with its
-error and the next one runs.
-"""
+error and the next one runs."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ A scenario names the systems it puts side by side (each a tritonserver with its 
 where the scenario says "in-process"), the workload they all receive (the `Scenario` fields), and how it is sent:
 its `kind`, the name of its runner in benchmarks/run.py (RUNNERS), whose docstring says what a round does.
 
-`QUICK` is `make bench-quick`: a few scenarios with fewer requests and repeats.
-"""
+`QUICK` is `make bench-quick`: a few scenarios with fewer requests and repeats."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A system is a model repository (ours or the naive baseline) plus the config.pbtxt `parameters` that select its
 execution mode (the systems themselves are in benchmarks/scenarios.py). `scrape_metrics` reads the server's
-Prometheus endpoint, where the engine publishes `diffusion_batch_size` and `diffusion_tick_seconds`.
-"""
+Prometheus endpoint, where the engine publishes `diffusion_batch_size` and `diffusion_tick_seconds`."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Every system is the same engine on one loaded adapter (its `adapter` settings set for its run), fed the same
 requests by closed-loop client threads. The work is counted, not only timed (`counted`), and each request's text
-and image are compared with the first system's; docs/benchmarks.md (`think`).
-"""
+and image are compared with the first system's; docs/benchmarks.md (`think`)."""
 
 from __future__ import annotations
 

@@ -11,25 +11,16 @@ from typing import Sequence
 
 import numpy as np
 
-PROMPTS = (
-    "a photo of a cat sitting on a red chair in the sun",
-    "an astronaut riding a horse on the moon, high quality, detailed",
-    "a bowl of fruit on a wooden table, soft light, blue background",
-    "a small dog running in the green grass next to a river",
-    "portrait of a woman with long hair, studio lighting, 4k",
-    "a red car parked in front of a white house under a cloudy sky",
-)
+PROMPTS = ("a photo of a cat sitting on a red chair in the sun",
+           "an astronaut riding a horse on the moon, high quality, detailed",
+           "a bowl of fruit on a wooden table, soft light, blue background",
+           "a small dog running in the green grass next to a river",
+           "portrait of a woman with long hair, studio lighting, 4k",
+           "a red car parked in front of a white house under a cloudy sky")
 # Edits (image-to-image): eight, so that no two of eight consecutive requests share one.
-EDIT_PROMPTS = (
-    "make it winter, snow on every surface",
-    "turn it into a watercolor painting",
-    "at night under a full moon",
-    "make the sky orange at sunset",
-    "as a pencil sketch on white paper",
-    "add heavy rain and puddles",
-    "in the style of a mosaic of small tiles",
-    "make everything blue and gold",
-)
+EDIT_PROMPTS = ("make it winter, snow on every surface", "turn it into a watercolor painting",
+                "at night under a full moon", "make the sky orange at sunset", "as a pencil sketch on white paper",
+                "add heavy rain and puddles", "in the style of a mosaic of small tiles", "make everything blue and gold")
 
 
 @dataclass(frozen=True)
