@@ -37,7 +37,7 @@ from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.parallel import WorkerError
-from engine_lib.pipelines import cfg_parallel, rank_states, sequence_parallel, taylorseer
+from engine_lib.pipelines import cfg_parallel, rank_states, sequence_parallel, step_cache, taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.rank_states import RowFacts
@@ -266,8 +266,47 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     def _forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
                  states: list[FlowMatchState], seer: Optional[taylorseer.Plan]) -> torch.Tensor:
-        """The pipeline's transformer forward over `rows` (`seer`: the TaylorSeer plan it runs under, or None)."""
+        """The one choice of forward for every pipeline (`seer`: the TaylorSeer plan it runs under, or None):
+        diffusers' own; rows of different sizes packed (`rows["packing"]`, under each token's own row's LoRA);
+        with requests that cache the first block, the same forward whose blocks after the first run only over the
+        row groups that compute (step_cache.py). A subclass supplies the forwards it runs, below."""
+        packing = rows.get("packing")
+        tokens = None if packing is None else [self._image_tokens(s) for s in states]
+        groups = step_cache.row_groups(states, rows["branches"], tokens, self.cache_steps)
+        if packing is None:
+            if groups is None:
+                return self._plain_forward(latents, timestep, text, rows, states)
+            return self._cached_forward(latents, timestep, text, rows, states, groups, seer)
+        with self.loras.packed(packing.token_rows):
+            if groups is None:
+                return self._packed_forward(latents, timestep, text, rows)
+            return self._cached_packed_forward(latents, timestep, text, rows, groups)
+
+    def _plain_forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
+                       states: list[FlowMatchState]) -> torch.Tensor:
+        """The pipeline's transformer forward over rows of one size, as its denoising loop calls it."""
         raise NotImplementedError
+
+    def _packed_forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts,
+                        rows: dict) -> torch.Tensor:
+        """The forward over rows of different sizes, their image tokens packed by `rows["packing"]` (mixed_sizes)."""
+        raise NotImplementedError
+
+    def _cached_forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
+                        states: list[FlowMatchState], groups: list[step_cache.RowGroup],
+                        seer: Optional[taylorseer.Plan]) -> torch.Tensor:
+        """`_plain_forward` with the first-block cache decided per row group `groups` (first_block)."""
+        raise NotImplementedError
+
+    def _cached_packed_forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: TextParts, rows: dict,
+                               groups: list[step_cache.RowGroup]) -> torch.Tensor:
+        """`_packed_forward` with the first-block cache decided per row group `groups` (first_block)."""
+        raise NotImplementedError
+
+    def _image_tokens(self, state: FlowMatchState) -> int:
+        """The request's own tokens of the transformer's image stream (a packed forward's rows are padded to the
+        longest): its latent tokens."""
+        return int(state.latents.shape[1])
 
     def _shift(self, image_seq_len: int, max_shift_default: float = 1.15) -> float:
         """The schedule's `mu`: `calculate_shift` on the image sequence length, as each pipeline's `__call__`

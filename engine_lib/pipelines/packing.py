@@ -177,16 +177,15 @@ def condition_rows(states: list) -> dict:
             "lengths": [s.latents.shape[1] for s, _ in per_row]}
 
 
-def conditioned_forward(loras, forward, latents: torch.Tensor, rows: dict) -> torch.Tensor:
+def conditioned_forward(forward, latents: torch.Tensor, rows: dict) -> torch.Tensor:
     """A packed forward whose rows' tokens are their own latent tokens followed by their own condition tokens
     (`condition_rows`): `forward(padded)` over those rows right-padded to the packing's longest ([R, longest, C]
-    in, the same out), under the rows' LoRAs; each row's prediction cut back to its latent tokens, padded to the
-    latents' length."""
+    in, the same out; the caller holds the packing's LoRA plan); each row's prediction cut back to its latent
+    tokens, padded to the latents' length."""
     packing, lengths = rows["packing"], rows["lengths"]
     joined = [torch.cat([latents[r:r + 1, :n], condition], dim=1)
               for r, (n, condition) in enumerate(zip(lengths, rows["condition"]))]
-    with loras.packed(packing.token_rows):
-        out = forward(torch.cat([F.pad(row, (0, 0, 0, packing.longest - row.shape[1])) for row in joined]))
+    out = forward(torch.cat([F.pad(row, (0, 0, 0, packing.longest - row.shape[1])) for row in joined]))
     return torch.cat([F.pad(out[r:r + 1, :n], (0, 0, 0, latents.shape[1] - n)) for r, n in enumerate(lengths)])
 
 

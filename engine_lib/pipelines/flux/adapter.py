@@ -30,7 +30,7 @@ from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_
                                              FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.flux.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
-from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS
 
 DEFAULT_GUIDANCE_SCALE = 3.5  # FluxPipeline.__call__'s default
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline.__call__'s default
@@ -115,23 +115,8 @@ class FluxAdapter(FlowMatchAdapter):
             rows.update(txt_ids=states[0].txt_ids, img_ids=states[0].img_ids)
         return rows
 
-    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
-        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
-        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
-        packing = rows.get("packing")
-        tokens = None if packing is None else [s.img_ids.shape[0] for s in states]
-        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
-        if groups is not None and packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                             text["pooled"], text["embeds"], packing, groups)
-        if groups is not None:
-            return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                  text["pooled"], text["embeds"], rows["txt_ids"], rows["img_ids"], groups, seer)
-        if packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],
-                                      text["embeds"], packing)
+    # -- the forwards FlowMatchAdapter._forward chooses from ---------------------------
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -142,6 +127,18 @@ class FluxAdapter(FlowMatchAdapter):
             img_ids=rows["img_ids"],
             return_dict=False,
         )[0]
+
+    def _packed_forward(self, latents, timestep, text, rows) -> torch.Tensor:
+        return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["pooled"],
+                              text["embeds"], rows["packing"])
+
+    def _cached_forward(self, latents, timestep, text, rows, states, groups, seer) -> torch.Tensor:
+        return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                              text["pooled"], text["embeds"], rows["txt_ids"], rows["img_ids"], groups, seer)
+
+    def _cached_packed_forward(self, latents, timestep, text, rows, groups) -> torch.Tensor:
+        return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                     text["pooled"], text["embeds"], rows["packing"], groups)
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)

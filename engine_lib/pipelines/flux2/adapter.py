@@ -115,7 +115,7 @@ class Flux2Adapter(FlowMatchAdapter):
     def _row_inputs(self, states: list[Flux2State]) -> dict:
         return {"txt_ids": states[0].txt_ids, "img_ids": states[0].img_ids}
 
-    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
         return self.pipe.transformer(
             hidden_states=latents.to(self.pipe.transformer.dtype),
             timestep=timestep,

@@ -134,13 +134,9 @@ class FluxKontextAdapter(FluxAdapter):
             self.pipe.transformer.pos_embed, states[0].txt_ids, [s.img_ids for s in states for _ in range(s.num_rows)],
             self.device)}
 
-    def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """diffusers' forward over the latent tokens followed by the condition's, cut back to the latent tokens
-        (rows of different sizes: each row's, packed)."""
-        if "packing" in rows:
-            return conditioned_forward(self.loras, lambda padded: packed_forward(
-                self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"], text["embeds"],
-                rows["packing"]), latents, rows)
+    # -- the forwards FlowMatchAdapter._forward chooses from ---------------------------
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward over the latent tokens followed by the condition's, cut back to the latent tokens."""
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["condition"]], dim=1),
             timestep=timestep,
@@ -151,6 +147,12 @@ class FluxKontextAdapter(FluxAdapter):
             img_ids=states[0].img_ids,
             return_dict=False,
         )[0][:, :latents.shape[1]]
+
+    def _packed_forward(self, latents, timestep, text, rows) -> torch.Tensor:
+        """Rows of different sizes: each row's latent and condition tokens, packed."""
+        return conditioned_forward(lambda padded: packed_forward(
+            self.pipe.transformer, padded, timestep, rows["guidance"], text["pooled"], text["embeds"],
+            rows["packing"]), latents, rows)
 
 
 ADAPTER = FluxKontextAdapter

@@ -25,7 +25,7 @@ from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, TRUE_
                                              FlowMatchState, TextParts, max_sequence_length)
 from engine_lib.pipelines.qwen_image.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.qwen_image.mixed_sizes import QwenPacking, packed_forward
-from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS
 from engine_lib.pipelines.vae import video_vae_stats
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
@@ -108,24 +108,8 @@ class QwenImageAdapter(FlowMatchAdapter):
             rows["packing"] = QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device)
         return rows
 
-    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
-        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
-        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
-        packing = rows.get("packing")
-        tokens = None if packing is None else [shape[0] * shape[1] * shape[2] for shape in
-                                               (s.img_shape for s in states)]
-        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
-        if groups is not None and packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                             text["embeds"], text["mask"], packing, groups)
-        if groups is not None:
-            return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
-                                  text["embeds"], text["mask"], rows["img_shapes"], groups, seer)
-        if packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["embeds"],
-                                      text["mask"], packing)
+    # -- the forwards FlowMatchAdapter._forward chooses from ---------------------------
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
         return self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
@@ -135,6 +119,18 @@ class QwenImageAdapter(FlowMatchAdapter):
             img_shapes=rows["img_shapes"],
             return_dict=False,
         )[0]
+
+    def _packed_forward(self, latents, timestep, text, rows) -> torch.Tensor:
+        return packed_forward(self.pipe.transformer, latents, timestep, rows["guidance"], text["embeds"],
+                              text["mask"], rows["packing"])
+
+    def _cached_forward(self, latents, timestep, text, rows, states, groups, seer) -> torch.Tensor:
+        return cached_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                              text["embeds"], text["mask"], rows["img_shapes"], groups, seer)
+
+    def _cached_packed_forward(self, latents, timestep, text, rows, groups) -> torch.Tensor:
+        return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, rows["guidance"],
+                                     text["embeds"], text["mask"], rows["packing"], groups)
 
     def _combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """diffusers' true CFG: the guided prediction rescaled to the conditional one's norm, per token."""

@@ -185,13 +185,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return {**rows, **condition_rows(states),
                 "packing": QwenPacking(self.pipe.transformer.pos_embed, shapes, self.device)}
 
-    def _transformer(self, latents, timestep, text, rows, states) -> torch.Tensor:
-        """diffusers' forward on `[latents, condition latents]`, cut back to the output's tokens (rows of different
-        sizes: each row's, packed)."""
-        if "packing" in rows:
-            return conditioned_forward(self.loras, lambda padded: packed_forward(
-                self.pipe.transformer, padded, timestep, rows["guidance"], text["embeds"], text["mask"],
-                rows["packing"]), latents, rows)
+    # -- the forwards FlowMatchAdapter._forward chooses from ---------------------------
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward on `[latents, condition latents]`, cut back to the output's tokens."""
         return self.pipe.transformer(
             hidden_states=torch.cat([latents, rows["image_latents"]], dim=1),
             timestep=timestep,
@@ -201,6 +197,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
             img_shapes=rows["img_shapes"],
             return_dict=False,
         )[0][:, :latents.size(1)]
+
+    def _packed_forward(self, latents, timestep, text, rows) -> torch.Tensor:
+        """Rows of different output or condition sizes: each row's tokens, packed."""
+        return conditioned_forward(lambda padded: packed_forward(
+            self.pipe.transformer, padded, timestep, rows["guidance"], text["embeds"], text["mask"],
+            rows["packing"]), latents, rows)
 
 
 class QwenImageEditPlusAdapter(QwenImageEditAdapter):

@@ -48,7 +48,7 @@ from engine_lib.pipelines.flow_match import (GUIDANCE_SCALE, IMAGE_INPUTS, FlowM
 from engine_lib.pipelines.sd3.first_block import cached_forward, cached_packed_forward
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, packed_forward
 from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
-from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS, row_groups
+from engine_lib.pipelines.step_cache import ALL_CACHE_INPUTS
 from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched.keys import RequestBatchKey
 
@@ -249,34 +249,38 @@ class SD3Adapter(FlowMatchAdapter):
         return {"packing": SD3Packing([(s.params.height // vae, s.params.width // vae) for s in states
                                        for _ in range(s.num_rows)], self.pipe.patch_size, self.device)}
 
-    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
-        """diffusers' forward, or with requests that cache, the same forward whose blocks after the first run only
-        over the row groups that compute (first_block.py); rows of different sizes packed (mixed_sizes.py)."""
-        packing = rows.get("packing")
-        patch = self.size_multiple
-        tokens = None if packing is None else [s.params.height // patch * (s.params.width // patch) for s in states]
-        groups = row_groups(states, rows["branches"], tokens, self.cache_steps)
-        if groups is not None and packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, text["pooled"],
-                                             text["embeds"], packing, groups)
-        if groups is not None:
-            return to_tokens(cached_forward(
-                self.pipe.transformer, self.loras, self._unpack(latents, states[0].params.height,
-                                                                states[0].params.width),
-                timestep, text["pooled"], text["embeds"], groups, seer))
-        if packing is not None:
-            with self.loras.packed(packing.token_rows):
-                return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],
-                                      packing, self.loras)
+    # -- the forwards FlowMatchAdapter._forward chooses from ---------------------------
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
+        """diffusers' forward on [N, C, h, w] latents, its prediction back as tokens."""
         return to_tokens(self.pipe.transformer(
-            hidden_states=self._unpack(latents, states[0].params.height, states[0].params.width),
+            hidden_states=self._spatial(latents, states),
             timestep=timestep,
             encoder_hidden_states=text["embeds"],
             pooled_projections=text["pooled"],
             joint_attention_kwargs=None,
             return_dict=False,
         )[0])
+
+    def _packed_forward(self, latents, timestep, text, rows) -> torch.Tensor:
+        return packed_forward(self.pipe.transformer, latents, timestep, text["pooled"], text["embeds"],
+                              rows["packing"], self.loras)
+
+    def _cached_forward(self, latents, timestep, text, rows, states, groups, seer) -> torch.Tensor:
+        return to_tokens(cached_forward(self.pipe.transformer, self.loras, self._spatial(latents, states), timestep,
+                                        text["pooled"], text["embeds"], groups, seer))
+
+    def _cached_packed_forward(self, latents, timestep, text, rows, groups) -> torch.Tensor:
+        return cached_packed_forward(self.pipe.transformer, self.loras, latents, timestep, text["pooled"],
+                                     text["embeds"], rows["packing"], groups)
+
+    def _spatial(self, latents: torch.Tensor, states: list[SD3State]) -> torch.Tensor:
+        """Token latents of rows of one size as the transformer takes them: [N, C, h, w]."""
+        return self._unpack(latents, states[0].params.height, states[0].params.width)
+
+    def _image_tokens(self, state: SD3State) -> int:
+        """Its patches (the latents are kept one token per latent pixel)."""
+        patch = self.size_multiple
+        return state.params.height // patch * (state.params.width // patch)
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae = self.pipe.vae_scale_factor

@@ -94,7 +94,7 @@ class ZImageAdapter(FlowMatchAdapter):
         """Z-Image's transformer counts time the other way: `(1000 - t) / 1000`, in the scheduler's float32."""
         return (1000 - timesteps) / 1000
 
-    def _forward(self, latents, timestep, text, rows, states, seer) -> torch.Tensor:
+    def _plain_forward(self, latents, timestep, text, rows, states) -> torch.Tensor:
         """diffusers' forward on lists (one latent and one caption per row), the prediction negated as the
         pipeline negates it before `scheduler.step` (negation is exact, so CFG may combine negated halves)."""
         transformer = self.pipe.transformer
