@@ -185,6 +185,28 @@ def check_pause_resume_and_abort(adapter: PipelineAdapter, inputs: SamplingParam
     assert all(residual() is None for residual in residuals) and not runner.states
 
 
+def first_layer_cache(run_layers, num_layers: int, limit: float, decisions, state: dict, image_tokens):
+    """A `run_layers(hidden, rows, which)` for one branch's forwards of a decoder without a diffusers hook
+    (BAGEL, HunyuanImage-3.0): diffusers' FirstBlockCache math around the first layer, over the row's image tokens
+    (`image_tokens(n)`: their index in the hidden states, n the row's count), kept in `state` across steps;
+    `decisions` counts "computed" and "reused"."""
+    def layers(hidden, rows, which):
+        at = image_tokens(rows.counts[0])
+        head = run_layers(hidden, rows, range(1))
+        residual = (head - hidden)[at]
+        prev = state.get("head")
+        if prev is not None and ((residual - prev).abs().mean() / prev.abs().mean()).item() <= limit:
+            decisions["reused"] += 1
+            out = head.clone()
+            out[at] = state["tail"] + head[at]
+            return out
+        decisions["computed"] += 1
+        out = run_layers(head, rows, range(1, num_layers))
+        state.update(head=residual, tail=out[at] - head[at])
+        return out
+    return layers
+
+
 def with_options(adapter: PipelineAdapter, **options) -> PipelineAdapter:
     """The same pipe with `options` over its own."""
     return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, **options})

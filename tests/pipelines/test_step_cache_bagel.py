@@ -24,7 +24,7 @@ from engine_lib.pipelines.step_cache import threshold
 from engine_lib.request import InvalidInputError
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
 from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch,
-                                             rows_into)
+                                             first_layer_cache, rows_into)
 
 # The tiny model's first-layer residual changes little between steps: without CFG 0.05 reuses 3 of the 6 steps,
 # 0.1 four; with CFG (the default interval) 0.05 reuses 6 of 11 branch forwards.
@@ -58,22 +58,9 @@ def reference(adapter: BagelAdapter, inputs: dict) -> tuple[torch.Tensor, Counte
     timesteps, dts = pipe.schedule(p.num_inference_steps, p.timestep_shift)
     run_layers, decisions, branches = model.run_layers, Counter(), {"cond": {}, "uncond": {}, "img": {}}
 
-    def first_block_cache(state: dict):
-        def layers(hidden, rows, which):
-            n = rows.counts[0]
-            head = run_layers(hidden, rows, range(1))
-            residual = (head - hidden)[1:1 + n]
-            prev = state.get("head")
-            if prev is not None and ((residual - prev).abs().mean() / prev.abs().mean()).item() <= threshold(p):
-                decisions["reused"] += 1
-                out = head.clone()
-                out[1:1 + n] = state["tail"] + head[1:1 + n]
-                return out
-            decisions["computed"] += 1
-            out = run_layers(head, rows, range(1, len(model.layers)))
-            state.update(head=residual, tail=out[1:1 + n] - head[1:1 + n])
-            return out
-        return layers
+    def first_block_cache(state: dict):  # a row's latent tokens follow its <|vision_start|>
+        return first_layer_cache(run_layers, len(model.layers), threshold(p), decisions, state,
+                                 lambda n: slice(1, 1 + n))
 
     for t, dt in zip(timesteps, dts):
         contexts = [("cond", context.cond)]

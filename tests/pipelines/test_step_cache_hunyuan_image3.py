@@ -18,7 +18,8 @@ import torch
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.step_cache import threshold
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
-from tests.helpers.step_cache_checks import STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch
+from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_pause_resume_and_abort, check_shared_batch,
+                                             first_layer_cache)
 
 # The tiny model's first-layer residual changes by 0.1-0.2 from step to step (seed 3 solo: 0.1 reuses none of the
 # 6 steps, 0.15 three, 0.2 five).
@@ -57,22 +58,9 @@ def reference(adapter: HunyuanImage3Adapter, inputs: dict) -> tuple[torch.Tensor
     sigmas = pipe.sigmas(p.num_inference_steps, p.flow_shift)
     run_layers, decisions, branches = model.run_layers, Counter(), {"cond": {}, "uncond": {}}
 
-    def first_block_cache(state: dict):
-        def layers(hidden, rows, which):
-            n = rows.counts[0]
-            head = run_layers(hidden, rows, range(1))
-            residual = (head - hidden)[0, 1:1 + n]
-            prev = state.get("head")
-            if prev is not None and ((residual - prev).abs().mean() / prev.abs().mean()).item() <= threshold(p):
-                decisions["reused"] += 1
-                out = head.clone()
-                out[0, 1:1 + n] = state["tail"] + head[0, 1:1 + n]
-                return out
-            decisions["computed"] += 1
-            out = run_layers(head, rows, range(1, model.config.num_layers))
-            state.update(head=residual, tail=out[0, 1:1 + n] - head[0, 1:1 + n])
-            return out
-        return layers
+    def first_block_cache(state: dict):  # a row's image tokens follow its <timestep>
+        return first_layer_cache(run_layers, model.config.num_layers, threshold(p), decisions, state,
+                                 lambda n: (0, slice(1, 1 + n)))
 
     for i in range(p.num_inference_steps):
         t = (torch.stack([sigmas[i]]).to(pipe.device) * 1000).float()
