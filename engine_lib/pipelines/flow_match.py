@@ -10,12 +10,16 @@ holds that skeleton once, cut into the step contract (the runner owns the loop):
 * `prepare_encode`: the adapter's `_encode`, a per-request generator, the adapter's
   `_initial_latents`, and `retrieve_timesteps` on a request-local scheduler copy;
 * `denoise_step`: one transformer forward over all rows (each with its own
-  timestep), CFG as one forward of 2B rows or two of B rows (`cfg_batching`);
+  timestep), CFG as one forward of 2B rows or two of B rows (`cfg_batching`), on
+  the parallel ranks where there are some;
+* `_forward`: the one choice of forward (diffusers' own, packed mixed sizes, first-block
+  cached, or both), from the forwards the subclass supplies;
 * `step_scheduler`, `post_decode` (one `vae.decode` per image size), `preview`
   (a latent->RGB projection measured from the model's own VAE).
 
 A subclass supplies only what is pipeline-specific: its extra inputs, how it
-encodes text, draws latents, sets its schedule, calls its transformer, and
+encodes text, draws latents, sets its schedule, runs its transformer (diffusers'
+call, and where it declares them its packed and cached forwards), and
 unpacks/decodes latents.
 """
 
