@@ -222,7 +222,7 @@ def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
 
 def head_and_tail(adapter: PipelineAdapter) -> tuple[str, str]:
     """Submodules of the first-block cache's head and tail blocks that see one row per row the block runs (as the
-    tail_rows fixtures of test_step_cache.py and test_step_cache_flux.py pick them), by name."""
+    tails of test_step_cache.py's cases pick them), by name."""
     transformer = adapter.pipe.transformer
     if adapter.name == "flux":
         return "transformer_blocks.0.norm1.linear", \
