@@ -1,6 +1,6 @@
 """The offline limit and a per-phase profile: the same pipeline called in-process, no server.
 
-`OfflineLimit` times the plain diffusers call `pipe(prompt=[...])` and the engine's own `ModelRunner` over the same
+`OfflineLimit` times the plain diffusers call `pipe(prompt=[...])` and the engine's own tick over the same
 batch (the served loop without threads or Triton); the faster is what a server could reach at that batch size if
 serving cost nothing. `phase_profile` times one request's phases solo and batched: where the time goes, and how
 much of it batching amortises. `run_wave` and `closed_loop` are the other in-process scenarios' drivers."""
@@ -102,16 +102,16 @@ def parse(adapter, values: dict):
 
 
 def run_wave(adapter, wave: Sequence[dict]) -> list[dict]:
-    """Requests of these inputs as one request-mode wave of the engine's own ModelRunner (the served loop without
-    the engine's threads or Triton): each request's outputs."""
-    from engine_lib.request import DiffusionRequest
-    from engine_lib.runner import ModelRunner
+    """One request-mode wave of the engine's own tick, without its thread or Triton: each request's outputs."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.engine import DiffusionEngine
 
-    requests = [DiffusionRequest(f"wave-{i}", parse(adapter, values)) for i, values in enumerate(wave)]
-    result = ModelRunner(adapter).run_to_completion(requests)
-    if result.errors:
-        raise RuntimeError(next(iter(result.errors.values())))
-    return [result.outputs[r.request_id] for r in requests]
+    finals = DiffusionEngine.wave(adapter, EngineConfig(), len(wave)).generate(
+        {f"wave-{i}": parse(adapter, values) for i, values in enumerate(wave)})
+    failed = [final.error for final in finals.values() if not final.ok]
+    if failed:
+        raise RuntimeError(failed[0])
+    return [finals[f"wave-{i}"].outputs for i in range(len(wave))]
 
 
 def phase_profile(adapter, size: int, steps: int, batch: int, repeats: int = 3) -> dict:

@@ -1,10 +1,11 @@
 """DiffusionEngine: mode selection, validation at admission, the busy loop, output streams, abort, close, warm-up.
 
-One busy-loop thread owns the device. Its tick reads like nano-vllm's `step()`:
-schedule, execute, update, emit; every tick is one denoise step, in both modes
-(the modes differ in the scheduler: who is admitted when). Every other thread
-only enqueues (add_request, abort, close) under the engine's one lock and wakes
-the loop.
+One busy-loop thread owns the device. It calls `step()`, one synchronous tick that reads
+like nano-vllm's `LLMEngine.step()`: schedule, execute, update, emit; every tick is one
+denoise step, in both modes (the modes differ in the scheduler: who is admitted when).
+Every other thread only enqueues (add_request, abort, close) under the engine's one lock
+and wakes the loop. Built with `run_loop=False` there is no thread: tests and offline
+callers call `step()` (or `generate()`) themselves.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine_lib.request import (
     SamplingParams,
 )
 from engine_lib.runner import ModelRunner, TickInterrupted
-from engine_lib.sched import RunnerOutput, Scheduler, make_policy
+from engine_lib.sched import RunnerOutput, Scheduler, SchedulerOutput, make_policy
 from engine_lib.worker_watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,10 @@ class DiffusionEngine:
     """Owns the device through one busy-loop thread; everything else only enqueues."""
 
     def __init__(self, adapter, config: EngineConfig, scheduler: Optional[Scheduler] = None,
-                 tick_listener: Optional[Callable[[TickStats], None]] = None, hooks: Optional[EngineHooks] = None):
+                 tick_listener: Optional[Callable[[TickStats], None]] = None, hooks: Optional[EngineHooks] = None,
+                 *, run_loop: bool = True, float_outputs: bool = False):
+        """`run_loop=False`: no busy-loop thread, the caller calls `step()`. `float_outputs`: the pipeline's
+        float outputs instead of the declared dtypes (tests and benchmarks compare them before the rounding)."""
         self.adapter = adapter
         self.config = config
         self.mode = select_mode(config, adapter)
@@ -111,8 +115,9 @@ class DiffusionEngine:
         # that tick at its next block boundary instead of finishing a forward nobody waits for.
         self._interrupt = threading.Event()
         self._ticking: frozenset[str] = frozenset()  # the running tick's request ids (guarded by _cond)
-        self.runner = ModelRunner(adapter, clock=self.clock, before_forward=hooks.before_forward,
-                                  interrupt=self._interrupt, before_block=hooks.before_block)
+        self.runner = ModelRunner(adapter, float_outputs=float_outputs, clock=self.clock,
+                                  before_forward=hooks.before_forward, interrupt=self._interrupt,
+                                  before_block=hooks.before_block)
         self.max_request_cost = config.request_cost_limit(adapter.default_max_request_cost())
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
@@ -123,8 +128,10 @@ class DiffusionEngine:
         self._pending_aborts: list[str] = []
         self._closed = False
         self.watch = WorkerWatch(adapter)  # the engine thread's own: the adapter's parallel workers, their restarts
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if run_loop:
+            self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
+            self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
                     adapter.name, self.mode.value, config.max_num_seqs)
 
@@ -161,6 +168,14 @@ class DiffusionEngine:
             engine.close()
             raise
         return engine
+
+    @classmethod
+    def wave(cls, adapter, config: EngineConfig, size: int, float_outputs: bool = False,
+             hooks: Optional[EngineHooks] = None) -> "DiffusionEngine":
+        """An engine without its thread for one offline request-mode wave (benchmarks, tests): up to `size`
+        requests admitted together whatever their keys, each running to its end (`generate()`)."""
+        return cls(adapter, config, Scheduler(size, lambda params: None, step_batching=False), hooks=hooks,
+                   run_loop=False, float_outputs=float_outputs)
 
     def warmup(self, timeout: float = 600.0) -> None:
         """Run one small request through the real path, so the first user request is not the slow one."""
@@ -262,8 +277,9 @@ class DiffusionEngine:
             self._interrupt.set()
             self._cond.notify_all()
         logger.info("engine shutting down")
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._loop_alive():
             logger.warning("engine thread still busy after %.1fs; its remaining outputs are dropped", timeout)
         with self._cond:
             sinks, self._sinks = self._sinks, {}
@@ -271,7 +287,7 @@ class DiffusionEngine:
         for request_id, sink in sinks.items():
             self._deliver(sink, DiffusionOutput(request_id, 0, 0, True, error=EngineUnavailableError(
                 "engine is shutting down")))
-        if not self._thread.is_alive():
+        if not self._loop_alive():
             self.runner.free(list(self.runner.states))
             close = getattr(self.adapter, "close", None)  # (test doubles have none)
             if close is not None:
@@ -280,10 +296,13 @@ class DiffusionEngine:
     def stats(self) -> EngineStats:
         with self._cond:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
-                               len(self._sinks), self._thread.is_alive(), self.scheduler.waiting_by_priority(),
+                               len(self._sinks), self._loop_alive(), self.scheduler.waiting_by_priority(),
                                self.scheduler.num_preempted, self.clock.totals(),
                                {**self.adapter.counters(), "frames_generated": self.runner.frames_generated},
                                self.watch.rank_states, int(self.watch.down is not None))
+
+    def _loop_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     # -- busy loop (engine thread) -------------------------------------------
     def _loop(self) -> None:
@@ -318,16 +337,21 @@ class DiffusionEngine:
                     self._cond.wait(timeout=0.01)
                 continue
             try:
-                self._tick()
+                self.step()
             except Exception:  # noqa: BLE001 - never let one tick kill the loop
                 logger.exception("engine tick failed")
             self._check_workers()
             self.watch.count_rank_states(idle=not self.scheduler.has_requests)
 
-    def _tick(self) -> None:
+    def step(self) -> tuple[SchedulerOutput, RunnerOutput]:
+        """One tick: schedule, execute (one denoise step), update the scheduler, emit the outputs. The busy loop
+        calls it; call it yourself only on an engine built with `run_loop=False` (the runner has one owner).
+
+        Returns the tick's plan and what the runner did in it (empty when nothing was scheduled, the tick was
+        interrupted, or the engine is closed); the outputs themselves go to the requests' streams."""
         with self._cond:
             if self._closed:
-                return
+                return SchedulerOutput(), RunnerOutput()
             with self.clock.phase("schedule"):
                 sched_out = self.scheduler.schedule()
                 new = [self.scheduler.get_request(i) for i in sched_out.new_ids]
@@ -340,7 +364,7 @@ class DiffusionEngine:
         self.runner.free(sched_out.finished_ids)
         self.runner.pause(sched_out.preempted_ids)
         if sched_out.is_empty:
-            return
+            return sched_out, RunnerOutput()
         start = time.monotonic()
         try:
             if self.watch.down is not None:  # its requests end at once, rather than wait for an unknown time
@@ -351,7 +375,7 @@ class DiffusionEngine:
             logger.info("tick interrupted after %.2fs (its requests were cancelled, or the engine closes)",
                         time.monotonic() - start)
             self.runner.free([r.request_id for r in new + running])
-            return
+            return sched_out, RunnerOutput()
         except Exception as exc:  # noqa: BLE001 - fail this tick's requests, keep the loop
             result = RunnerOutput()
             for request in new + running:
@@ -365,6 +389,22 @@ class DiffusionEngine:
             self._tick_listener(TickStats(self.mode, result.forward_size, seconds, result.batch_retries))
         with self.clock.phase("emit"):
             self._emit(new + running, ended, result)
+        return sched_out, result
+
+    def generate(self, inputs: Mapping[str, Union[SamplingParams, Mapping[str, Any]]]) -> dict[str, DiffusionOutput]:
+        """Offline, as nano-vllm's `generate()` (an engine built with `run_loop=False`): admit every request
+        (request id -> inputs), step until each has ended, and return each one's final output."""
+        finals: dict[str, DiffusionOutput] = {}
+
+        def keep_final(output: DiffusionOutput) -> None:
+            if output.is_final:
+                finals[output.request_id] = output
+
+        for request_id, params in inputs.items():
+            self.add_request(request_id, params, sink=keep_final)
+        while self.scheduler.has_requests:
+            self.step()
+        return finals
 
     # -- the adapter's parallel workers (engine thread) ------------------------------
     def _check_workers(self) -> None:

@@ -182,24 +182,6 @@ class ModelRunner:
         self.free(list(result.errors) + list(result.finished))
         return result
 
-    def run_to_completion(self, requests: list[DiffusionRequest]) -> RunnerOutput:
-        """Run requests admitted together, tick by tick, until each has finished or failed.
-
-        For offline callers (benchmarks, tests): what a request-mode wave does in
-        the engine, without the engine's threads. Returns the final outputs and
-        errors (previews are dropped).
-        """
-        total = RunnerOutput()
-        new, running = list(requests), []
-        while new or running:
-            tick = self.execute_step(new, running)
-            total.outputs.update(tick.outputs)
-            total.finished |= tick.finished
-            total.errors.update(tick.errors)
-            ended = tick.finished | set(tick.errors)
-            new, running = [], [r for r in new + running if r.request_id not in ended]
-        return total
-
     @staticmethod
     def _fail(result: RunnerOutput, request_id: str, exc: BaseException) -> None:
         logger.warning("request %s failed: %s", request_id, result.fail(request_id, exc))

@@ -25,9 +25,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_lib.request import DiffusionRequest
-from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import load_tiny_adapter, parse
+from engine_lib.engine import DiffusionEngine
+from tests.helpers.parity_checks import TEST_CONFIG, load_tiny_adapter, parse
 
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_numpy", "argwhere", "masked_select",
               "bincount", "lift_fresh", "lift_fresh_copy", "_unique2", "unique_consecutive", "unique_dim"}
@@ -67,23 +66,20 @@ class HostReads(TorchDispatchMode):
 
 
 def reads_per_tick(adapter, inputs: list[dict]) -> list[Counter]:
-    """Admit every request at tick 0 and run the runner's ticks until all have finished (requests of
-    4 and 6 steps alternate: the batch shrinks after tick 3, a new membership without an admission)."""
-    runner = ModelRunner(adapter)
+    """Admit every request at tick 0 (one wave) and call the engine's `step()` until all have finished (requests
+    of 4 and 6 steps alternate: the batch shrinks after tick 3, a new membership without an admission)."""
+    engine = DiffusionEngine.wave(adapter, TEST_CONFIG, len(inputs))
     # as the engine's warm-up does before serving: one request alone makes the first-use checks
     # (FlowMatchAdapter.step_batch compares its first batched step with the per-request one)
-    runner.run_to_completion([DiffusionRequest("warm-up", parse(adapter, inputs[0]))])
-    new = [DiffusionRequest(f"r{i}", parse(adapter, {**p, "num_inference_steps": 4 + 2 * (i % 2)}))
-           for i, p in enumerate(inputs)]
-    running: list[DiffusionRequest] = []
+    engine.generate({"warm-up": parse(adapter, inputs[0])})
+    for i, p in enumerate(inputs):
+        engine.add_request(f"r{i}", parse(adapter, {**p, "num_inference_steps": 4 + 2 * (i % 2)}))
     ticks = []
-    while new or running:
+    while engine.scheduler.has_requests:
         with HostReads() as reads:
-            result = runner.execute_step(new, running)
+            _, result = engine.step()
         assert not result.errors, result.errors
         ticks.append(reads.seen)
-        running = [r for r in new + running if r.request_id not in result.finished]
-        new = []
     return ticks
 
 

@@ -1,11 +1,9 @@
-"""Shared parity checks for pipeline adapters: a tick driver of the engine's own `ModelRunner`,
-image comparisons, and `FlowMatchParitySuite`, the parity tests every flow-matching adapter runs.
+"""Shared parity checks for pipeline adapters: engines the tests step themselves, image comparisons, and
+`FlowMatchParitySuite`, the parity tests every flow-matching adapter runs.
 
-The driver plays the scheduler's part and nothing more (arrivals admitted by
-tick up to a capacity, progress bookkeeping); every tensor operation is the
-runner's one loop: `prepare_encode`, `InputBatch.gather`, one `denoise_step`,
-split, `step_scheduler` per request, previews, one `post_decode` for the
-requests that finished in the same tick.
+Every run is the engine's own tick (`DiffusionEngine.step()`: schedule, execute, update, emit) on an
+engine without its busy-loop thread; the tests only submit each arrival before its tick and collect
+what each step did.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import pytest
 import torch
 
 from engine_lib.config import EngineConfig
+from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import packing, taylorseer
 from engine_lib.pipelines.base import InputBatch, PipelineAdapter
@@ -87,12 +86,14 @@ class Arrival:
     tick: int
     request_id: str
     params: Any  # the request's inputs by name (a dict), or parsed SamplingParams
+    priority: int = 0  # 1 most urgent (0: the engine's default level)
 
 
 @dataclass
 class DriveResult:
     images: dict[str, np.ndarray] = field(default_factory=dict)  # the first declared output (image, video):
     # uint8, or float32 with float_output
+    outputs: dict[str, dict] = field(default_factory=dict)  # request id -> every final output by name
     previews: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # (step, preview)
     batch_sizes: list[int] = field(default_factory=list)  # requests running in each tick
     forward_sizes: list[int] = field(default_factory=list)  # requests in each denoise forward that succeeded (a
@@ -100,83 +101,64 @@ class DriveResult:
     finished_at: dict[str, int] = field(default_factory=dict)  # request id -> tick
     errors: dict[str, Exception] = field(default_factory=dict)
     chunks: dict[str, list[dict]] = field(default_factory=dict)  # request id -> its streamed chunks, in order
+    paused: list[str] = field(default_factory=list)  # request ids preempted, in order
 
 
-def drive_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4,
-                float_output: bool = False, group_decodes: bool = False) -> DriveResult:
-    """Run arrivals through the scheduler and `ModelRunner.execute_step` tick by tick, as the engine's loop
-    does in step mode (requests join between steps in arrival order; every request shares one key).
+def step_engine(adapter: PipelineAdapter, capacity: int = 4, float_output: bool = False,
+                group_decodes: bool = False, max_preemptions: int = 0) -> DiffusionEngine:
+    """An engine without its busy-loop thread (the test calls `step()`), in step mode: requests join between
+    steps in arrival order and every request shares one key (the test decides who shares a forward).
 
-    Previews follow each request's preview_interval; `float_output` keeps the pipeline's
-    float images (before the uint8 rounding every served image gets); `group_decodes`: the
-    scheduler's decode groups (else each request decodes the tick it finishes denoising).
+    `float_output` keeps the pipeline's float outputs (before the uint8 rounding every served image gets);
+    `group_decodes`: the scheduler's decode groups (else each request decodes the tick it finishes denoising);
+    `max_preemptions`: times a running request may pause for a more urgent arrival.
     """
-    runner = ModelRunner(adapter, float_outputs=float_output)
-    sched = Scheduler(capacity, lambda params: None, max_head_bypass=0, group_decodes=group_decodes)
+    scheduler = Scheduler(capacity, lambda params: None, max_head_bypass=0, group_decodes=group_decodes,
+                          max_preemptions=max_preemptions)
+    return DiffusionEngine(adapter, TEST_CONFIG, scheduler, run_loop=False, float_outputs=float_output)
+
+
+def run_arrivals(engine: DiffusionEngine, arrivals: list[Arrival], on_tick=None) -> DriveResult:
+    """Submit each arrival before its tick and call `engine.step()` tick by tick until every request has ended;
+    what the steps did, collected. Previews follow each request's preview_interval; `on_tick(tick)` runs after
+    each step (to look at the runner's states)."""
+    adapter = engine.adapter
     result = DriveResult()
-    predict = runner._predict
-
-    def counted_predict(states):
-        out = predict(states)
-        result.forward_sizes.append(len(states))
-        return out
-
-    runner._predict = counted_predict
     primary = adapter.outputs[0].name  # image, video
     pending = sorted(arrivals, key=lambda a: a.tick)
     tick = 0
-    while pending or sched.has_requests:
+    while pending or engine.scheduler.has_requests:
         while pending and pending[0].tick <= tick:
             arrival = pending.pop(0)
             params = parse(adapter, arrival.params)
-            sched.add_request(DiffusionRequest(arrival.request_id, params, num_steps=adapter.total_steps(params)))
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
+            engine.add_request(arrival.request_id, params.replace(priority=arrival.priority) if arrival.priority
+                               else params)
+        plan, out = engine.step()
+        result.paused += plan.preempted_ids
         if not plan.is_empty:
-            new = [sched.get_request(i) for i in plan.new_ids]
-            running = [sched.get_request(i) for i in plan.running_ids]
-            result.batch_sizes.append(len(new) + len(running))
-            out = runner.execute_step(new, running, frozenset(plan.hold_decode_ids))
-            for request_id, preview in out.previews.items():
-                result.previews.setdefault(request_id, []).append((out.step_index[request_id], preview.get(primary)))
-            for request_id, chunk in out.chunks.items():
-                result.chunks.setdefault(request_id, []).append(chunk)
-            for request_id, outputs in out.outputs.items():
-                result.images[request_id] = outputs[primary]
-                result.finished_at[request_id] = tick
-            result.errors.update(out.errors)
-            sched.update_from_output(plan, out)
-        tick += 1
-    assert not result.errors, result.errors
-    assert not runner.states, "the runner freed every ended request's state"
-    return result
-
-
-def run_preempting(runner: ModelRunner, arrivals: dict[int, list[DiffusionRequest]], seats: int = 1,
-                   on_tick=None) -> tuple[dict[str, dict], list[str]]:
-    """Requests arriving at their ticks (`arrivals`: tick -> requests, with priorities) through a scheduler of
-    `seats` that preempts, and the runner, until all end: (each request's final outputs, the ids paused in
-    order). `on_tick(tick)` runs after each tick (to look at a paused state)."""
-    sched = Scheduler(seats, lambda p: None, max_preemptions=1, max_head_bypass=0)
-    arrivals = dict(arrivals)
-    outputs, paused, tick = {}, [], 0
-    while sched.has_requests or arrivals:
-        for request in arrivals.pop(tick, []):
-            sched.add_request(request)
-        plan = sched.schedule()
-        runner.free(plan.finished_ids)
-        runner.pause(plan.preempted_ids)
-        paused += plan.preempted_ids
-        if not plan.is_empty:
-            out = runner.execute_step([sched.get_request(i) for i in plan.new_ids],
-                                      [sched.get_request(i) for i in plan.running_ids])
-            assert not out.errors, out.errors
-            outputs.update(out.outputs)
-            sched.update_from_output(plan, out)
+            result.batch_sizes.append(len(plan.scheduled_ids))
+        if out.forward_size:
+            result.forward_sizes += [1] * out.forward_size if out.batch_retries else [out.forward_size]
+        for request_id, preview in out.previews.items():
+            result.previews.setdefault(request_id, []).append((out.step_index[request_id], preview.get(primary)))
+        for request_id, chunk in out.chunks.items():
+            result.chunks.setdefault(request_id, []).append(chunk)
+        for request_id, outputs in out.outputs.items():
+            result.outputs[request_id] = outputs
+            result.images[request_id] = outputs.get(primary)
+            result.finished_at[request_id] = tick
+        result.errors.update(out.errors)
         if on_tick is not None:
             on_tick(tick)
         tick += 1
-    return outputs, paused
+    assert not result.errors, result.errors
+    assert not engine.runner.states, "the runner freed every ended request's state"
+    return result
+
+
+def run_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int = 4, **engine) -> DriveResult:
+    """`arrivals` through a new `step_engine(adapter, capacity, **engine)`."""
+    return run_arrivals(step_engine(adapter, capacity, **engine), arrivals)
 
 
 def run_ticks(adapter, arrivals: dict[str, tuple[int, dict]], measure=lambda runner: None) -> tuple[dict, dict, list]:
@@ -228,11 +210,11 @@ def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, d
 
 
 def run_wave(adapter: PipelineAdapter, all_params: list, float_output: bool = False) -> list:
-    """Request mode: one wave admitted together and run to completion (`ModelRunner.run_to_completion`)."""
-    requests = [DiffusionRequest(f"r{i}", parse(adapter, p)) for i, p in enumerate(all_params)]
-    result = ModelRunner(adapter, float_outputs=float_output).run_to_completion(requests)
-    assert not result.errors, result.errors
-    return [result.outputs[r.request_id][adapter.outputs[0].name] for r in requests]
+    """Request mode: one wave admitted together and run to completion (`DiffusionEngine.generate`)."""
+    engine = DiffusionEngine.wave(adapter, TEST_CONFIG, len(all_params), float_outputs=float_output)
+    finals = engine.generate({f"r{i}": parse(adapter, p) for i, p in enumerate(all_params)})
+    assert all(final.ok for final in finals.values()), finals
+    return [finals[f"r{i}"].outputs[adapter.outputs[0].name] for i in range(len(all_params))]
 
 
 def image_diff(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -290,7 +272,7 @@ def pipe_reference(adapter: PipelineAdapter):
 
 
 def solo_steps(adapter, p, **kw):
-    return drive_steps(adapter, [Arrival(0, "solo", p)], capacity=1, **kw).images["solo"]
+    return run_steps(adapter, [Arrival(0, "solo", p)], capacity=1, **kw).images["solo"]
 
 
 class FlowMatchParitySuite:
@@ -299,7 +281,7 @@ class FlowMatchParitySuite:
     Solo runs must be bitwise what `pipe(...)` gives; batched runs may differ only
     by batch-size dependent CPU kernels (FLOAT_BOUND and the uint8 rule of
     `assert_close_images`). Every run goes through the engine's ModelRunner:
-    `run_wave` is request mode (a wave admitted together), `drive_steps` step
+    `run_wave` is request mode (a wave admitted together), `run_steps` step
     mode (arrivals join between steps).
 
     A test module subclasses it (as `Test<Pipeline>Parity`) and provides module
@@ -364,8 +346,8 @@ class FlowMatchParitySuite:
         in a staggered step batch, and of diffusers solo (SEEDS at the first of STEPS)."""
         other = with_cfg_batching(adapter, not adapter.cfg_batching)
         arrivals = self.staggered_arrivals(cfg=True)
-        one = drive_steps(adapter, arrivals, float_output=True).images
-        two = drive_steps(other, arrivals, float_output=True).images
+        one = run_steps(adapter, arrivals, float_output=True).images
+        two = run_steps(other, arrivals, float_output=True).images
         diffs = [assert_close_images(one[a.request_id], two[a.request_id], to_uint8) for a in arrivals]
         for seed in self.SEEDS:
             p = self.params(cfg=True, steps=self.STEPS[0], seed=seed)
@@ -378,7 +360,7 @@ class FlowMatchParitySuite:
     @pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
     def test_step_batch_staggered_matches_solo(self, adapter, reference, cfg):
         arrivals = self.staggered_arrivals(cfg)
-        result = drive_steps(adapter, arrivals, capacity=4, float_output=True)
+        result = run_steps(adapter, arrivals, capacity=4, float_output=True)
         assert max(result.forward_sizes) == 4, result.forward_sizes  # different steps and step counts in one forward
         assert result.finished_at == {"r0": 7, "r1": 6, "r2": 6, "r3": 6}
         diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
@@ -425,7 +407,7 @@ class FlowMatchParitySuite:
         mixed = self.mixed_size_adapter(adapter)
         inputs = {name: self.params(PROMPTS[i], cfg=cfg, height=h, width=w, steps=4, seed=i)
                   for i, (name, h, w) in enumerate(self.MIXED[sizes])}
-        together = drive_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
+        together = run_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
                                float_output=True)
         assert max(together.forward_sizes) == len(inputs)  # every size in one forward
         for name, p in inputs.items():
@@ -450,7 +432,7 @@ class FlowMatchParitySuite:
             solo = {name: solo_steps(mixed, p, float_output=True) for name, p in inputs.items()}
             solo_tokens = sum(tokens)
             tokens.clear()
-            together = drive_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
+            together = run_steps(mixed, [Arrival(i % 2, name, p) for i, (name, p) in enumerate(inputs.items())],
                                    float_output=True)
         finally:
             handle.remove()
@@ -468,7 +450,7 @@ class FlowMatchParitySuite:
             if mode == "wave":
                 return run_wave(adapter, all_params, float_output=True)
             arrivals = [Arrival(i, f"r{i}", p) for i, p in enumerate(all_params)]
-            result = drive_steps(adapter, arrivals, float_output=True)
+            result = run_steps(adapter, arrivals, float_output=True)
             return [result.images[f"r{i}"] for i in range(len(all_params))]
 
         # Step counts 3 and 4 in both modes: the runner drops requests from the batch as they finish.
@@ -503,8 +485,8 @@ class FlowMatchParitySuite:
         plain = [Arrival(0, "a", self.params(steps=6, seed=1, num_images=2)),
                  Arrival(1, "b", self.params(PROMPTS[1], steps=5, seed=2))]
         with_previews = [Arrival(a.tick, a.request_id, {**a.params, "preview_interval": 2}) for a in plain]
-        without = drive_steps(adapter, plain)
-        previewed = drive_steps(adapter, with_previews)
+        without = run_steps(adapter, plain)
+        previewed = run_steps(adapter, with_previews)
         assert not without.previews
         assert [step for step, _ in previewed.previews["a"]] == [2, 4]
         assert [step for step, _ in previewed.previews["b"]] == [2, 4]
@@ -526,7 +508,7 @@ class FlowMatchParitySuite:
             return original(latents, *args, **kwargs)
 
         monkeypatch.setattr(adapter.pipe.vae, "decode", counting_decode)
-        result = drive_steps(adapter, self.staggered_arrivals(cfg=False))
+        result = run_steps(adapter, self.staggered_arrivals(cfg=False))
         assert calls == [3, 1]  # r1, r2, r3 finish at tick 6 (one call), r0 at tick 7
         assert all(image.shape == (1, 64, 64, 3) for image in result.images.values())
         calls.clear()

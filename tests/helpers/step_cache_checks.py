@@ -22,7 +22,8 @@ from engine_lib.pipelines.base import PipelineAdapter, move_tensors
 from engine_lib.pipelines.step_cache import threshold
 from engine_lib.request import DiffusionRequest, SamplingParams
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, drive_steps, image_diff, parse, solo_steps,
+from engine_lib.pipelines.step_cache import threshold
+from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, image_diff, parse, run_steps, solo_steps,
                                          with_cfg_batching)
 
 STEPS = 6
@@ -132,7 +133,7 @@ def check_shared_batch(runner: PipelineAdapter, tail_rows: list, requests: dict,
         solo_rows[rid] = sum(tail_rows)
     tail_rows.clear()
     before = runner.counters()
-    result = drive_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ticks], **drive)
+    result = run_steps(runner, [Arrival(t, rid, requests[rid]) for t, rid in ticks], **drive)
     assert max(result.forward_sizes) == len(requests) and result.forward_sizes == result.batch_sizes
     for rid, image in result.images.items():
         assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid

@@ -21,7 +21,7 @@ from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THI
 from engine_lib.pipelines.base import move_tensors
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting
+from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
 SYSTEM = {"answer_ends": "", "answer_capped": "", "think_answer": VLM_THINK_SYSTEM_PROMPT,
@@ -267,17 +267,16 @@ def test_a_decoding_request_paused_for_an_urgent_one_ends_as_alone(adapter, gold
     """One seat: an answer decoding is preempted at tick 2 by an urgent think request (whose thought ends early
     into its denoise steps), then resumes; both give the reference's texts. Its growing cache is step state: a
     pause on a GPU moves it with the rest."""
-    runner = ModelRunner(adapter, float_outputs=True)
+    engine = step_engine(adapter, capacity=1, float_output=True, max_preemptions=1)
     answer, think = golden_request(adapter, golden, "answer_ends"), golden_request(adapter, golden, "think_image")
-    slow = DiffusionRequest("slow", answer, num_steps=adapter.total_steps(answer), priority=2)
-    urgent = DiffusionRequest("urgent", think, num_steps=adapter.total_steps(think), priority=1)
 
     def paused_state_moves(tick):
         if tick == 1:  # (a copy: a meta tensor cannot come back)
-            moved = move_tensors(copy.deepcopy(runner.states["slow"]), torch.device("meta"))
+            moved = move_tensors(copy.deepcopy(engine.runner.states["slow"]), torch.device("meta"))
             assert moved.text.cache.keys[0].device.type == "meta"
 
-    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]}, on_tick=paused_state_moves)
-    assert paused == ["slow"]
-    assert outputs["slow"]["text"][0] == str(golden["answer_ends_text"])
-    assert outputs["urgent"]["text"][0] == str(golden["think_image_text"])
+    result = run_arrivals(engine, [Arrival(0, "slow", answer, priority=2), Arrival(2, "urgent", think, priority=1)],
+                          on_tick=paused_state_moves)
+    assert result.paused == ["slow"]
+    assert result.outputs["slow"]["text"][0] == str(golden["answer_ends_text"])
+    assert result.outputs["urgent"]["text"][0] == str(golden["think_image_text"])

@@ -11,7 +11,7 @@ from engine_lib.pipelines.base import InputBatch
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
-from tests.helpers.parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, step_batched_then_alone
+from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_steps, step_batched_then_alone
 
 ADAPTERS = {"qwen_image": QwenImageAdapter, "flux": FluxAdapter, "sd3": SD3Adapter}
 
@@ -38,10 +38,10 @@ def test_batched_steps_equal_per_request_steps_bit_for_bit(adapter, monkeypatch)
         return stepped
 
     monkeypatch.setattr(type(adapter), "step_batch", counting)
-    batched = drive_steps(adapter, arrivals(), capacity=3, float_output=True)
+    batched = run_steps(adapter, arrivals(), capacity=3, float_output=True)
     assert any(n > 1 and stepped for n, stepped in calls), calls  # the batched path ran on shared ticks
     monkeypatch.setattr(type(adapter), "step_batch", lambda self, *args: False)
-    alone = drive_steps(adapter, arrivals(), capacity=3, float_output=True)
+    alone = run_steps(adapter, arrivals(), capacity=3, float_output=True)
     for request_id in ("a", "b", "c"):
         np.testing.assert_array_equal(batched.images[request_id], alone.images[request_id])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.sched import scheduler
-from tests.helpers.parity_checks import Arrival, assert_close_images, drive_steps, load_tiny_adapter
+from tests.helpers.parity_checks import Arrival, assert_close_images, load_tiny_adapter, run_steps
 
 STAGGERED = [Arrival(tick, f"r{tick}", {"prompt": f"a photo {tick}", "num_inference_steps": 3, "seed": tick,
                                         "height": 32, "width": 32}) for tick in range(3)]
@@ -17,7 +17,7 @@ def decode_calls(adapter, **kw):
     post_decode = adapter.post_decode
     adapter.post_decode = lambda states: calls.append([s.request_id for s in states]) or post_decode(states)
     try:
-        result = drive_steps(adapter, STAGGERED, float_output=True, **kw)
+        result = run_steps(adapter, STAGGERED, float_output=True, **kw)
     finally:
         del adapter.post_decode
     return calls, result

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine_lib.engine import DiffusionEngine
+from engine_lib.hooks import EngineHooks
 from engine_lib.interface import InputSpec
 from engine_lib.pipelines import registry
-from engine_lib.request import DiffusionRequest
-from engine_lib.runner import ModelRunner, _latents
+from engine_lib.runner import _latents
 from tests.helpers.parity_checks import TEST_CONFIG, load_tiny_adapter, parse
 
 NAMES = registry.names()
@@ -52,15 +53,15 @@ def test_non_finite_latents_fail_their_request_alone(name):
     good = parse(adapter, {"prompt": "a photo of a cat", "seed": 3, "num_inference_steps": 3,
                            **adapter.example_inputs()})
     bad = good.replace(prompt="poisoned")
-    alone = ModelRunner(adapter).run_to_completion([DiffusionRequest("alone", good)])
-    runner = ModelRunner(adapter, before_forward=poison("poisoned", before_step=2))
-    result = runner.run_to_completion([DiffusionRequest("good", good), DiffusionRequest("bad", bad)])
+    alone = DiffusionEngine.wave(adapter, TEST_CONFIG, 1).generate({"alone": good})["alone"]
+    engine = DiffusionEngine.wave(adapter, TEST_CONFIG, 2, hooks=EngineHooks(before_forward=poison("poisoned", 2)))
+    finals = engine.generate({"good": good, "bad": bad})
     total = adapter.total_steps(bad)
-    assert set(result.errors) == {"bad"} and result.errors["bad"].code == "INTERNAL"
-    assert str(result.errors["bad"]) == f"non-finite latents after step 2 of {total}"
-    levels = np.abs(result.outputs["good"][output].astype(int) - alone.outputs["alone"][output].astype(int))
+    assert [rid for rid, final in finals.items() if not final.ok] == ["bad"] and finals["bad"].error.code == "INTERNAL"
+    assert str(finals["bad"].error) == f"non-finite latents after step 2 of {total}"
+    levels = np.abs(finals["good"].outputs[output].astype(int) - alone.outputs[output].astype(int))
     assert levels.max() <= 1
-    assert runner.num_states == 0
+    assert engine.runner.num_states == 0
 
 
 def test_latents_are_read_as_one_tensor_or_one_per_modality():
@@ -86,6 +87,6 @@ def test_every_float_input_at_its_largest_value_gives_a_finite_output(name):
               **needed, **largest}
     if "negative_prompt" in schema.specs and not schema.specs["negative_prompt"].unused:
         inputs["negative_prompt"] = "blurry"  # with it, true CFG runs at its largest scale too
-    result = ModelRunner(adapter, float_outputs=True).run_to_completion([DiffusionRequest("r", parse(adapter, inputs))])
-    assert not result.errors, result.errors
-    assert np.isfinite(np.asarray(result.outputs["r"][adapter.outputs[0].name], dtype=np.float64)).all()
+    final = DiffusionEngine.wave(adapter, TEST_CONFIG, 1, float_outputs=True).generate({"r": parse(adapter, inputs)})["r"]
+    assert final.ok, final.error
+    assert np.isfinite(np.asarray(final.outputs[adapter.outputs[0].name], dtype=np.float64)).all()

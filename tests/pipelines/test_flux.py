@@ -17,8 +17,8 @@ from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapte
 from engine_lib.pipelines.flux.mixed_sizes import FluxPacking, packed_forward
 from engine_lib.pipelines.registry import get_adapter_class
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
-                                         image_diff, load_tiny_adapter, packed_attention_on, parse, pipe_reference,
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, image_diff,
+                                         load_tiny_adapter, packed_attention_on, parse, pipe_reference, run_steps,
                                          with_cfg_batching)
 
 # Flux's default 512 T5 tokens dominate the tiny model's cost; most tests use 32
@@ -60,7 +60,7 @@ def test_per_row_guidance_in_one_forward_matches_solo(adapter, reference):
     scales = [None, 1.0, 3.5, 6.0]
     arrivals = [Arrival(i // 2, f"r{i}", params(PROMPTS[i], steps=3 + i % 2, seed=40 + i, guidance_scale=g))
                 for i, g in enumerate(scales)]
-    result = drive_steps(adapter, arrivals, float_output=True)
+    result = run_steps(adapter, arrivals, float_output=True)
     assert max(result.forward_sizes) == 4
     diffs = [assert_close_images(result.images[a.request_id], reference(a.params), to_uint8) for a in arrivals]
     print(f"flux per-row guidance: max abs diff per request {['%.2e' % d for d in diffs]}")

@@ -13,8 +13,8 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux2.adapter import Flux2Adapter
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
-                                         image_diff, load_tiny_adapter, parse, pipe_reference, solo_steps,
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, image_diff,
+                                         load_tiny_adapter, parse, pipe_reference, run_steps, solo_steps,
                                          with_cfg_batching)
 
 TEXT_LENGTH = 32  # Qwen3 tokens per prompt (diffusers' default, 512, runs in one test)
@@ -82,7 +82,7 @@ def test_three_requests_joining_at_different_ticks_with_cfg_and_two_images(adapt
     arrivals = [Arrival(0, "a", params(PROMPTS[0], cfg=True, steps=5, seed=1, num_images=2)),
                 Arrival(1, "b", params(PROMPTS[2], cfg=True, steps=4, seed=2)),
                 Arrival(3, "c", params(PROMPTS[3], cfg=True, steps=3, seed=3))]
-    result = drive_steps(adapter, arrivals, capacity=3, float_output=True)
+    result = run_steps(adapter, arrivals, capacity=3, float_output=True)
     assert max(result.forward_sizes) == 3
     for a in arrivals:
         assert_close_images(result.images[a.request_id], reference(a.params), to_uint8)

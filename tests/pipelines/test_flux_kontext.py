@@ -21,9 +21,9 @@ from engine_lib.pipelines.flux_kontext.adapter import FluxKontextAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from tests.helpers.hostile_images import encode
-from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, drive_steps, image_diff,
-                                         load_tiny_adapter, parse, pipe_reference, run_preempting, solo_steps,
-                                         with_cfg_batching)
+from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, image_diff,
+                                         load_tiny_adapter, parse, pipe_reference, run_arrivals, run_steps, solo_steps,
+                                         step_engine, with_cfg_batching)
 
 RNG = np.random.default_rng(11)
 
@@ -100,7 +100,7 @@ def test_a_step_batch_of_different_images_and_prompts_matches_solo(adapter):
     arrivals = [Arrival(0, "a", params(1, PROMPTS[0], seed=1, steps=4)),
                 Arrival(1, "b", params(2, PROMPTS[1], seed=2, steps=3)),
                 Arrival(1, "c", params(1, PROMPTS[1], seed=2, steps=3))]
-    result = drive_steps(adapter, arrivals, capacity=4, float_output=True)
+    result = run_steps(adapter, arrivals, capacity=4, float_output=True)
     assert max(result.forward_sizes) == 3, result.forward_sizes
     for a in arrivals:
         assert_close_images(result.images[a.request_id], solo_steps(adapter, a.params, float_output=True), to_uint8)
@@ -117,7 +117,7 @@ def test_with_mixed_size_batching_two_output_and_three_condition_sizes_share_eve
                 Arrival(1, "b", params(3, PROMPTS[1], seed=2, steps=3, height=48, width=32, **cfg)),
                 Arrival(1, "c", params(1, PROMPTS[1], seed=2, steps=3, **cfg))]
     assert len({mixed.step_key(parse(mixed, a.params)) for a in arrivals}) == 1
-    result = drive_steps(mixed, arrivals, capacity=4, float_output=True)
+    result = run_steps(mixed, arrivals, capacity=4, float_output=True)
     assert result.forward_sizes == [1, 3, 3, 3], result.forward_sizes
     for a in arrivals:
         assert_close_images(result.images[a.request_id], solo_steps(adapter, a.params, float_output=True), to_uint8)
@@ -139,11 +139,9 @@ def test_the_condition_lives_in_the_state_and_is_freed_on_abort(adapter):
 
 def test_pause_and_resume_equal_the_uninterrupted_run(adapter):
     """A running request paused for a more urgent one (one seat) ends as it does alone."""
-    runner = ModelRunner(adapter)
-    slow = DiffusionRequest("slow", parse(adapter, params(0, steps=4)), num_steps=4, priority=2)
-    urgent = DiffusionRequest("urgent", parse(adapter, params(3, seed=5, steps=2)), num_steps=2, priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]})
-    images = {rid: o["image"] for rid, o in outputs.items()}
-    assert paused == ["slow"]
-    np.testing.assert_array_equal(images["slow"], solo_steps(adapter, slow.params))
-    np.testing.assert_array_equal(images["urgent"], solo_steps(adapter, urgent.params))
+    slow = Arrival(0, "slow", parse(adapter, params(0, steps=4)), priority=2)
+    urgent = Arrival(2, "urgent", parse(adapter, params(3, seed=5, steps=2)), priority=1)
+    result = run_arrivals(step_engine(adapter, capacity=1, max_preemptions=1), [slow, urgent])
+    assert result.paused == ["slow"]
+    np.testing.assert_array_equal(result.images["slow"], solo_steps(adapter, slow.params))
+    np.testing.assert_array_equal(result.images["urgent"], solo_steps(adapter, urgent.params))

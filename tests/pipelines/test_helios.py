@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from engine_lib.config import ConfigError, EngineConfig
+from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.modes import select_mode
 from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
-from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference
+from tests.helpers.parity_checks import TEST_CONFIG, Arrival, load_tiny_adapter, parse, pipe_reference, run_steps
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def reference(adapter):
 
 
 def run_solo(adapter, inputs, float_output=True):
-    result = drive_steps(adapter, [Arrival(0, "solo", inputs)], capacity=1, float_output=float_output)
+    result = run_steps(adapter, [Arrival(0, "solo", inputs)], capacity=1, float_output=float_output)
     return result.images["solo"], result.chunks["solo"]
 
 
@@ -60,11 +60,10 @@ def test_requests_one_after_another_equal_their_solo_runs(adapter):
     """The runner holds one request at a time; the next one starts from a clean state (own scheduler copy)."""
     cases = [dict(prompt="a cat", seed=1, num_frames=65, num_inference_steps=2),
              dict(prompt="a red car", seed=2, num_inference_steps=3, guidance_scale=1.0)]
-    runner = ModelRunner(adapter, float_outputs=True)
+    engine = DiffusionEngine.wave(adapter, TEST_CONFIG, 1, float_outputs=True)
     for i, inputs in enumerate(cases):
-        p = parse(adapter, inputs)
-        result = runner.run_to_completion([DiffusionRequest(f"r{i}", p, num_steps=adapter.total_steps(p))])
-        np.testing.assert_array_equal(result.outputs[f"r{i}"]["video"], run_solo(adapter, inputs)[0])
+        final = engine.generate({f"r{i}": parse(adapter, inputs)})[f"r{i}"]
+        np.testing.assert_array_equal(final.outputs["video"], run_solo(adapter, inputs)[0])
 
 
 @pytest.mark.parametrize("num_frames, says", [
@@ -88,7 +87,7 @@ def test_more_than_one_active_request_fails_the_load_naming_max_num_seqs():
 
 
 def test_progress_responses_follow_preview_interval_between_chunks(adapter):
-    result = drive_steps(adapter, [Arrival(0, "r", dict(prompt="x", num_frames=65, num_inference_steps=3,
+    result = run_steps(adapter, [Arrival(0, "r", dict(prompt="x", num_frames=65, num_inference_steps=3,
                                                         preview_interval=2))], capacity=1)
     assert [step for step, frames in result.previews["r"]] == [2, 4]  # steps 6 (the end) is the final
     assert all(frames is None for _, frames in result.previews["r"])  # progress only: the chunks carry frames

@@ -30,7 +30,8 @@ from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from engine_lib.tiny_models import ensure_model
-from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting, run_ticks, step_latents
+from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, run_arrivals, run_ticks, step_engine,
+                                         step_latents)
 from tests.helpers.waiting import wait_until
 
 LATENT_BOUND = 1e-5
@@ -127,12 +128,13 @@ def test_a_rank_loads_only_its_shards_and_the_driver_no_transformer(request, lay
 
 def test_a_paused_request_keeps_its_caches_on_the_ranks(ep, single):
     """A request preempted by a more urgent one (one seat) keeps its KV shards while paused and ends as alone."""
-    slow = DiffusionRequest("slow", parse(ep, inputs("a slow boat", 5)), num_steps=3, priority=2)
-    urgent = DiffusionRequest("urgent", parse(ep, inputs("a fast car", 6, steps=2)), num_steps=2, priority=1)
+    slow = Arrival(0, "slow", parse(ep, inputs("a slow boat", 5)), priority=2)
+    urgent = Arrival(1, "urgent", parse(ep, inputs("a fast car", 6, steps=2)), priority=1)
     seen = []
-    outputs, paused = run_preempting(ModelRunner(ep, float_outputs=True), {0: [slow], 1: [urgent]},
-                                     on_tick=lambda tick: seen.append(held(ep)))
-    assert paused == ["slow"]
+    result = run_arrivals(step_engine(ep, capacity=1, float_output=True, max_preemptions=1), [slow, urgent],
+                          on_tick=lambda tick: seen.append(held(ep)))
+    outputs = result.outputs
+    assert result.paused == ["slow"]
     assert seen[:2] == [[2, 2], [4, 4]] and seen[-1] == [0, 0]  # slow's two caches, then urgent's beside them
     _, images = step_latents(single, {"slow": (0, slow.params)})
     levels = np.abs(to_uint8(outputs["slow"]["image"][0]).astype(int) - to_uint8(images["slow"][0]).astype(int))
@@ -258,12 +260,12 @@ def test_a_text_phase_preempted_on_the_ranks_resumes_and_a_cancelled_one_frees_e
     every rank."""
     solo, batch = (expected_texts[run][0] for run in ("solo", "batch"))
     slow_p, urgent_p = (parse(ep, TEXT_RUNS["batch"][rid][1]) for rid in ("think", "recaption"))
-    slow = DiffusionRequest("slow", slow_p, num_steps=ep.total_steps(slow_p), priority=2)
-    urgent = DiffusionRequest("urgent", urgent_p, num_steps=ep.total_steps(urgent_p), priority=1)
     seen = []
-    outputs, paused = run_preempting(ModelRunner(ep, float_outputs=True), {0: [slow], 2: [urgent]},
-                                     on_tick=lambda tick: seen.append(held(ep, "held_bytes")))
-    assert paused == ["slow"] and seen[2][0] > seen[1][0] > 0 and seen[-1] == [0, 0]
+    result = run_arrivals(step_engine(ep, capacity=1, float_output=True, max_preemptions=1),
+                          [Arrival(0, "slow", slow_p, priority=2), Arrival(2, "urgent", urgent_p, priority=1)],
+                          on_tick=lambda tick: seen.append(held(ep, "held_bytes")))
+    outputs = result.outputs
+    assert result.paused == ["slow"] and seen[2][0] > seen[1][0] > 0 and seen[-1] == [0, 0]
     assert outputs["slow"]["text"][0] == solo["think"]["text"][0]
     assert outputs["urgent"]["text"][0] == batch["recaption"]["text"][0]
 

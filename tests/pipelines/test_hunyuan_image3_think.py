@@ -20,7 +20,7 @@ from engine_lib.pipelines.hunyuan_image3 import think
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import load_tiny_adapter, parse, run_preempting
+from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hunyuan_image3" / "think.npz"
 # case -> the reference's generate_image arguments (reference_think.py's CASES)
@@ -127,15 +127,14 @@ def test_requests_joining_at_different_ticks_give_the_references_texts_and_image
 def test_a_text_phase_preempted_resumes_and_a_cancelled_one_frees_its_cache(adapter, golden):
     """One seat: a capped think request decoding is preempted at tick 2 by an urgent recaption one and resumes;
     both give the reference's texts. A request cancelled while decoding leaves nothing holding its cache."""
-    runner = ModelRunner(adapter, float_outputs=True)
     slow_p, urgent_p = request(adapter, "think_capped"), request(adapter, "recaption_ends")
-    slow = DiffusionRequest("slow", slow_p, num_steps=adapter.total_steps(slow_p), priority=2)
-    urgent = DiffusionRequest("urgent", urgent_p, num_steps=adapter.total_steps(urgent_p), priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]})
-    assert paused == ["slow"]
-    assert outputs["slow"]["text"][0] == str(golden["think_capped_cot_text"])
-    assert outputs["urgent"]["text"][0] == str(golden["recaption_ends_cot_text"])
+    result = run_arrivals(step_engine(adapter, capacity=1, float_output=True, max_preemptions=1),
+                          [Arrival(0, "slow", slow_p, priority=2), Arrival(2, "urgent", urgent_p, priority=1)])
+    assert result.paused == ["slow"]
+    assert result.outputs["slow"]["text"][0] == str(golden["think_capped_cot_text"])
+    assert result.outputs["urgent"]["text"][0] == str(golden["recaption_ends_cot_text"])
 
+    runner = ModelRunner(adapter, float_outputs=True)
     cancelled = DiffusionRequest("cancelled", slow_p, num_steps=adapter.total_steps(slow_p))
     runner.execute_step([cancelled], [])
     runner.execute_step([], [cancelled])

@@ -20,7 +20,7 @@ from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.tiny_models import ensure_model
-from tests.helpers.parity_checks import Arrival, drive_steps, solo_steps
+from tests.helpers.parity_checks import Arrival, run_steps, solo_steps
 
 BASE = {"prompt": "a red car", "height": 64, "width": 64, "num_inference_steps": 3, "seed": 7,
         "negative_prompt": "blurry", "true_cfg_scale": 3.7}
@@ -64,7 +64,7 @@ def test_a_quantized_step_batch_equals_its_solo_runs_and_serves_a_lora():
     adapter = load(quantization="int8_weight_only")
     cases = {"a": inputs(adapter), "b": inputs(adapter, seed=8, height=96, width=96, prompt="a bowl of fruit"),
              "c": inputs(adapter, seed=9, lora_name="toy_a", lora_scale=0.6)}
-    batched = drive_steps(adapter, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=3).images
+    batched = run_steps(adapter, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=3).images
     for rid, p in cases.items():
         assert levels(batched[rid], solo_steps(adapter, p)) <= 1, rid
     assert levels(batched["c"], solo_steps(adapter, {**cases["c"], "lora_name": ""})) > 0  # the LoRA applied
@@ -93,7 +93,7 @@ def test_regional_compile_keeps_the_images_and_batches_of_1_3_8_at_two_sizes_rec
     warm = compiled.counters()["compile_recompiles"]
     for size in (64, 96):
         for n in (1, 3, 8):
-            drive_steps(compiled, [Arrival(0, f"r{i}", {**p, "height": size, "width": size, "seed": i})
+            run_steps(compiled, [Arrival(0, f"r{i}", {**p, "height": size, "width": size, "seed": i})
                                    for i in range(n)], capacity=8)
     recompiles = compiled.counters()["compile_recompiles"] - warm
     print(f"regional compile: {recompiles} recompilation(s) over batches of 1, 3, 8 at 64 and 96")
@@ -108,10 +108,10 @@ def test_a_lora_change_on_a_compiled_transformer_recompiles_nothing():
     requests then recompiles nothing: their hooks run eagerly between the compiled pieces."""
     compiled = load(compile="regional", compile_backend="eager")  # the shapes test's adapter, when both run
     p = inputs(compiled, num_inference_steps=2, negative_prompt=None)
-    drive_steps(compiled, [Arrival(0, "a", {**p, "lora_name": "toy_a"}), Arrival(0, "b", {**p, "lora_name": "toy_b"})])
+    run_steps(compiled, [Arrival(0, "a", {**p, "lora_name": "toy_a"}), Arrival(0, "b", {**p, "lora_name": "toy_b"})])
     before = compiled.counters()["compile_recompiles"]
     for plan in (("toy_b", "toy_a"), ("", "toy_b"), ("toy_a", "")):
-        drive_steps(compiled, [Arrival(0, f"l{i}", {**p, "lora_name": name, "seed": i}) for i, name in enumerate(plan)])
+        run_steps(compiled, [Arrival(0, f"l{i}", {**p, "lora_name": name, "seed": i}) for i, name in enumerate(plan)])
     assert compiled.counters()["compile_recompiles"] == before
 
 
@@ -137,8 +137,8 @@ def test_full_compile_traces_the_whole_forward_and_keeps_the_images_with_the_ste
     cases = {"a": {**p, "cache": "first_block", "cache_threshold": 0.3},
              "c": {**p, "seed": 9, "prompt": "a bowl of fruit", "cache": "first_block", "cache_threshold": 0.3}}
     arrivals = [Arrival(0, rid, params) for rid, params in cases.items()]
-    expected = drive_steps(eager, arrivals, capacity=2).images
-    got = drive_steps(compiled, arrivals, capacity=2).images
+    expected = run_steps(eager, arrivals, capacity=2).images
+    got = run_steps(compiled, arrivals, capacity=2).images
     assert max(levels(got[rid], expected[rid]) for rid in cases) <= 2
 
 
@@ -179,7 +179,7 @@ def test_an_attention_backend_this_cpu_has_gives_the_same_images_and_a_missing_k
     flex = load(attention_backend="flex")
     cases = {"a": p, "b": inputs(eager, seed=8, height=96, width=96, prompt="a bowl of fruit on a wooden table")}
     arrivals = [Arrival(0, rid, params) for rid, params in cases.items()]
-    expected, got = drive_steps(eager, arrivals).images, drive_steps(flex, arrivals).images
+    expected, got = run_steps(eager, arrivals).images, run_steps(flex, arrivals).images
     assert max(levels(got[rid], expected[rid]) for rid in cases) <= 1
 
 

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
 from engine_lib.tiny_models import ensure_loras, ensure_model
-from tests.helpers.parity_checks import MAX_UINT8_CHANGED_FRACTION, Arrival, drive_steps, parse, run_wave, solo_steps
+from tests.helpers.parity_checks import (MAX_UINT8_CHANGED_FRACTION, TEST_CONFIG, Arrival, parse, run_steps, run_wave,
+                                         solo_steps)
 
 PIPELINES = ("qwen_image", "flux", "sd3", "z_image", "flux2")
 BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}
@@ -81,7 +83,7 @@ def test_different_loras_share_one_step_batch_and_match_their_solo_runs(setup):
     if not lora_per_row(adapter):  # a LoRA (and scale) per forward: the scheduler never puts these together
         assert len({adapter.step_key(parse(adapter, inputs)) for inputs in cases.values()}) == len(cases)
         return
-    mixed = drive_steps(adapter, [Arrival(i // 2, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=4)
+    mixed = run_steps(adapter, [Arrival(i // 2, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=4)
     assert max(mixed.forward_sizes) == 4, "all four shared a forward"
     for rid, inputs in cases.items():
         assert_within_one_level(mixed.images[rid], solo_steps(adapter, inputs), rid)
@@ -103,7 +105,7 @@ def test_loras_on_rows_of_different_sizes_share_a_forward(setup, first, second):
     cases = {"first-32": {**BASE, "lora_name": first}, "none-64x48": {**BASE, "height": 64, "width": 48},
              "second-64": {**BASE, "lora_name": second, "height": 64, "width": 64, "seed": 6},
              "first_half-32x64": {**BASE, "lora_name": first, "lora_scale": 0.5, "height": 32, "width": 64}}
-    together = drive_steps(mixed, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=4)
+    together = run_steps(mixed, [Arrival(0, rid, p) for rid, p in cases.items()], capacity=4)
     assert max(together.forward_sizes) == 4, "all four sizes shared a forward"
     for rid, inputs in cases.items():
         assert_within_one_level(together.images[rid], solo_steps(adapter, inputs), rid)
@@ -136,16 +138,12 @@ def test_a_file_dropped_in_is_usable_and_a_corrupt_one_fails_alone(setup):
     shutil.copy(lora_dir / "toy_b.safetensors", lora_dir / "toy_c.safetensors")
     (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
     try:
-        images = drive_steps(adapter, [Arrival(0, "c", {**BASE, "lora_name": "toy_c"})]).images
+        images = run_steps(adapter, [Arrival(0, "c", {**BASE, "lora_name": "toy_c"})]).images
         assert np.array_equal(images["c"], solo_steps(adapter, {**BASE, "lora_name": "toy_b"}))
-        from engine_lib.request import DiffusionRequest
-        from engine_lib.runner import ModelRunner
-
-        good = DiffusionRequest("good", parse(adapter, BASE))
-        bad = DiffusionRequest("bad", parse(adapter, {**BASE, "lora_name": "broken"}))
-        result = ModelRunner(adapter).run_to_completion([good, bad])
-        assert set(result.errors) == {"bad"} and "good" in result.outputs
-        assert "lora_name" in str(result.errors["bad"]) and "could not be loaded" in str(result.errors["bad"])
+        finals = DiffusionEngine.wave(adapter, TEST_CONFIG, 2).generate(
+            {"good": parse(adapter, BASE), "bad": parse(adapter, {**BASE, "lora_name": "broken"})})
+        assert finals["good"].ok and "image" in finals["good"].outputs and not finals["bad"].ok
+        assert "lora_name" in str(finals["bad"].error) and "could not be loaded" in str(finals["bad"].error)
         assert len(adapter.loras.loaded) <= 2, "max_loras bounds what stays loaded"
     finally:
         (lora_dir / "toy_c.safetensors").unlink()

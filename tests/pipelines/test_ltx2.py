@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
-from engine_lib.request import DiffusionRequest, InvalidInputError
-from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, assert_close_images, drive_steps, load_tiny_adapter,
-                                         parse, run_wave)
+from engine_lib.request import InvalidInputError
+from tests.helpers.parity_checks import (FLOAT_BOUND, TEST_CONFIG, Arrival, assert_close_images, load_tiny_adapter,
+                                         parse, run_steps, run_wave)
 
 NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
                    modality_scale=1.0, audio_modality_scale=1.0)
@@ -46,26 +46,15 @@ def pipe_outputs(adapter, inputs):
 
 
 def run(adapter, requests: dict, capacity=4, step_mode=True, float_outputs=True):
-    """request id -> (tick, inputs); every request's float outputs (step mode: joining at its tick)."""
-    runner = ModelRunner(adapter, float_outputs=float_outputs)
+    """request id -> (tick, inputs); every request's float outputs (step mode: joining at its tick; else one
+    request-mode wave)."""
     if not step_mode:
-        reqs = [DiffusionRequest(rid, parse(adapter, inputs)) for rid, (_, inputs) in requests.items()]
-        result = runner.run_to_completion(reqs)
-        assert not result.errors, result.errors
-        return result.outputs
-    pending = sorted(requests.items(), key=lambda item: item[1][0])
-    running, outputs, tick = [], {}, 0
-    while pending or running:
-        new = []
-        while pending and pending[0][1][0] <= tick and len(running) + len(new) < capacity:
-            rid, (_, inputs) = pending.pop(0)
-            new.append(DiffusionRequest(rid, parse(adapter, inputs)))
-        out = runner.execute_step(new, running)
-        assert not out.errors, out.errors
-        outputs.update(out.outputs)
-        running = [r for r in running + new if r.request_id not in out.finished]
-        tick += 1
-    return outputs
+        finals = DiffusionEngine.wave(adapter, TEST_CONFIG, len(requests), float_outputs=float_outputs).generate(
+            {rid: parse(adapter, inputs) for rid, (_, inputs) in requests.items()})
+        assert all(final.ok for final in finals.values()), finals
+        return {rid: final.outputs for rid, final in finals.items()}
+    arrivals = [Arrival(tick, rid, inputs) for rid, (tick, inputs) in requests.items()]
+    return run_steps(adapter, arrivals, capacity, float_output=float_outputs).outputs
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -151,7 +140,7 @@ def test_sizes_follow_the_pipelines_multiple_of_32(adapter):
 
 
 def test_a_drive_with_previews_sends_progress_only(adapter):
-    result = drive_steps(adapter, [Arrival(0, "r", dict(CASES["unguided"], num_inference_steps=3,
+    result = run_steps(adapter, [Arrival(0, "r", dict(CASES["unguided"], num_inference_steps=3,
                                                         preview_interval=1))], capacity=1)
     assert [step for step, frames in result.previews["r"]] == [1, 2]
     assert all(frames is None for _, frames in result.previews["r"])

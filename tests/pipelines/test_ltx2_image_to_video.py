@@ -21,8 +21,8 @@ from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from tests.helpers.hostile_images import encode
-from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, assert_close_images, load_tiny_adapter, parse,
-                                         run_preempting)
+from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, load_tiny_adapter, parse,
+                                         run_arrivals, step_engine)
 from test_ltx2 import NO_GUIDANCE, run
 
 RNG = np.random.default_rng(11)
@@ -132,17 +132,14 @@ def test_the_first_frame_stays_the_images_latents_at_timestep_0(adapter):
 def test_pause_and_resume_equal_the_uninterrupted_run_and_abort_frees_the_condition(adapter, reference):
     """A running image request paused for a more urgent one (one seat) ends as it does alone; its condition
     lives in its state (moved with it by a pause on a GPU), never on the adapter, and an abort frees it."""
-    runner = ModelRunner(adapter, float_outputs=True)
-    slow = DiffusionRequest("slow", parse(adapter, params(0, seed=5, steps=3, **NO_GUIDANCE)), num_steps=3,
-                            priority=2)
-    urgent = DiffusionRequest("urgent", parse(adapter, params(1, seed=6, steps=1, **NO_GUIDANCE)), num_steps=1,
-                              priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 1: [urgent]})
-    videos = {rid: o["video"] for rid, o in outputs.items()}
-    assert paused == ["slow"]
-    np.testing.assert_array_equal(videos["slow"], reference(slow.params)[0])
-    np.testing.assert_array_equal(videos["urgent"], reference(urgent.params)[0])
+    slow = Arrival(0, "slow", parse(adapter, params(0, seed=5, steps=3, **NO_GUIDANCE)), priority=2)
+    urgent = Arrival(1, "urgent", parse(adapter, params(1, seed=6, steps=1, **NO_GUIDANCE)), priority=1)
+    result = run_arrivals(step_engine(adapter, capacity=1, float_output=True, max_preemptions=1), [slow, urgent])
+    assert result.paused == ["slow"]
+    np.testing.assert_array_equal(result.images["slow"], reference(slow.params)[0])
+    np.testing.assert_array_equal(result.images["urgent"], reference(urgent.params)[0])
 
+    runner = ModelRunner(adapter, float_outputs=True)
     runner.execute_step([DiffusionRequest("r", parse(adapter, params(2)), num_steps=2)], [])
     state = runner.states["r"]
     assert not any(isinstance(v, torch.Tensor) for v in vars(adapter).values())  # nothing on the adapter

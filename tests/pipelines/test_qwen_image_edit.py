@@ -22,8 +22,8 @@ from PIL import Image
 from engine_lib.pipelines.qwen_image_edit.adapter import MAX_IMAGES, QwenImageEditAdapter, QwenImageEditPlusAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference,
-                                         run_preempting, solo_steps)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, load_tiny_adapter, parse, pipe_reference, run_arrivals,
+                                         run_steps, solo_steps, step_engine)
 
 
 def png(width: int, height: int, color: tuple) -> bytes:
@@ -95,7 +95,7 @@ def test_step_batch_of_different_images_and_prompts_matches_solo(adapter, solo):
     arrivals = [Arrival(0, "a", parse(adapter, params(0, PROMPTS[0], seed=1))),
                 Arrival(1, "b", parse(adapter, params(1, PROMPTS[0], seed=1))),
                 Arrival(1, "c", parse(adapter, params(2, PROMPTS[2], seed=3, steps=2)))]
-    result = drive_steps(adapter, arrivals, capacity=3)
+    result = run_steps(adapter, arrivals, capacity=3)
     assert max(result.forward_sizes) == 3, result.forward_sizes
     for a in arrivals:
         levels = np.abs(result.images[a.request_id].astype(np.int16) - solo(a.params).astype(np.int16))
@@ -113,7 +113,7 @@ def test_with_mixed_size_batching_two_output_sizes_and_two_condition_shapes_shar
                 Arrival(1, "b", parse(adapter, params(3, PROMPTS[1], seed=2, height=32, width=96))),
                 Arrival(1, "c", parse(adapter, params(2, PROMPTS[2], seed=3, steps=2)))]
     assert len({mixed.step_key(a.params) for a in arrivals}) == 1
-    result = drive_steps(mixed, arrivals, capacity=3)
+    result = run_steps(mixed, arrivals, capacity=3)
     assert result.forward_sizes == [1, 3, 3, 1], result.forward_sizes
     for a in arrivals:
         levels = np.abs(result.images[a.request_id].astype(np.int16) - solo(a.params).astype(np.int16))
@@ -123,15 +123,14 @@ def test_with_mixed_size_batching_two_output_sizes_and_two_condition_shapes_shar
 def test_the_condition_lives_in_the_state_is_kept_across_a_pause_and_freed_on_abort(adapter, solo):
     """A running request paused for a more urgent one (one seat) ends as it does alone; an abort frees its
     condition latents."""
-    runner = ModelRunner(adapter)
-    slow = DiffusionRequest("slow", parse(adapter, params(0, PROMPTS[0], seed=1)), num_steps=3, priority=2)
-    urgent = DiffusionRequest("urgent", parse(adapter, params(1, PROMPTS[0], seed=1)), num_steps=3, priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 1: [urgent]})
-    images = {rid: o["image"] for rid, o in outputs.items()}
-    assert paused == ["slow"]
-    np.testing.assert_array_equal(images["slow"], solo(slow.params))
-    np.testing.assert_array_equal(images["urgent"], solo(urgent.params))
+    slow = Arrival(0, "slow", parse(adapter, params(0, PROMPTS[0], seed=1)), priority=2)
+    urgent = Arrival(1, "urgent", parse(adapter, params(1, PROMPTS[0], seed=1)), priority=1)
+    result = run_arrivals(step_engine(adapter, capacity=1, max_preemptions=1), [slow, urgent])
+    assert result.paused == ["slow"]
+    np.testing.assert_array_equal(result.images["slow"], solo(slow.params))
+    np.testing.assert_array_equal(result.images["urgent"], solo(urgent.params))
 
+    runner = ModelRunner(adapter)
     runner.execute_step([DiffusionRequest("r", slow.params, num_steps=3)], [])
     state = runner.states["r"]
     assert state.image_latents.shape == (1, 26 * 39, state.latents.shape[2])
@@ -170,7 +169,7 @@ def test_edit_plus_with_mixed_size_batching_one_and_two_images_share_every_forwa
     mixed.loras = plus.loras
     arrivals = [Arrival(0, "one", parse(plus, params(3, PROMPTS[0], seed=1, steps=2))),
                 Arrival(0, "two", parse(plus, params(steps=2, seed=2) | {"image": [IMAGES[0], IMAGES[3]]}))]
-    result = drive_steps(mixed, arrivals, capacity=2)
+    result = run_steps(mixed, arrivals, capacity=2)
     assert result.forward_sizes == [2, 2], result.forward_sizes
     for a in arrivals:
         levels = np.abs(result.images[a.request_id].astype(np.int16) - solo_steps(plus, a.params).astype(np.int16))

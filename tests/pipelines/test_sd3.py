@@ -17,8 +17,8 @@ from engine_lib.pipelines.sd3.adapter import DEFAULT_GUIDANCE_SCALE, SD3Adapter
 from engine_lib.pipelines.sd3.mixed_sizes import SD3Packing, packed_forward
 from engine_lib.pipelines.sd3.tokens import from_tokens, to_tokens
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
-                                         image_diff, load_tiny_adapter, parse, pipe_reference)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, image_diff,
+                                         load_tiny_adapter, parse, pipe_reference, run_steps)
 
 TEXT_LENGTH = 32  # T5 tokens after CLIP's 77 (diffusers' default, 256, runs in one test)
 
@@ -56,7 +56,7 @@ def test_cfg_without_a_negative_prompt_uses_the_empty_one(adapter, reference):
     arrivals = [Arrival(0, "default", p),
                 Arrival(1, "empty", {**p, "negative_prompt": "", "guidance_scale": 7.0, "seed": 5}),
                 Arrival(1, "negative", {**p, "negative_prompt": "blurry", "guidance_scale": 7.0, "seed": 4})]
-    result = drive_steps(adapter, arrivals, float_output=True)
+    result = run_steps(adapter, arrivals, float_output=True)
     assert max(result.forward_sizes) == 3  # with and without a negative prompt in one CFG forward
     for a in arrivals:
         assert_close_images(result.images[a.request_id], reference(a.params), to_uint8)

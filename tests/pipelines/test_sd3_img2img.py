@@ -16,13 +16,16 @@ import torch
 from diffusers import StableDiffusion3Img2ImgPipeline
 from PIL import Image
 
+from engine_lib.config import EngineConfig
+from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.base import move_tensors
+from engine_lib.pipelines.flow_match import strength_steps
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, run_preempting,
-                                         solo_steps, step_batched_then_alone)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, load_tiny_adapter, parse, run_arrivals, run_steps,
+                                         solo_steps, step_batched_then_alone, step_engine)
 
 RNG = np.random.default_rng(7)
 
@@ -81,6 +84,21 @@ def test_strength_runs_the_tail_of_the_schedule(adapter):
     assert torch.equal(state.schedule.phases[0], full.schedule.phases[0][2:])
 
 
+def test_a_request_counts_its_steps_once(adapter):
+    """strength -> steps runs once per request: validation at parse, the request's `num_steps` at admission (its
+    state takes it) and its request-mode wave key all read that one count."""
+    engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=2, warmup=False), run_loop=False)
+    strength_steps.cache_clear()
+    engine.add_request("r", engine.parse(params(strength=0.45, steps=7, seed=11)))  # 3.15 of 7: the last 4 run
+    assert strength_steps.cache_info().misses == 1
+    assert engine.scheduler.get_request("r").num_steps == 4
+    plan, out = engine.step()
+    assert plan.new_ids == ["r"] and out.step_index == {"r": 1} and engine.runner.states["r"].num_steps == 4
+    while engine.scheduler.has_requests:
+        engine.step()
+    assert strength_steps.cache_info().misses == 1
+
+
 def test_validation(adapter):
     text = {k: v for k, v in params().items() if k != "image"}
     with pytest.raises(InvalidInputError, match="input 'strength': needs an image"):
@@ -130,7 +148,7 @@ def test_step_batch_of_different_images_strengths_and_prompts_matches_solo(adapt
                 Arrival(1, "c", params(2, 0.4, PROMPTS[2], seed=3)),
                 Arrival(2, "t", {k: v for k, v in params(prompt=PROMPTS[3], seed=4).items()
                                  if k not in ("image", "strength")})]
-    result = drive_steps(adapter, arrivals, capacity=4)
+    result = run_steps(adapter, arrivals, capacity=4)
     assert max(result.forward_sizes) == 4, result.forward_sizes
     assert result.finished_at == {"a": 2, "c": 2, "b": 5, "t": 6}  # 3, 2, 5 and 5 steps
     for a in arrivals:
@@ -158,12 +176,9 @@ def test_the_encoded_image_lives_in_the_state_and_is_freed_on_abort(adapter):
 
 def test_pause_and_resume_equal_the_uninterrupted_run(adapter):
     """A running image-to-image request paused for a more urgent one (one seat) ends as it does alone."""
-    runner = ModelRunner(adapter)
-    slow = DiffusionRequest("slow", parse(adapter, params(strength=0.8)), num_steps=4, priority=2)
-    urgent = DiffusionRequest("urgent", parse(adapter, params(image=1, seed=5, steps=2, strength=1.0)),
-                              num_steps=2, priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]})
-    images = {rid: o["image"] for rid, o in outputs.items()}
-    assert paused == ["slow"]
-    np.testing.assert_array_equal(images["slow"], solo_steps(adapter, slow.params))
-    np.testing.assert_array_equal(images["urgent"], solo_steps(adapter, urgent.params))
+    slow = Arrival(0, "slow", parse(adapter, params(strength=0.8)), priority=2)
+    urgent = Arrival(2, "urgent", parse(adapter, params(image=1, seed=5, steps=2, strength=1.0)), priority=1)
+    result = run_arrivals(step_engine(adapter, capacity=1, max_preemptions=1), [slow, urgent])
+    assert result.paused == ["slow"]
+    np.testing.assert_array_equal(result.images["slow"], solo_steps(adapter, slow.params))
+    np.testing.assert_array_equal(result.images["urgent"], solo_steps(adapter, urgent.params))

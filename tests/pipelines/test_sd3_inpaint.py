@@ -19,8 +19,8 @@ from PIL import Image
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (PROMPTS, Arrival, drive_steps, load_tiny_adapter, parse, solo_steps,
-                                         run_preempting)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, load_tiny_adapter, parse, run_arrivals, run_steps,
+                                         solo_steps, step_engine)
 from test_sd3_img2img import IMAGES
 from test_sd3_img2img import params as img2img_params
 
@@ -125,7 +125,7 @@ def test_step_batch_of_text_image_and_masks_matches_solo(adapter):
                 Arrival(0, "img2img", img2img_params(0, 0.8, PROMPTS[1], seed=2)),
                 Arrival(1, "half", params(0, 0, 0.8, prompt=PROMPTS[2], seed=2)),
                 Arrival(2, "square", params(1, 1, 1.0, prompt=PROMPTS[3], seed=3))]
-    result = drive_steps(adapter, arrivals, capacity=4)
+    result = run_steps(adapter, arrivals, capacity=4)
     assert max(result.forward_sizes) == 4, result.forward_sizes
     for a in arrivals:
         levels = np.abs(result.images[a.request_id].astype(np.int16) - solo_steps(adapter, a.params).astype(np.int16))
@@ -146,12 +146,9 @@ def test_the_mask_lives_in_the_state_and_is_freed_on_abort(adapter):
 
 def test_pause_and_resume_equal_the_uninterrupted_run(adapter):
     """A running inpainting request paused for a more urgent one (one seat) ends as it does alone."""
-    runner = ModelRunner(adapter)
-    slow = DiffusionRequest("slow", parse(adapter, params(strength=0.8)), num_steps=4, priority=2)
-    urgent = DiffusionRequest("urgent", parse(adapter, params(image=1, mask=1, seed=5, steps=2, strength=1.0)),
-                              num_steps=2, priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 2: [urgent]})
-    images = {rid: o["image"] for rid, o in outputs.items()}
-    assert paused == ["slow"]
-    np.testing.assert_array_equal(images["slow"], solo_steps(adapter, slow.params))
-    np.testing.assert_array_equal(images["urgent"], solo_steps(adapter, urgent.params))
+    slow = Arrival(0, "slow", parse(adapter, params(strength=0.8)), priority=2)
+    urgent = Arrival(2, "urgent", parse(adapter, params(image=1, mask=1, seed=5, steps=2, strength=1.0)), priority=1)
+    result = run_arrivals(step_engine(adapter, capacity=1, max_preemptions=1), [slow, urgent])
+    assert result.paused == ["slow"]
+    np.testing.assert_array_equal(result.images["slow"], solo_steps(adapter, slow.params))
+    np.testing.assert_array_equal(result.images["urgent"], solo_steps(adapter, urgent.params))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from functools import partial
 
 import numpy as np
 import pytest
@@ -27,8 +26,8 @@ from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.sd3.adapter import SD3Adapter
 from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, run_preempting, solo_steps,
-                                         with_cfg_batching)
+from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, run_arrivals, run_steps, solo_steps,
+                                         step_engine, with_cfg_batching)
 from tests.helpers.step_cache_checks import STEPS, cached_inputs, rows_into
 
 PREDICTED = [step for step in range(STEPS) if not taylorseer.computes(step)]  # [3, 5]
@@ -108,7 +107,7 @@ def test_a_shared_batch_decides_per_row(qwen):
         solo_rows[rid] = (sum(attn_rows), sum(tail_rows))
     before = qwen.counters()
     with attention_rows(qwen) as attn_rows, counting(tail) as tail_rows:
-        result = drive_steps(qwen, [Arrival(t, rid, requests[rid]) for t, rid in
+        result = run_steps(qwen, [Arrival(t, rid, requests[rid]) for t, rid in
                                     ((0, "off"), (0, "a"), (1, "b"), (2, "seer"))])
     print(f"qwen_image shared: rows through attention and the last block {sum(attn_rows)}, {sum(tail_rows)}; "
           f"solo {solo_rows}")
@@ -125,16 +124,14 @@ def test_a_shared_batch_decides_per_row(qwen):
 def test_pause_and_resume_equal_the_uninterrupted_runs(qwen):
     """Two taylorseer requests share a batch until a more urgent one takes the seat of the least urgent,
     which resumes later (its factors kept): both end as they do alone."""
-    runner = ModelRunner(qwen)
-    request = partial(DiffusionRequest, num_steps=STEPS)
-    slow = request("slow", parse(qwen, {**BASE, "seed": 1}), priority=3)
-    other = request("other", parse(qwen, {**BASE, "seed": 2}), priority=2)
-    urgent = request("urgent", parse(qwen, {**BASE, "seed": 5, "num_inference_steps": 2}), num_steps=2, priority=1)
-    outputs, paused = run_preempting(runner, {0: [slow], 1: [other], 3: [urgent]}, seats=2)
-    images = {rid: o["image"] for rid, o in outputs.items()}
-    assert paused == ["slow"] and runner.num_states == 0
-    np.testing.assert_array_equal(images["slow"], solo_steps(qwen, slow.params))
-    np.testing.assert_array_equal(images["other"], solo_steps(qwen, other.params))
+    engine = step_engine(qwen, capacity=2, max_preemptions=1)
+    slow = Arrival(0, "slow", parse(qwen, {**BASE, "seed": 1}), priority=3)
+    other = Arrival(1, "other", parse(qwen, {**BASE, "seed": 2}), priority=2)
+    urgent = Arrival(3, "urgent", parse(qwen, {**BASE, "seed": 5, "num_inference_steps": 2}), priority=1)
+    result = run_arrivals(engine, [slow, other, urgent])
+    assert result.paused == ["slow"] and engine.runner.num_states == 0
+    np.testing.assert_array_equal(result.images["slow"], solo_steps(qwen, slow.params))
+    np.testing.assert_array_equal(result.images["other"], solo_steps(qwen, other.params))
 
 
 def test_the_factors_move_with_the_state_and_an_abort_frees_them(qwen):

@@ -17,7 +17,7 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (Arrival, drive_steps, load_tiny_adapter, parse, pipe_reference, run_wave,
+from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, pipe_reference, run_steps, run_wave,
                                          solo_steps)
 
 # 4 steps cross each two-expert preset's boundary: timesteps 999, 973, 923 | 800 (wan, boundary 875) and
@@ -110,7 +110,7 @@ def test_three_requests_joining_at_different_ticks_on_different_experts_match_th
              "c": inputs_for(adapter, prompt="rain", seed=5, guidance_scale=1.0, num_inference_steps=3)}
     rows = ExpertRows(adapter)
     try:
-        mixed = drive_steps(adapter, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
+        mixed = run_steps(adapter, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
     finally:
         rows.close()
     assert max(mixed.forward_sizes) == 3, "all three shared ticks"
@@ -129,7 +129,7 @@ def test_request_mode_runs_a_wave_of_different_prompts_and_guidance_within_one_l
 
 def test_a_drive_with_previews_sends_progress_only(adapters):
     adapter = get(adapters, "wan")
-    result = drive_steps(adapter, [Arrival(0, "r", inputs_for(adapter, num_inference_steps=3, preview_interval=1))],
+    result = run_steps(adapter, [Arrival(0, "r", inputs_for(adapter, num_inference_steps=3, preview_interval=1))],
                          capacity=1)
     assert [step for step, frames in result.previews["r"]] == [1, 2]
     assert all(frames is None for _, frames in result.previews["r"])
@@ -172,7 +172,7 @@ def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapt
     np.testing.assert_array_equal(alone, to_uint8(expected))
     assert not np.array_equal(alone, solo_steps(lora, inputs_for(lora))), "the LoRA changes the video"
     cases = {"all": inputs, "none": inputs_for(lora, seed=8), "b": inputs_for(lora, lora_name="toy_b", seed=9)}
-    mixed = drive_steps(lora, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
+    mixed = run_steps(lora, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
     assert max(mixed.forward_sizes) == 3
     for rid, p in cases.items():
         assert_within_one_level(mixed.images[rid], solo_steps(lora, p), rid)
@@ -201,7 +201,7 @@ def test_the_first_block_cache_is_diffusers_hook_on_each_expert_and_shares_a_ste
         cases = {"cached": cached, "plain": inputs_for(adapter, num_inference_steps=6, seed=4),
                  "cached-0.3": inputs_for(adapter, num_inference_steps=5, seed=5, guidance_scale=1.0,
                                           cache="first_block", cache_threshold=0.3)}
-        mixed = drive_steps(adapter, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
+        mixed = run_steps(adapter, [Arrival(i, rid, p) for i, (rid, p) in enumerate(cases.items())], capacity=3)
         rows_together = sum(n for _, n in tails.take())
         assert max(mixed.forward_sizes) == 3
         alone = {rid: solo_steps(adapter, p) for rid, p in cases.items()}

@@ -18,8 +18,8 @@ from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.z_image.adapter import ZImageAdapter
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, drive_steps,
-                                         image_diff, load_tiny_adapter, parse, pipe_reference, solo_steps)
+from tests.helpers.parity_checks import (PROMPTS, Arrival, FlowMatchParitySuite, assert_close_images, image_diff,
+                                         load_tiny_adapter, parse, pipe_reference, run_steps, solo_steps)
 
 TEXT_LENGTH = 64  # text tokens before the prompt's own are dropped (diffusers' default, 512, runs in one test)
 REPOSITORY_CONFIG = Path(__file__).resolve().parents[2] / "model_repository" / "z_image" / "config.pbtxt"
@@ -96,7 +96,7 @@ def test_three_requests_joining_at_different_ticks_with_cfg_and_two_images(adapt
     arrivals = [Arrival(0, "a", params(PROMPTS[0], cfg=True, steps=5, seed=1, num_images=2)),
                 Arrival(1, "b", params(PROMPTS[2], cfg=True, steps=4, seed=2, negative_prompt="")),
                 Arrival(3, "c", params(PROMPTS[3], cfg=True, steps=3, seed=3, max_sequence_length=32))]
-    result = drive_steps(adapter, arrivals, capacity=3, float_output=True)
+    result = run_steps(adapter, arrivals, capacity=3, float_output=True)
     assert max(result.forward_sizes) == 3
     for a in arrivals:
         assert_close_images(result.images[a.request_id], reference(a.params), to_uint8)
@@ -111,7 +111,7 @@ def test_a_lora_on_every_layer_holds_rows_of_different_captions_in_one_forward(a
     first = params(PROMPTS[0], steps=3, seed=1, num_images=2, **lora)
     second = params(PROMPTS[2], steps=3, seed=2, **lora)
     assert adapter.step_key(parse(adapter, first)) != adapter.step_key(parse(adapter, params(PROMPTS[0], steps=3)))
-    together = drive_steps(adapter, [Arrival(0, "first", first), Arrival(1, "second", second)], float_output=True)
+    together = run_steps(adapter, [Arrival(0, "first", first), Arrival(1, "second", second)], float_output=True)
     assert max(together.forward_sizes) == 2
     for name, p in (("first", first), ("second", second)):
         alone = solo_steps(adapter, p, float_output=True)
