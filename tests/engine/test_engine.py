@@ -374,6 +374,38 @@ def test_an_injected_failure_fails_its_request_alone(adapter):
         engine.close()
 
 
+def test_step_is_one_tick_that_a_caller_drives(adapter):
+    """Without its thread the engine runs nothing until `step()`; each call is one tick: schedule (a request
+    submitted before it joins at it), one denoise step over the running set, update, emit (previews, then one
+    final per request). The finals equal the threaded engine's images."""
+    engine = DiffusionEngine(adapter, EngineConfig(step_execution=True, max_num_seqs=2, warmup=False),
+                             run_loop=False)
+    first = engine.add_request("first", params(seed=1, steps=3, preview_interval=2, num_images=2))
+    stats = engine.stats()
+    assert not stats.thread_alive and (stats.num_waiting, stats.num_running) == (1, 0)
+    plan0, out0 = engine.step()
+    second = engine.add_request("second", params(seed=2, steps=2, num_images=2))
+    plan1, out1 = engine.step()
+    assert plan0.new_ids == ["first"] and plan1.new_ids == ["second"] and plan1.running_ids == ["first"]
+    assert (out0.forward_size, out1.forward_size) == (1, 2) and out1.step_index == {"first": 2, "second": 1}
+    plan, out = engine.step()
+    assert plan.running_ids == ["first", "second"] and out.forward_size == 2 and out.finished == {"first", "second"}
+    assert engine.step()[0].is_empty and not engine.scheduler.has_requests
+    first_outputs, second_outputs = list(first), list(second)
+    assert [(o.step, o.is_final) for o in first_outputs] == [(2, False), (3, True)]
+    assert [(o.step, o.is_final) for o in second_outputs] == [(2, True)]
+    assert first_outputs[0].outputs["image"].shape == (2, 64, 64, 3)
+    threaded = make(adapter, step_execution=True, max_num_seqs=2)
+    try:
+        for final, inputs in ((first_outputs[-1], params(seed=1, steps=3, num_images=2)),
+                              (second_outputs[-1], params(seed=2, steps=2, num_images=2))):
+            image = threaded.add_request(final.request_id, inputs).result(timeout=60).outputs["image"]
+            assert final.outputs["image"].shape == image.shape
+            assert np.abs(final.outputs["image"].astype(int) - image.astype(int)).max() <= 1
+    finally:
+        threaded.close()
+
+
 @pytest.mark.parametrize("step_execution,max_num_seqs", MODES)
 def test_every_mode_gives_the_diffusers_image(adapter, step_execution, max_num_seqs):
     """A request alone is bitwise `pipe(...)`'s image in every mode; four at once stay within 1 level."""
