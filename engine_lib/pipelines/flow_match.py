@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,9 +59,12 @@ IMAGE = OutputSpec("image", "UINT8", (-1, -1, -1, 3), "images [N, H, W, 3] (prev
                    pipe_output="images")
 
 
+@functools.lru_cache(maxsize=1024)
 def strength_steps(num_inference_steps: int, strength: float) -> int:
     """The steps image-to-image runs at `strength`: the tail of the schedule, as diffusers' `get_timesteps`
-    counts it (0 when the strength is too small for one step)."""
+    counts it (0 when the strength is too small for one step). Computed once per (steps, strength): validation,
+    admission (the request's `num_steps`, which its state takes) and the request-mode key all read this one
+    count."""
     init_timestep = min(num_inference_steps * strength, num_inference_steps)
     return num_inference_steps - int(max(num_inference_steps - init_timestep, 0))
 
