@@ -391,7 +391,7 @@ def test_step_is_one_tick_that_a_caller_drives(adapter):
     plan, out = engine.step()
     assert plan.running_ids == ["first", "second"] and out.forward_size == 2 and out.finished == {"first", "second"}
     assert engine.step()[0].is_empty and not engine.scheduler.has_requests
-    first_outputs, second_outputs = list(first), list(second)
+    first_outputs, second_outputs = drain(first, timeout=1), drain(second, timeout=1)  # all there: the steps emitted
     assert [(o.step, o.is_final) for o in first_outputs] == [(2, False), (3, True)]
     assert [(o.step, o.is_final) for o in second_outputs] == [(2, True)]
     assert first_outputs[0].outputs["image"].shape == (2, 64, 64, 3)
