@@ -22,8 +22,7 @@ from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import packing, taylorseer
 from engine_lib.pipelines.base import InputBatch, PipelineAdapter
-from engine_lib.request import DiffusionRequest, InvalidInputError, SamplingParams
-from engine_lib.runner import ModelRunner
+from engine_lib.request import InvalidInputError, SamplingParams
 from engine_lib.sched import Scheduler
 
 # Batch-size dependent CPU float32 kernels move pixels by about 1e-6 (measured; see
@@ -162,23 +161,19 @@ def run_steps(adapter: PipelineAdapter, arrivals: list[Arrival], capacity: int =
 
 
 def run_ticks(adapter, arrivals: dict[str, tuple[int, dict]], measure=lambda runner: None) -> tuple[dict, dict, list]:
-    """Raw inputs through the runner, each request joining at its tick (`arrivals`: request id -> (tick, inputs)),
-    for adapters with a text phase: the final float outputs, each request's streamed text chunks, and
+    """Raw inputs stepped through an engine, each request joining at its tick (`arrivals`: request id -> (tick,
+    inputs)), for adapters with a text phase: the final float outputs, each request's streamed text chunks, and
     `measure(runner)` after every tick (the runner has dropped the states of the requests that ended in it)."""
-    runner = ModelRunner(adapter, float_outputs=True)
-    running, outputs, chunks, seen, tick = [], {}, {}, [], 0
-    while len(outputs) < len(arrivals):
-        new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p))
-               for rid, (at, raw) in arrivals.items() if at == tick for p in [parse(adapter, raw)]]
-        out = runner.execute_step(new, running)
-        assert not out.errors, out.errors
-        for rid, chunk in out.chunks.items():
-            chunks.setdefault(rid, []).append(chunk["text"][0])
-        outputs.update(out.outputs)
-        seen.append(measure(runner))
-        running = [r for r in new + running if r.request_id not in out.finished]
-        tick += 1
-    return outputs, chunks, seen
+    engine = step_engine(adapter, capacity=len(arrivals), float_output=True)
+    seen = []
+    result = run_arrivals(engine, [Arrival(tick, rid, raw) for rid, (tick, raw) in arrivals.items()],
+                          on_tick=lambda tick: seen.append(measure(engine.runner)))
+    return result.outputs, text_chunks(result), seen
+
+
+def text_chunks(result: DriveResult) -> dict[str, list[str]]:
+    """Each request's streamed `text` chunks, in order."""
+    return {rid: [chunk["text"][0] for chunk in chunks] for rid, chunks in result.chunks.items()}
 
 
 def step_latents(adapter, arrivals: dict[str, tuple[int, Any]]) -> tuple[dict, dict]:
@@ -280,9 +275,9 @@ class FlowMatchParitySuite:
 
     Solo runs must be bitwise what `pipe(...)` gives; batched runs may differ only
     by batch-size dependent CPU kernels (FLOAT_BOUND and the uint8 rule of
-    `assert_close_images`). Every run goes through the engine's ModelRunner:
-    `run_wave` is request mode (a wave admitted together), `run_steps` step
-    mode (arrivals join between steps).
+    `assert_close_images`). Every run goes through the engine's own tick
+    (`DiffusionEngine.step()`): `run_wave` is request mode (a wave admitted
+    together), `run_steps` step mode (arrivals join between steps).
 
     A test module subclasses it (as `Test<Pipeline>Parity`) and provides module
     fixtures: `adapter` (`load_tiny_adapter`: through the registry, cfg_batching

@@ -19,9 +19,8 @@ import torch
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.pipeline import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from engine_lib.pipelines.base import move_tensors
-from engine_lib.request import DiffusionRequest, InvalidInputError
-from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine
+from engine_lib.request import InvalidInputError
+from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine, text_chunks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel" / "think.npz"
 SYSTEM = {"answer_ends": "", "answer_capped": "", "think_answer": VLM_THINK_SYSTEM_PROMPT,
@@ -148,20 +147,11 @@ def golden_request(adapter, golden, case: str, **changes):
 
 
 def run_ticks(adapter, requests: dict) -> tuple[dict, dict]:
-    """Requests (id -> params) admitted together, tick by tick through the runner: final outputs, and each one's
+    """Requests (id -> params) admitted together, stepped through an engine: final outputs, and each one's
     streamed `text` chunks."""
-    runner = ModelRunner(adapter, float_outputs=True)
-    new = [DiffusionRequest(rid, p, num_steps=adapter.total_steps(p)) for rid, p in requests.items()]
-    running, outputs, chunks = [], {}, {rid: [] for rid in requests}
-    while new or running:
-        tick = runner.execute_step(new, running)
-        assert not tick.errors, tick.errors
-        for rid, chunk in tick.chunks.items():
-            chunks[rid].append(chunk["text"][0])
-        outputs.update(tick.outputs)
-        running = [r for r in new + running if r.request_id not in tick.finished]
-        new = []
-    return outputs, chunks
+    result = run_arrivals(step_engine(adapter, capacity=len(requests), float_output=True),
+                          [Arrival(0, rid, p) for rid, p in requests.items()])
+    return result.outputs, {rid: text_chunks(result).get(rid, []) for rid in requests}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from engine_lib.pipelines.hunyuan_image3 import think
 from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine
+from tests.helpers.parity_checks import Arrival, load_tiny_adapter, parse, run_arrivals, step_engine, text_chunks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hunyuan_image3" / "think.npz"
 # case -> the reference's generate_image arguments (reference_think.py's CASES)
@@ -97,22 +97,10 @@ def test_requests_joining_at_different_ticks_give_the_references_texts_and_image
     text_rows, extend = [], think.extend
     monkeypatch.setattr(think, "extend", lambda model, caches, ids: text_rows.append(len(caches)) or
                         extend(model, caches, ids))
-    runner = ModelRunner(adapter, float_outputs=True)
-    arrivals = {0: "think_ends", 2: "recaption_ends", 5: "think_capped"}
-    running, outputs, chunks, tick = [], {}, {case: [] for case in CASES}, 0
-    while arrivals or running:
-        new = []
-        if tick in arrivals:
-            case = arrivals.pop(tick)
-            p = request(adapter, case)
-            new = [DiffusionRequest(case, p, num_steps=adapter.total_steps(p))]
-        out = runner.execute_step(new, running)
-        assert not out.errors, out.errors
-        for rid, chunk in out.chunks.items():
-            chunks[rid].append(chunk["text"][0])
-        outputs.update(out.outputs)
-        running = [r for r in new + running if r.request_id not in out.finished]
-        tick += 1
+    arrivals = [Arrival(tick, case, request(adapter, case))
+                 for tick, case in ((0, "think_ends"), (2, "recaption_ends"), (5, "think_capped"))]
+    result = run_arrivals(step_engine(adapter, capacity=len(arrivals), float_output=True), arrivals)
+    outputs, chunks = result.outputs, text_chunks(result)
     for case in CASES:
         text = outputs[case]["text"][0]
         assert text == str(golden[f"{case}_cot_text"]), case
