@@ -50,8 +50,8 @@ def run(model_path: Path, device: str, dtype: str, size: int, steps: int, batch:
     from engine_lib.pipelines import levers
     from engine_lib.pipelines.registry import load_adapter
 
-    base = EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False,
-                        max_num_seqs=batch, max_loras=1)
+    base = EngineConfig.of(model_path=str(model_path), device=device, dtype=dtype, warmup=False,
+                           max_num_seqs=batch, max_loras=1)
     prompts = ["a red car", "a bowl of fruit", "a cat on a sofa", "a lighthouse at dusk"]
     inputs = [{"prompt": prompts[i % len(prompts)], "height": size, "width": size, "num_inference_steps": steps,
                "seed": i} for i in range(batch)]

@@ -21,7 +21,7 @@ def load_adapter(model_path: Path, device: str = "cpu", dtype: str = "auto"):
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter as _load
 
-    return _load(EngineConfig(model_path=str(model_path), device=device, dtype=dtype, warmup=False))
+    return _load(EngineConfig.of(model_path=str(model_path), device=device, dtype=dtype, warmup=False))
 
 
 def sync() -> None:

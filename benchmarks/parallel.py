@@ -47,8 +47,8 @@ def measure(model_path: str, device: str, dtype: str, parameters: dict, inputs: 
     from engine_lib.config import EngineConfig
     from engine_lib.engine import DiffusionEngine
 
-    engine = DiffusionEngine.make_engine(EngineConfig(model_path=model_path, device=device, dtype=dtype,
-                                                      max_num_seqs=len(inputs), **parameters))
+    engine = DiffusionEngine.make_engine(EngineConfig.of(model_path=model_path, device=device, dtype=dtype,
+                                                         max_num_seqs=len(inputs), **parameters))
     try:
         solo, _ = run(engine, inputs[:1])
         together, images = run(engine, inputs)
@@ -80,7 +80,7 @@ def main() -> None:
         if args.only not in name:
             continue
         preset = args.preset if args.preset in available()[pipeline] else "tiny"
-        world = EngineConfig(pipeline=pipeline, **parameters).world_size
+        world = EngineConfig.of(pipeline=pipeline, **parameters).parallel.world_size
         row = {"config": name, "preset": preset, "ranks": world}
         rows.append(row)
         if world > gpus:

@@ -1,5 +1,11 @@
 """EngineConfig: every model parameter, its default and its strict parser, in one place.
 
+The parameters come in groups, as vLLM's config does: what runs and where (`model`), who shares a
+forward and who goes first (`scheduler`), several devices (`parallel`), the prompt cache (`cache`),
+LoRA (`lora`), the GPU levers (`levers`) and what one request may ask for (`limits`). Each part of the
+engine takes its group. config.pbtxt names stay flat (`max_num_seqs`, not `scheduler.max_num_seqs`):
+a flat name belongs to exactly one group.
+
 Triton hands `config.pbtxt` `parameters` over as strings; `EngineConfig.from_parameters`
 parses them strictly ("false" is false, "flase" is an error) and names the
 parameter and its allowed values in every error. docs/configuration.md is checked
@@ -39,118 +45,60 @@ class ConfigError(ValueError):
     """A model configuration parameter is invalid; raised at load, names the parameter."""
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """One model instance's engine settings (see docs/configuration.md)."""
+def _param(default: Any, *, low: Any = None, choices: Any = None) -> Any:
+    """A parameter with its default and the one check `validate` makes of it: at least `low`, or one of `choices`."""
+    return field(default=default, metadata={"low": low, "choices": choices})
 
-    # what runs, and where
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What runs, and where; how the pipeline's own forwards batch."""
+
     pipeline: str = "qwen_image"
     model_path: str = ""  # empty: $DIFFUSION_MODEL_PATH_<PIPELINE>, $DIFFUSION_MODEL_PATH, else the tiny model
     device: str = "auto"  # auto: cuda if available, else cpu; or cpu, cuda, cuda:N
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    dtype: str = _param("auto", choices=DTYPES)  # auto: bfloat16 on cuda, float32 on cpu
     warmup: bool = True
-    # how requests share a forward
+    max_sequence_length: int = _param(0, low=0)  # text tokens per prompt; 0: the pipeline's own default
+    cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
+    mixed_size_batching: bool = False  # step mode: different sizes share a forward (packed: Qwen-Image, Flux, SD3)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Which requests share a forward, and who goes first (engine_lib/sched)."""
+
     step_execution: bool = False
-    max_num_seqs: int = 1
-    request_batch_max_wait_ms: float = 0.0
-    max_batch_tokens: int = 0  # latent tokens (x rows) one forward may hold, besides max_num_seqs; 0: no limit
+    max_num_seqs: int = _param(1, low=1)
+    request_batch_max_wait_ms: float = _param(0.0, low=0)
+    max_batch_tokens: int = _param(0, low=0)  # latent tokens (x rows) a forward may hold besides max_num_seqs; 0: any
     # latent tokens x rows one request may add to a forward (bounds one forward's time); auto: the pipeline's
     # default (PipelineAdapter.default_max_request_cost), 0: no limit
     max_request_cost: str = "auto"
-    cfg_batching: bool = True  # CFG cond+uncond as one forward of 2B rows (false: two forwards)
-    mixed_size_batching: bool = False  # step mode: different image sizes share a forward (Qwen-Image, Flux, SD3: packed)
-    # several devices for one model (engine_lib/parallel.py: one worker process per rank; docs/deployment.md)
+    scheduling_policy: str = _param("arrival", choices=tuple(POLICIES))  # arrival, shortest_remaining, deadline, ...
+    priority_levels: int = _param(3, low=1)  # the `priority` input's levels: 1 most urgent ... priority_levels least
+    default_priority_level: int = 2  # a request without `priority` (or with 0)
+    max_preemptions: int = _param(1, low=0)  # step mode: times a request may pause for a more urgent one (0: never)
+
+    @property
+    def admission_wait_s(self) -> float:
+        return self.request_batch_max_wait_ms / 1000.0
+
+    def request_cost_limit(self, pipeline_default: int) -> int:
+        """The most latent tokens x rows one request may add to a forward (0: no limit): `max_request_cost`, or
+        the pipeline's default for `auto`."""
+        return pipeline_default if self.max_request_cost == "auto" else int(self.max_request_cost)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Several devices for one model (engine_lib/parallel.py: one worker process per rank; docs/deployment.md)."""
+
     cfg_parallel: bool = False  # a CFG tick's cond rows on one worker process, its uncond rows on another (Qwen-Image)
-    sequence_parallel_size: int = 1  # ranks that split each forward's latent tokens (Ulysses attention)
-    tensor_parallel_size: int = 1  # ranks that split attention heads and MLPs (HunyuanImage-3.0)
+    sequence_parallel_size: int = _param(1, low=1)  # ranks that split each forward's latent tokens (Ulysses attention)
+    tensor_parallel_size: int = _param(1, low=1)  # ranks that split attention heads and MLPs (HunyuanImage-3.0)
     expert_parallel: bool = False  # with tensor_parallel_size > 1: the MoE experts spread over those ranks
     devices: str = ""  # the ranks' devices, comma-separated (cuda:0,cuda:1); empty: cuda:0..N-1 on a GPU host, else cpu
-    # who goes first
-    scheduling_policy: str = "arrival"  # engine_lib/sched/policy.py: arrival, shortest_remaining, deadline, ...
-    priority_levels: int = 3  # the `priority` input's levels: 1 most urgent ... priority_levels least
-    default_priority_level: int = 2  # a request without `priority` (or with 0)
-    max_preemptions: int = 1  # step mode: times one request may be paused for a more urgent one (0: never)
-    # text encoding
-    max_sequence_length: int = 0  # text tokens per prompt; 0: the pipeline's own default
-    prompt_cache_mb: int = 256  # prompt embeddings kept for repeated prompts (MiB, least recently used first); 0: off
-    # LoRA per request (engine_lib/lora.py)
-    lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
-    max_loras: int = 4  # LoRAs kept loaded at once (least recently used unloaded first)
-    # GPU levers through diffusers' own machinery (engine_lib/pipelines/levers.py)
-    compile: str = "none"  # none, regional (the transformer's repeated blocks), full (and its whole forward)
-    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: dynamo's graphs and guards, no codegen)
-    quantization: str = "none"  # none, int8_weight_only, int8, fp8_weight_only, fp8, int4_weight_only, nf4
-    quantize_components: str = "transformer"  # comma-separated pipeline components `quantization` applies to
-    attention_backend: str = ""  # a diffusers attention dispatcher backend (native, flex, flash, ...); empty: default
-    offload: str = "none"  # none, model, group (weights kept on the CPU, each leaf moved to the device when it runs)
-    vae_tiling: bool = False  # the VAE decodes in overlapping tiles (bounded memory for large images and videos)
-    # what one request may ask for, checked at the Triton edge
-    input_max: Mapping[str, float] = field(default_factory=lambda: dict(INPUT_MAX))  # `max_<input>` parameters
-    input_defaults: Mapping[str, str] = field(default_factory=lambda: dict(INPUT_DEFAULTS))  # `default_<input>`
-    max_queue: int = 64
-
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
-        """Parse Triton `parameters` (string values, or Triton's {"string_value": ...} dicts)."""
-        known = {f.name: f for f in fields(cls) if f.name not in ("input_max", "input_defaults")}
-        values: dict[str, Any] = {"input_max": dict(INPUT_MAX), "input_defaults": dict(INPUT_DEFAULTS)}
-        for name, raw in params.items():
-            if isinstance(raw, Mapping):
-                raw = raw.get("string_value", "")
-            near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-            if name in known:
-                values[name] = _parse(name, known[name].type, str(raw))
-            elif near:  # `max_num_seq` is a typo of `max_num_seqs`, not the limit of an input "num_seq"
-                raise ConfigError(f"unknown parameter '{name}' (did you mean '{near[0]}'?)")
-            elif name.startswith("max_") and len(name) > 4:  # the pipeline's declaration checks the input name
-                limit = _parse(name, float, str(raw))
-                values["input_max"][name[4:]] = int(limit) if limit.is_integer() else limit
-            elif name.startswith("default_") and len(name) > 8:
-                values["input_defaults"][name[8:]] = str(raw).strip()
-            else:
-                raise ConfigError(f"unknown parameter '{name}'; known parameters: {', '.join(sorted(known))}, "
-                                  "max_<input>, default_<input>")
-        config = cls(**values)
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        self._check_lever_names()
-        if self.device not in DEVICES and not re.fullmatch(r"cuda:\d+", self.device):
-            raise ConfigError(f"parameter 'device': {self.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"parameter 'dtype': {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if not math.isfinite(self.request_batch_max_wait_ms) or self.request_batch_max_wait_ms < 0:
-            raise ConfigError(
-                f"parameter 'request_batch_max_wait_ms': {self.request_batch_max_wait_ms} must be a finite number >= 0"
-            )
-        if self.max_sequence_length < 0:
-            raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be >= 0 "
-                              "(0: the pipeline's default)")
-        if not 1 <= self.default_priority_level <= self.priority_levels:
-            raise ConfigError(f"parameter 'default_priority_level': {self.default_priority_level} must be in "
-                              f"[1, priority_levels={self.priority_levels}]")
-        for name in ("max_preemptions", "max_batch_tokens", "prompt_cache_mb"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 0")
-        if self.scheduling_policy not in POLICIES:
-            raise ConfigError(f"parameter 'scheduling_policy': {self.scheduling_policy!r} is not one of "
-                              f"{', '.join(POLICIES)}")
-        for name in ("max_num_seqs", "priority_levels", "max_loras", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
-        for name in ("sequence_parallel_size", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parameter '{name}': {getattr(self, name)} must be an integer >= 1")
-        if self.devices and len(self.device_list()) != self.world_size:
-            raise ConfigError(f"parameter 'devices': {self.devices!r} names {len(self.device_list())} device(s); "
-                              f"this instance runs {self.world_size} rank(s)")
-        if self.max_request_cost != "auto" and not re.fullmatch(r"\d+", self.max_request_cost):
-            raise ConfigError(f"parameter 'max_request_cost': {self.max_request_cost!r} must be auto or an integer "
-                              ">= 0 (0: no limit)")
-        for name, value in self.input_max.items():
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"parameter 'max_{name}': {value} must be a finite number >= 0")
 
     @property
     def world_size(self) -> int:
@@ -160,28 +108,141 @@ class EngineConfig:
     def device_list(self) -> list[str]:
         return [d.strip() for d in self.devices.split(",") if d.strip()]
 
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What is kept between requests."""
+
+    prompt_cache_mb: int = _param(256, low=0)  # prompt embeddings kept for repeated prompts (MiB, LRU first); 0: off
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA per request (engine_lib/lora.py)."""
+
+    lora_dir: str = ""  # folder of <name>.safetensors; empty: models/loras/<pipeline> when serving the tiny model
+    max_loras: int = _param(4, low=1)  # LoRAs kept loaded at once (least recently used unloaded first)
+
+
+@dataclass(frozen=True)
+class LeversConfig:
+    """GPU levers through diffusers' own machinery (engine_lib/pipelines/levers.py applies them)."""
+
+    compile: str = _param("none", choices=COMPILE_MODES)  # none, regional (repeated blocks), full (+ whole forward)
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: dynamo's graphs and guards, no codegen)
+    quantization: str = _param("none", choices=tuple(QUANTIZATIONS))  # none, int8_weight_only, int8, fp8, nf4, ...
+    quantize_components: str = "transformer"  # comma-separated pipeline components `quantization` applies to
+    attention_backend: str = ""  # a diffusers attention dispatcher backend (native, flex, flash, ...); empty: default
+    offload: str = _param("none", choices=OFFLOAD_MODES)  # none, model, group (each leaf moved to the device to run)
+    vae_tiling: bool = False  # the VAE decodes in overlapping tiles (bounded memory for large images and videos)
+
     def quantized_components(self) -> tuple:
         return tuple(c.strip() for c in self.quantize_components.split(",") if c.strip())
 
-    def _check_lever_names(self) -> None:
-        """The lever parameters' values are known names (no torch)."""
-        for name, value, allowed in (("compile", self.compile, COMPILE_MODES),
-                                     ("quantization", self.quantization, tuple(QUANTIZATIONS)),
-                                     ("offload", self.offload, OFFLOAD_MODES)):
-            if value not in allowed:
-                raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(allowed)}")
-        if not self.quantized_components():
-            raise ConfigError("parameter 'quantize_components': names no component (default: transformer)")
+    @property
+    def any(self) -> bool:
+        return self != LeversConfig()
 
-    def request_cost_limit(self, pipeline_default: int) -> int:
-        """The most latent tokens x rows one request may add to a forward (0: no limit): `max_request_cost`, or
-        the pipeline's default for `auto`."""
-        return pipeline_default if self.max_request_cost == "auto" else int(self.max_request_cost)
 
-    def replace(self, **changes: Any) -> "EngineConfig":
-        config = dataclasses.replace(self, **changes)
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask for, checked at the Triton edge."""
+
+    input_max: Mapping[str, float] = field(default_factory=lambda: dict(INPUT_MAX))  # `max_<input>` parameters
+    input_defaults: Mapping[str, str] = field(default_factory=lambda: dict(INPUT_DEFAULTS))  # `default_<input>`
+    max_queue: int = _param(64, low=1)
+
+
+GROUPS = {"model": ModelConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "cache": CacheConfig,
+          "lora": LoraConfig, "levers": LeversConfig, "limits": LimitsConfig}
+PER_INPUT = {"input_max": "max_", "input_defaults": "default_"}  # limits fields set per input, not by their name
+# flat parameter name -> (its group, its field)
+PARAMETERS = {f.name: (group, f) for group, cls in GROUPS.items() for f in fields(cls) if f.name not in PER_INPUT}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One model instance's engine settings, in groups (see docs/configuration.md)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    levers: LeversConfig = field(default_factory=LeversConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    @classmethod
+    def of(cls, **parameters: Any) -> "EngineConfig":
+        """The config with these parameters (flat names, typed values) over the defaults, validated."""
+        return cls().replace(**parameters)
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
+        """Parse Triton `parameters` (string values, or Triton's {"string_value": ...} dicts)."""
+        values: dict[str, Any] = {}
+        limits = {"input_max": dict(INPUT_MAX), "input_defaults": dict(INPUT_DEFAULTS)}
+        for name, raw in params.items():
+            if isinstance(raw, Mapping):
+                raw = raw.get("string_value", "")
+            near = difflib.get_close_matches(name, PARAMETERS, n=1, cutoff=0.85)
+            if name in PARAMETERS:
+                values[name] = _parse(name, PARAMETERS[name][1].type, str(raw))
+            elif near:  # `max_num_seq` is a typo of `max_num_seqs`, not the limit of an input "num_seq"
+                raise ConfigError(f"unknown parameter '{name}' (did you mean '{near[0]}'?)")
+            elif name.startswith("max_") and len(name) > 4:  # the pipeline's declaration checks the input name
+                limit = _parse(name, float, str(raw))
+                limits["input_max"][name[4:]] = int(limit) if limit.is_integer() else limit
+            elif name.startswith("default_") and len(name) > 8:
+                limits["input_defaults"][name[8:]] = str(raw).strip()
+            else:
+                raise ConfigError(f"unknown parameter '{name}'; known parameters: {', '.join(sorted(PARAMETERS))}, "
+                                  "max_<input>, default_<input>")
+        return cls().replace(**values, **limits)
+
+    def parameter(self, name: str) -> Any:
+        """A parameter's value by its flat name (`max_num_seqs`, or a limits field)."""
+        group = PARAMETERS[name][0] if name in PARAMETERS else "limits"
+        return getattr(getattr(self, group), name)
+
+    def replace(self, **parameters: Any) -> "EngineConfig":
+        """This config with parameters (flat names) changed, validated."""
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in parameters.items():
+            if name not in PARAMETERS and name not in PER_INPUT:
+                raise ConfigError(f"unknown parameter '{name}'")
+            changes.setdefault(PARAMETERS[name][0] if name in PARAMETERS else "limits", {})[name] = value
+        config = dataclasses.replace(self, **{group: dataclasses.replace(getattr(self, group), **values)
+                                              for group, values in changes.items()})
         config.validate()
         return config
+
+    def validate(self) -> None:
+        for name, (group, spec) in PARAMETERS.items():  # the one check of every parameter's bound or names
+            value, low, choices = getattr(getattr(self, group), name), spec.metadata.get("low"), \
+                spec.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(choices)}")
+            if low is not None and not (math.isfinite(value) and value >= low):
+                kind = "a finite number" if spec.type == "float" else "an integer"
+                raise ConfigError(f"parameter '{name}': {value} must be {kind} >= {low}")
+        model, scheduler, parallel = self.model, self.scheduler, self.parallel
+        if model.device not in DEVICES and not re.fullmatch(r"cuda:\d+", model.device):
+            raise ConfigError(f"parameter 'device': {model.device!r} is not one of {', '.join(DEVICES)}, cuda:N")
+        if not 1 <= scheduler.default_priority_level <= scheduler.priority_levels:
+            raise ConfigError(f"parameter 'default_priority_level': {scheduler.default_priority_level} must be in "
+                              f"[1, priority_levels={scheduler.priority_levels}]")
+        if parallel.devices and len(parallel.device_list()) != parallel.world_size:
+            raise ConfigError(f"parameter 'devices': {parallel.devices!r} names {len(parallel.device_list())} "
+                              f"device(s); this instance runs {parallel.world_size} rank(s)")
+        if scheduler.max_request_cost != "auto" and not re.fullmatch(r"\d+", scheduler.max_request_cost):
+            raise ConfigError(f"parameter 'max_request_cost': {scheduler.max_request_cost!r} must be auto or an "
+                              "integer >= 0 (0: no limit)")
+        if not self.levers.quantized_components():
+            raise ConfigError("parameter 'quantize_components': names no component (default: transformer)")
+        for name, value in self.limits.input_max.items():
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"parameter 'max_{name}': {value} must be a finite number >= 0")
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import EngineConfig, SchedulerConfig
 from engine_lib.hooks import EngineHooks
 from engine_lib.modes import EngineMode, select_mode
 from engine_lib.phases import PhaseClock
@@ -34,7 +34,7 @@ from engine_lib.request import (
     SamplingParams,
 )
 from engine_lib.runner import ModelRunner, TickInterrupted
-from engine_lib.sched import RunnerOutput, Scheduler, SchedulerOutput, make_policy
+from engine_lib.sched import RunnerOutput, Scheduler, SchedulerOutput
 from engine_lib.worker_watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class DiffusionEngine:
         self.runner = ModelRunner(adapter, float_outputs=float_outputs, clock=self.clock,
                                   before_forward=hooks.before_forward, interrupt=self._interrupt,
                                   before_block=hooks.before_block)
-        self.max_request_cost = config.request_cost_limit(adapter.default_max_request_cost())
+        self.max_request_cost = config.scheduler.request_cost_limit(adapter.default_max_request_cost())
         self.scheduler = scheduler or self._make_scheduler()
         self._tick_listener = tick_listener
         self._tick_gate = hooks.tick_gate
@@ -133,15 +133,12 @@ class DiffusionEngine:
             self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}", daemon=True)
             self._thread.start()
         logger.info("engine started: pipeline=%s mode=%s max_num_seqs=%d",
-                    adapter.name, self.mode.value, config.max_num_seqs)
+                    adapter.name, self.mode.value, config.scheduler.max_num_seqs)
 
     def _make_scheduler(self) -> Scheduler:
-        step_batching = self.mode is EngineMode.STEP_BATCH
-        return Scheduler(self.config.max_num_seqs, self.adapter.step_key if step_batching else self.adapter.request_key,
-                         step_batching=step_batching, policy=make_policy(self.config.scheduling_policy),
-                         cost_fn=self.adapter.request_cost, max_batch_tokens=self.config.max_batch_tokens,
-                         max_preemptions=self.config.max_preemptions, group_decodes=self.adapter.batched_decode,
-                         admission_wait_s=self.config.request_batch_max_wait_ms / 1000.0)
+        key_fn = self.adapter.step_key if self.mode is EngineMode.STEP_BATCH else self.adapter.request_key
+        return Scheduler(self.config.scheduler, key_fn, cost_fn=self.adapter.request_cost,
+                         group_decodes=self.adapter.batched_decode)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, adapter=None, tick_listener: Optional[Callable[[TickStats], None]] = None,
@@ -162,7 +159,7 @@ class DiffusionEngine:
                 adapter = loader.submit(load_adapter, config).result()
         engine = cls(adapter, config, tick_listener=tick_listener, hooks=hooks)
         try:
-            if config.warmup:
+            if config.model.warmup:
                 engine.warmup()
         except BaseException:
             engine.close()
@@ -174,7 +171,7 @@ class DiffusionEngine:
              hooks: Optional[EngineHooks] = None) -> "DiffusionEngine":
         """An engine without its thread for one offline request-mode wave (benchmarks, tests): up to `size`
         requests admitted together whatever their keys, each running to its end (`generate()`)."""
-        return cls(adapter, config, Scheduler(size, lambda params: None, step_batching=False), hooks=hooks,
+        return cls(adapter, config, Scheduler(SchedulerConfig(max_num_seqs=size), lambda params: None), hooks=hooks,
                    run_loop=False, float_outputs=float_outputs)
 
     def warmup(self, timeout: float = 600.0) -> None:
@@ -183,7 +180,8 @@ class DiffusionEngine:
         start = time.monotonic()
         inputs = {"prompt": "warm-up", "num_inference_steps": steps, **self.adapter.example_inputs()}
         waves = [1]
-        if getattr(getattr(self.adapter, "levers", None), "compiler", None) is not None and self.config.max_num_seqs > 1:
+        compiled = getattr(getattr(self.adapter, "levers", None), "compiler", None) is not None
+        if compiled and self.config.scheduler.max_num_seqs > 1:
             waves.append(2)  # compiled: a batch of one is specialised, so two rows compile the dynamic graph at load
         for size in waves:
             streams = [self.add_request(f"__warmup_{size}_{i}__", inputs) for i in range(size)]
@@ -196,7 +194,7 @@ class DiffusionEngine:
     def parse(self, inputs: Mapping[str, Any]) -> SamplingParams:
         """Validate a request's inputs (by declared name) into SamplingParams; InvalidInputError names the input."""
         params = self.inputs.parse(inputs)
-        budget, limit = self.config.max_batch_tokens, self.max_request_cost
+        budget, limit = self.config.scheduler.max_batch_tokens, self.max_request_cost
         cost = self.adapter.request_cost(params) if budget or limit else 0
         if budget and cost > budget:
             counts = "".join(f", {name}={params[name]}" for name in ("num_images", "num_frames") if name in params)
@@ -234,13 +232,14 @@ class DiffusionEngine:
         with self._cond:
             if self._closed:
                 raise EngineUnavailableError("engine is shutting down")
-            if self.scheduler.num_waiting >= self.config.max_queue:
+            max_queue = self.config.limits.max_queue
+            if self.scheduler.num_waiting >= max_queue:
                 raise EngineUnavailableError(
-                    f"queue full: {self.scheduler.num_waiting} requests waiting (max_queue={self.config.max_queue})")
+                    f"queue full: {self.scheduler.num_waiting} requests waiting (max_queue={max_queue})")
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already active")
             request = DiffusionRequest(request_id, params,
-                                       priority=params.get("priority") or self.config.default_priority_level,
+                                       priority=params.get("priority") or self.config.scheduler.default_priority_level,
                                        num_steps=self.adapter.total_steps(params))
             if timeout_s:
                 request.timeout_at = request.arrival_time + timeout_s

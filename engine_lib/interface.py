@@ -288,7 +288,7 @@ class InputSchema:
     def __init__(self, pipeline: str, specs: Sequence[InputSpec], config: Any, check: Optional[Check] = None):
         self.pipeline = pipeline
         declared = {spec.name for spec in specs}
-        for prefix, given in (("max", config.input_max), ("default", config.input_defaults)):
+        for prefix, given in (("max", config.limits.input_max), ("default", config.limits.input_defaults)):
             # the built-in limits name inputs other pipelines declare; a deployer's typo is refused
             unknown = sorted(set(given) - declared - set(INPUT_MAX) - set(INPUT_DEFAULTS))
             if unknown:
@@ -336,15 +336,15 @@ class InputSchema:
 def _resolve(spec: InputSpec, config: Any) -> InputSpec:
     """The spec under one config: its `max_<input>` (or `high_from` field) lowers `high`, its
     `default_<input>` is the default of an input that declares none (checked like a sent value)."""
-    high = config.input_max.get(spec.name)
+    high = config.limits.input_max.get(spec.name)
     if spec.high_from:
-        high = getattr(config, spec.high_from)
+        high = config.parameter(spec.high_from)
     if high is not None and spec.high is not None:
         high = min(spec.high, high)
     spec = spec if high is None else replace(spec, high=high)
     if spec.low is not None and spec.high is not None and spec.high < spec.low and spec.datatype != "BYTES":
         raise ConfigError(f"parameter 'max_{spec.name}': {spec.high} is below the least allowed value {spec.low}")
-    text = config.input_defaults.get(spec.name)
+    text = config.limits.input_defaults.get(spec.name)
     if text is not None and spec.default is None:
         try:
             value = text if spec.datatype == "BYTES" else float(text) if spec.datatype == "FP32" else int(text)

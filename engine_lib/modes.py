@@ -20,8 +20,8 @@ def select_mode(config: EngineConfig, adapter: Any) -> EngineMode:
     against what the adapter (a class or an instance) declares it runs (pipelines/capabilities.py)."""
     capabilities = adapter.capabilities
     check(adapter.name, capabilities, config)
-    if config.step_execution:
-        if config.max_num_seqs > capabilities.max_step_batch:
+    if config.scheduler.step_execution:
+        if config.scheduler.max_num_seqs > capabilities.max_step_batch:
             raise ConfigError(f"pipeline '{adapter.name}' advances at most {capabilities.max_step_batch} request(s) "
                               f"per step: set max_num_seqs={capabilities.max_step_batch} (or lower)")
         return EngineMode.STEP_BATCH

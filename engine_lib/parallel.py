@@ -35,6 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from engine_lib.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0  # a call that takes longer fails the group
@@ -286,17 +288,17 @@ def _worker_main(rank: int, world_size: int, device: str, threads: int, backend:
 
 
 def start_pipeline_ranks(rank_class: type, adapter_cls: type, model_path: str, device: torch.device,
-                         dtype: torch.dtype, options: dict, world_size: int,
+                         dtype: torch.dtype, config: EngineConfig, world_size: int,
                          timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """`world_size` workers, each loading the pipeline (`adapter_cls.load`) on its device and answering calls with
     `rank_class(adapter, rank, world_size)` (cfg_parallel.py, sequence_parallel.py)."""
-    setup = functools.partial(_load_pipeline_rank, rank_class, adapter_cls, model_path, dtype, options)
-    return WorkerGroup(setup, rank_devices(device, world_size, options.get("parallel", {}).get("devices")), timeout_s)
+    setup = functools.partial(_load_pipeline_rank, rank_class, adapter_cls, model_path, dtype, config)
+    return WorkerGroup(setup, rank_devices(device, world_size, config.parallel.device_list()), timeout_s)
 
 
-def _load_pipeline_rank(rank_class: type, adapter_cls: type, model_path: str, dtype: torch.dtype, options: dict,
+def _load_pipeline_rank(rank_class: type, adapter_cls: type, model_path: str, dtype: torch.dtype, config: EngineConfig,
                         rank: int, world_size: int, device: torch.device) -> Any:
-    return rank_class(adapter_cls.load(model_path, device, dtype, options), rank, world_size)
+    return rank_class(adapter_cls.load(model_path, device, dtype, config), rank, world_size)
 
 
 def agree(error: Optional[BaseException], device: torch.device) -> None:

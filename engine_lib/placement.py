@@ -20,7 +20,7 @@ def for_instance(config: EngineConfig, kind: str, device_id: str) -> EngineConfi
     Triton picks, each instance's ranks on the same devices).
     """
     kind = (kind or "MODEL").upper()
-    if config.world_size > 1:
+    if config.parallel.world_size > 1:
         return _for_ranks(config, kind)
     if kind == "GPU":
         wanted = f"cuda:{int(device_id)}"
@@ -28,24 +28,24 @@ def for_instance(config: EngineConfig, kind: str, device_id: str) -> EngineConfi
         wanted = "cpu"
     else:
         return config
-    if config.device not in ("auto", wanted) and not (kind == "GPU" and config.device == "cuda"):
-        raise ConfigError(f"parameter 'device': {config.device!r} contradicts instance_group kind KIND_{kind} "
+    if config.model.device not in ("auto", wanted) and not (kind == "GPU" and config.model.device == "cuda"):
+        raise ConfigError(f"parameter 'device': {config.model.device!r} contradicts instance_group kind KIND_{kind} "
                           f"(this instance is on {wanted}); leave device=auto, or use KIND_MODEL to pick "
                           "the device with this parameter")
     return config.replace(device=wanted)
 
 
 def _for_ranks(config: EngineConfig, kind: str) -> EngineConfig:
-    names = config.device_list()
+    names, world_size = config.parallel.device_list(), config.parallel.world_size
     if kind == "GPU":
-        raise ConfigError(f"instance_group kind KIND_GPU: this instance runs {config.world_size} ranks on "
-                          f"{config.world_size} devices; use instance_group [ {{ count: 1, kind: KIND_MODEL }} ] "
+        raise ConfigError(f"instance_group kind KIND_GPU: this instance runs {world_size} ranks on "
+                          f"{world_size} devices; use instance_group [ {{ count: 1, kind: KIND_MODEL }} ] "
                           "and name the ranks' devices with parameter 'devices' (e.g. cuda:0,cuda:1)")
     if kind == "CPU":
-        if any(name != "cpu" for name in names) or config.device not in ("auto", "cpu"):
-            raise ConfigError(f"parameter 'devices': {config.devices!r} (device {config.device!r}) contradicts "
-                              "instance_group kind KIND_CPU; leave them empty, or use KIND_MODEL")
+        if any(name != "cpu" for name in names) or config.model.device not in ("auto", "cpu"):
+            raise ConfigError(f"parameter 'devices': {config.parallel.devices!r} (device {config.model.device!r}) "
+                              "contradicts instance_group kind KIND_CPU; leave them empty, or use KIND_MODEL")
         return config.replace(device="cpu")
-    if names and config.device == "auto":
+    if names and config.model.device == "auto":
         return config.replace(device=names[0])
     return config

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine_lib import interface
-from engine_lib.config import ConfigError, EngineConfig
+from engine_lib.config import PARAMETERS, ConfigError, EngineConfig
 from engine_lib.interface import InputSchema
 from engine_lib.placement import for_instance
 
@@ -25,12 +25,12 @@ def test_no_parameters_gives_the_defaults():
 
 @pytest.mark.parametrize("text", ["false", "False", "FALSE", "0", "no", "off", " false "])
 def test_bool_false_spellings(text):
-    assert parse(step_execution="true", warmup=text).warmup is False
+    assert parse(step_execution="true", warmup=text).model.warmup is False
 
 
 @pytest.mark.parametrize("text", ["true", "True", "1", "yes", "on"])
 def test_bool_true_spellings(text):
-    assert parse(step_execution=text).step_execution is True
+    assert parse(step_execution=text).scheduler.step_execution is True
 
 
 @pytest.mark.parametrize("text", ["flase", "", "2", "y", "enabled"])
@@ -46,7 +46,8 @@ def test_triton_string_value_form_accepted():
         "request_batch_max_wait_ms": {"string_value": "2.5"},
         "device": {"string_value": "cpu"},
     })
-    assert (config.step_execution, config.max_num_seqs, config.request_batch_max_wait_ms, config.device) == (
+    assert (config.scheduler.step_execution, config.scheduler.max_num_seqs, config.scheduler.request_batch_max_wait_ms,
+            config.model.device) == (
         True, 4, 2.5, "cpu")
 
 
@@ -57,7 +58,7 @@ def test_triton_string_value_form_is_parsed_as_strictly():
 
 @pytest.mark.parametrize("text, value", [("1", 1), ("8", 8), (" 3 ", 3)])
 def test_max_num_seqs_valid(text, value):
-    assert parse(max_num_seqs=text).max_num_seqs == value
+    assert parse(max_num_seqs=text).scheduler.max_num_seqs == value
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "1.5", "four", "", "true"])
@@ -68,7 +69,7 @@ def test_max_num_seqs_invalid(text):
 
 @pytest.mark.parametrize("text, value", [("0", 0.0), ("0.5", 0.5), ("20", 20.0)])
 def test_request_batch_max_wait_ms_valid(text, value):
-    assert parse(request_batch_max_wait_ms=text).request_batch_max_wait_ms == value
+    assert parse(request_batch_max_wait_ms=text).scheduler.request_batch_max_wait_ms == value
 
 
 @pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "-1", "-0.1", "soon", ""])
@@ -89,7 +90,7 @@ def test_counts_must_be_positive_integers(name):
         parse(**{name: "0"})
     with pytest.raises(ConfigError, match=f"'{name}'"):
         parse(**{name: "x"})
-    assert getattr(parse(**{name: "7"}), name) == 7
+    assert parse(**{name: "7"}).parameter(name) == 7
 
 
 @pytest.mark.parametrize("text", ["x", "-1", "inf", "nan"])
@@ -103,7 +104,7 @@ def test_input_limits_and_defaults_reach_the_declared_inputs():
     specs = InputSchema("qwen_image", SHARED, config).specs
     assert (specs["height"].high, specs["num_inference_steps"].high, specs["width"].default) == (256, 50, 48)
     assert specs["prompt"].high == 20 and specs["width"].high == 1024  # the built-in limit stays
-    assert config.input_max["height"] == 256 and isinstance(config.input_max["height"], int)
+    assert config.limits.input_max["height"] == 256 and isinstance(config.limits.input_max["height"], int)
 
 
 @pytest.mark.parametrize("params, message", [
@@ -119,7 +120,7 @@ def test_a_bad_input_limit_or_default_fails_the_load_naming_it(params, message):
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])
 def test_device_valid(device):
-    assert parse(device=device).device == device
+    assert parse(device=device).model.device == device
 
 
 @pytest.mark.parametrize("device", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "tpu"])
@@ -130,7 +131,7 @@ def test_device_invalid(device):
 
 @pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
 def test_dtype_valid(dtype):
-    assert parse(dtype=dtype).dtype == dtype
+    assert parse(dtype=dtype).model.dtype == dtype
 
 
 def test_dtype_invalid():
@@ -140,14 +141,34 @@ def test_dtype_invalid():
 
 def test_string_parameters_are_kept_as_text():
     config = parse(pipeline="flux", model_path="/models/flux-tiny")
-    assert (config.pipeline, config.model_path) == ("flux", "/models/flux-tiny")
+    assert (config.model.pipeline, config.model.model_path) == ("flux", "/models/flux-tiny")
+
+
+def test_the_config_is_its_groups_and_each_flat_parameter_lives_in_one():
+    groups = dataclasses.fields(EngineConfig)
+    assert len(groups) <= 12 and all(dataclasses.is_dataclass(group.default_factory) for group in groups)
+    names = [f.name for group in groups for f in dataclasses.fields(group.default_factory)]
+    assert len(names) == len(set(names)) == len(PARAMETERS) + 2  # + the per-input limits
+    config = parse(max_num_seqs="3", sequence_parallel_size="2", lora_dir="/l", quantization="int8",
+                   prompt_cache_mb="7", max_queue="9", dtype="float16", max_height="96")
+    assert (config.scheduler.max_num_seqs, config.parallel.sequence_parallel_size, config.lora.lora_dir,
+            config.levers.quantization, config.cache.prompt_cache_mb, config.limits.max_queue, config.model.dtype,
+            config.limits.input_max["height"]) == (3, 2, "/l", "int8", 7, 9, "float16", 96)
+    assert config == EngineConfig.of(max_num_seqs=3, sequence_parallel_size=2, lora_dir="/l", quantization="int8",
+                                     prompt_cache_mb=7, max_queue=9, dtype="float16",
+                                     input_max={**EngineConfig().limits.input_max, "height": 96})
+
+
+def test_replace_refuses_an_unknown_name():
+    with pytest.raises(ConfigError, match="unknown parameter 'max_num_seq'"):
+        EngineConfig().replace(max_num_seq=2)
 
 
 def test_config_is_frozen_and_replace_validates():
     config = parse(max_num_seqs="2")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.max_num_seqs = 3
-    assert config.replace(max_num_seqs=4).max_num_seqs == 4
+        config.scheduler.max_num_seqs = 3
+    assert config.replace(max_num_seqs=4).scheduler.max_num_seqs == 4
     with pytest.raises(ConfigError, match="'max_num_seqs'"):
         config.replace(max_num_seqs=0)
 
@@ -168,7 +189,7 @@ def test_config_is_frozen_and_replace_validates():
 ])
 def test_instance_kind_places_the_engine(kind, device_id, device, expected):
     config = for_instance(EngineConfig.from_parameters({"device": device}), kind, device_id)
-    assert config.device == expected
+    assert config.model.device == expected
 
 
 @pytest.mark.parametrize("kind, params, device, devices", [
@@ -180,7 +201,7 @@ def test_instance_kind_places_the_engine(kind, device_id, device, expected):
 ])
 def test_a_parallel_instance_takes_its_ranks_devices_from_kind_model_and_devices(kind, params, device, devices):
     config = for_instance(EngineConfig.from_parameters({"cfg_parallel": "true", **params}), kind, "1")
-    assert (config.device, config.device_list()) == (device, devices)
+    assert (config.model.device, config.parallel.device_list()) == (device, devices)
 
 
 @pytest.mark.parametrize("kind, params, message", [

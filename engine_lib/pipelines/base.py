@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.interface import InputSchema, InputSpec, OutputSpec
 from engine_lib.pipelines.capabilities import Capabilities, check, make
 from engine_lib.pipelines.loading import load_diffusers
@@ -218,28 +219,27 @@ class PipelineAdapter(ABC):
     cost_reference: ClassVar[dict] = {}
     workers: Any = None  # the parallel ranks (engine_lib/parallel.py WorkerGroup), from start_workers
 
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, config: Optional[EngineConfig] = None):
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
-        self.options = dict(options or {})
+        self.config = config or EngineConfig()  # the parameters it reads: model, cache, lora, parallel, levers
 
     def close(self) -> None:
         """Stop what the adapter started besides its own process (the parallel workers)."""
         if self.workers is not None:
             self.workers.close()
 
-    def start_workers(self, model_path: str, options: dict) -> Any:
-        """The worker group for `options["parallel"]` (config parameters `cfg_parallel`,
+    def start_workers(self, model_path: str, config: EngineConfig) -> Any:
+        """The worker group for `config.parallel` (config parameters `cfg_parallel`,
         `sequence_parallel_size`, `tensor_parallel_size`, `expert_parallel`, `devices`), on the ranks'
         devices; the registry calls it once after `load`. A pipeline with parallel support overrides it."""
-        from engine_lib.config import ConfigError
         raise ConfigError(f"pipeline '{self.name}' runs in one process")
 
-    def launch_workers(self, model_path: str, options: dict) -> None:
+    def launch_workers(self, model_path: str, config: EngineConfig) -> None:
         """`workers = start_workers(...)`, keeping its arguments for `restart_workers` (the registry's load)."""
-        self._worker_args = (model_path, options)
-        self.workers = self.start_workers(model_path, options)
+        self._worker_args = (model_path, config)
+        self.workers = self.start_workers(model_path, config)
 
     def restart_workers(self) -> None:
         """A new worker group in place of a broken one: the engine calls it after a tick broke the group. Raises
@@ -250,7 +250,7 @@ class PipelineAdapter(ABC):
     @classmethod
     @abstractmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "PipelineAdapter":
+             config: Optional[EngineConfig] = None) -> "PipelineAdapter":
         """Load the pipeline once (`from_pretrained`) and wrap it."""
 
     # -- the declaration, refined by the loaded checkpoint ----------------------------
@@ -382,11 +382,11 @@ class DiffusersAdapter(PipelineAdapter):
     pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
     levers: Any = None  # what the GPU levers did at load (levers.Applied), set by `load`
 
-    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, config: Optional[EngineConfig] = None):
         from engine_lib.pipelines.text_cache import TextEmbeddingCache
 
-        super().__init__(pipe, device, dtype, options)
-        self.text_cache = TextEmbeddingCache(self.options.get("prompt_cache_bytes", 0))
+        super().__init__(pipe, device, dtype, config)
+        self.text_cache = TextEmbeddingCache(self.config.cache.prompt_cache_mb << 20)
 
     def counters(self) -> dict[str, float]:
         return {"prompt_cache_hits": self.text_cache.hits, "prompt_cache_misses": self.text_cache.misses,
@@ -409,5 +409,5 @@ class DiffusersAdapter(PipelineAdapter):
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "DiffusersAdapter":
-        return load_diffusers(cls, model_path, device, dtype, options)
+             config: Optional[EngineConfig] = None) -> "DiffusersAdapter":
+        return load_diffusers(cls, model_path, device, dtype, config)

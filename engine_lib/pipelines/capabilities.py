@@ -40,18 +40,18 @@ class Feature:
 
 
 def _flag(name: str) -> Callable[[Any], Setting]:
-    return lambda config: (name, f"parameter '{name}'=true") if getattr(config, name) else None
+    return lambda config: (name, f"parameter '{name}'=true") if config.parameter(name) else None
 
 
 def _size(name: str) -> Callable[[Any], Setting]:
-    return lambda config: ((name, f"parameter '{name}'={getattr(config, name)}") if getattr(config, name) > 1
+    return lambda config: ((name, f"parameter '{name}'={config.parameter(name)}") if config.parameter(name) > 1
                            else None)
 
 
 def _request_batch(config) -> Setting:
-    if config.step_execution or config.max_num_seqs <= 1:
+    if config.scheduler.step_execution or config.scheduler.max_num_seqs <= 1:
         return None
-    return "max_num_seqs", f"parameter 'max_num_seqs'={config.max_num_seqs}"
+    return "max_num_seqs", f"parameter 'max_num_seqs'={config.scheduler.max_num_seqs}"
 
 
 def _input(name: str, on: Callable[[Any], bool], shown: Callable[[Any], str]) -> Callable[[Any], Setting]:

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from engine_lib.config import EngineConfig
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
 from engine_lib.pipelines.rank_states import RankHandler, RowFacts
 from engine_lib.pipelines.sequence_parallel import enable_ulysses, gather_tokens
@@ -30,12 +31,12 @@ from engine_lib.pipelines.sequence_parallel import enable_ulysses, gather_tokens
 SIDES = ("cond", "uncond")  # group g runs the rows of SIDES[g]
 
 
-def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """Two groups of `sequence_parallel_size` workers, each loading the pipeline on its device (CPUs over gloo,
     or one GPU each)."""
-    degree = options["parallel"]["sequence_parallel_size"]
-    return start_pipeline_ranks(CfgRank, adapter_cls, model_path, device, dtype, options, len(SIDES) * degree,
+    degree = config.parallel.sequence_parallel_size
+    return start_pipeline_ranks(CfgRank, adapter_cls, model_path, device, dtype, config, len(SIDES) * degree,
                                 timeout_s)
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_lib import interface
-from engine_lib.config import ConfigError
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
@@ -138,18 +138,18 @@ class FlowMatchAdapter(DiffusersAdapter):
     # Inputs of `_row_inputs` the whole batch shares (one value, not one per row: Flux's text and image ids).
     batch_inputs: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
-        super().__init__(pipe, device, dtype, options)
-        self.cfg_batching = bool(self.options.get("cfg_batching", True))
+    def __init__(self, pipe, device: torch.device, dtype: torch.dtype, config: Optional[EngineConfig] = None):
+        super().__init__(pipe, device, dtype, config)
+        self.cfg_batching = self.config.model.cfg_batching
         declared = self.input_spec("max_sequence_length")  # the pipeline's default and check_inputs limit
-        self.max_sequence_length = int(self.options.get("max_sequence_length") or declared.default)
+        self.max_sequence_length = int(self.config.model.max_sequence_length or declared.default)
         if not 1 <= self.max_sequence_length <= declared.high:
             raise ConfigError(f"parameter 'max_sequence_length': {self.max_sequence_length} must be in "
                               f"[1, {int(declared.high)}] for {self.name}")
         self._preview_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._batched_step_exact: dict[tuple, bool] = {}  # (dtype, device type) -> step_batch equals per request
-        self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
-        self.mixed_size_batching = bool(self.options.get("mixed_size_batching"))  # (refused where not declared)
+        self.loras = LoraLibrary(pipe, self.config.lora.lora_dir or None, self.config.lora.max_loras)
+        self.mixed_size_batching = self.config.model.mixed_size_batching  # (refused where not declared)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch (step_cache.py)
 
     def counters(self) -> dict[str, float]:
@@ -191,16 +191,15 @@ class FlowMatchAdapter(DiffusersAdapter):
 
     @property
     def sequence_parallel_size(self) -> int:
-        """Ranks that split each forward's tokens (the registry's options["parallel"]; 1: none)."""
-        return int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
+        """Ranks that split each forward's tokens (1: none)."""
+        return self.config.parallel.sequence_parallel_size
 
-    def start_workers(self, model_path: str, options: dict):
-        parallel = options["parallel"]
-        if parallel["cfg_parallel"]:
-            return cfg_parallel.start(type(self), model_path, self.device, self.dtype, options)
-        if parallel["sequence_parallel_size"] > 1:
-            return sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
-        return super().start_workers(model_path, options)
+    def start_workers(self, model_path: str, config: EngineConfig):
+        if config.parallel.cfg_parallel:
+            return cfg_parallel.start(type(self), model_path, self.device, self.dtype, config)
+        if config.parallel.sequence_parallel_size > 1:
+            return sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
+        return super().start_workers(model_path, config)
 
     def release(self, state: FlowMatchState) -> None:
         """The ranks drop the request's step caches (they hold those of the forwards they run)."""
@@ -410,7 +409,7 @@ class FlowMatchAdapter(DiffusersAdapter):
             scales = {self.cfg_scale(s.params) for s in states}
             assert len(scales) == 1, "one CFG scale per batch (it is part of the keys)"
             scale = scales.pop()
-        cfg_ranks = bool((self.options.get("parallel") or {}).get("cfg_parallel"))
+        cfg_ranks = self.config.parallel.cfg_parallel
         if self.workers is not None and cfg_ranks:  # cond rows on the first group of ranks, uncond rows on the
             # second (each group one rank, or sequence_parallel_size ranks that split the tokens); without CFG the
             # first group alone

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from engine_lib.config import QUANTIZATIONS, ConfigError
+from engine_lib.config import QUANTIZATIONS, ConfigError, LeversConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,30 +36,8 @@ CPU_ATTENTION = ("native", "_native_math", "flex")
 FP8_DYNAMIC_CAPABILITY = (8, 9)  # e4m3 activations need SM 8.9+ (Ada, Hopper)
 
 
-@dataclass(frozen=True)
-class Levers:
-    """What the config turns on (EngineConfig's lever parameters)."""
-
-    compile: str = "none"
-    compile_backend: str = "inductor"
-    quantization: str = "none"
-    quantize_components: tuple = ("transformer",)
-    attention_backend: str = ""  # empty: diffusers' default (native)
-    offload: str = "none"
-    vae_tiling: bool = False
-
-    @classmethod
-    def from_config(cls, config: Any) -> "Levers":
-        return cls(config.compile, config.compile_backend, config.quantization, config.quantized_components(),
-                   config.attention_backend, config.offload, config.vae_tiling)
-
-    @property
-    def any(self) -> bool:
-        return self != Levers()
-
-
 # -- at from_pretrained: quantization ------------------------------------------------------------
-def quantization_config(levers: Levers, model_path: str, device: Any) -> Optional[Any]:
+def quantization_config(levers: LeversConfig, model_path: str, device: Any) -> Optional[Any]:
     """diffusers' `PipelineQuantizationConfig` for `levers.quantization` over `quantize_components` (None: off)."""
     if levers.quantization == "none":
         return None
@@ -78,7 +56,7 @@ def quantization_config(levers: Levers, model_path: str, device: Any) -> Optiona
                               f"capability 8.9+; {device} has {torch.cuda.get_device_capability(device)} "
                               "(use fp8_weight_only or int8)")
     folders = _component_folders(model_path)
-    for name in levers.quantize_components:
+    for name in levers.quantized_components():
         if name not in folders:
             raise ConfigError(f"parameter 'quantize_components': {name!r} is not a component of this checkpoint "
                               f"(it has {', '.join(sorted(folders))})")
@@ -89,7 +67,7 @@ def quantization_config(levers: Levers, model_path: str, device: Any) -> Optiona
     from diffusers import PipelineQuantizationConfig
 
     return PipelineQuantizationConfig(quant_mapping={name: _component_config(levers.quantization, folders[name])
-                                                     for name in levers.quantize_components})
+                                                     for name in levers.quantized_components()})
 
 
 def _component_folders(model_path: str) -> dict[str, dict]:
@@ -155,7 +133,7 @@ class CompileCounter:
 class Applied:
     """What the levers did to one loaded pipeline: its compile counter (None: not compiled)."""
 
-    levers: Levers
+    levers: LeversConfig
     compiler: Optional[CompileCounter] = None
     notes: list = field(default_factory=list)
 
@@ -172,7 +150,7 @@ class Applied:
         return {"compile_recompiles": float(self.compiler.recompiles)}
 
 
-def apply(pipe: Any, device: Any, levers: Levers) -> Applied:
+def apply(pipe: Any, device: Any, levers: LeversConfig) -> Applied:
     """Place the loaded pipeline on `device` (or offload it), then set its attention backend, compile and
     tiling. Refuses (ConfigError naming the parameter) what this pipeline or device cannot do."""
     applied = Applied(levers)
@@ -247,7 +225,7 @@ def _set_attention(pipe: Any, device: Any, backend: str) -> None:
         _AttentionBackendRegistry.set_active_backend(default)
 
 
-def _compile(pipe: Any, levers: Levers) -> CompileCounter:
+def _compile(pipe: Any, levers: LeversConfig) -> CompileCounter:
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         raise ConfigError("parameter 'compile': this pipeline has no transformer to compile")
@@ -286,17 +264,18 @@ def weight_bytes(pipe: Any) -> dict[str, int]:
             for name, module in _modules(pipe).items()}
 
 
-def refuse_levers(adapter_cls: Any, levers: Levers, parallel: Optional[dict] = None) -> None:
+def refuse_levers(adapter_cls: Any, levers: LeversConfig, parallel: Optional[ParallelConfig] = None) -> None:
     """A pipeline of our own model code (not loaded by a diffusers `from_pretrained`) has none of the levers. The
-    parallel ranks load their model as the instance does (`adapter_cls.load` with the same options): each applies
+    parallel ranks load their model as the instance does (`adapter_cls.load` with the same config): each applies
     the levers to its own copy, but compile does not trace the sequence-parallel split."""
     if not levers.any:
         return
-    changed = [name for name in Levers.__dataclass_fields__ if getattr(levers, name) != getattr(Levers(), name)]
+    changed = [name for name in LeversConfig.__dataclass_fields__
+               if getattr(levers, name) != getattr(LeversConfig(), name)]
     if not hasattr(adapter_cls, "pipeline_class"):
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
-    if levers.compile != "none" and (parallel or {}).get("sequence_parallel_size", 1) > 1:
+    if levers.compile != "none" and parallel is not None and parallel.sequence_parallel_size > 1:
         raise ConfigError("parameter 'compile': does not run with sequence_parallel_size > 1: dynamo cannot trace "
                           "diffusers' Ulysses all_to_all (its process group is opaque to the fake tensors dynamo "
                           "traces with); compile runs with cfg_parallel alone")
@@ -307,7 +286,7 @@ def describe(adapter: Any) -> str:
     every component's weights."""
     applied = getattr(adapter, "levers", None)
     on = [f"{name}={value}" for name, value in vars(applied.levers).items()
-          if value != getattr(Levers(), name)] if applied is not None else []
+          if value != getattr(LeversConfig(), name)] if applied is not None else []
     text = f"levers {' '.join(on) or 'none'}"
     if applied is not None and applied.compiler is not None:
         text += (f", compiled {applied.compiler.graphs} graph(s) in {applied.compile_seconds():.1f} s, "

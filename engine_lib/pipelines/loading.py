@@ -7,15 +7,17 @@ from typing import Any, Optional
 
 import torch
 
+from engine_lib.config import EngineConfig, LeversConfig
+
 
 def load_diffusers(cls: Any, model_path: str, device: torch.device, dtype: torch.dtype,
-                   options: Optional[dict] = None) -> Any:
+                   config: Optional[EngineConfig] = None) -> Any:
     """An instance of the adapter class `cls` (a DiffusersAdapter) of its `pipeline_class` loaded from `model_path`."""
     import diffusers
 
     from engine_lib.pipelines import levers
 
-    chosen = (options or {}).get("levers") or levers.Levers()
+    chosen = config.levers if config is not None else LeversConfig()
     quantization = levers.quantization_config(chosen, str(model_path), torch.device(device))
     pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(
         str(model_path), dtype=dtype,  # not torch_dtype
@@ -23,6 +25,6 @@ def load_diffusers(cls: Any, model_path: str, device: torch.device, dtype: torch
         **cls.from_pretrained_kwargs(str(model_path)))
     applied = levers.apply(pipe, torch.device(device), chosen)  # on the device (or offloaded), compiled, ...
     pipe.set_progress_bar_config(disable=True)
-    adapter = cls(pipe, torch.device(device), dtype, options)
+    adapter = cls(pipe, torch.device(device), dtype, config)
     adapter.levers = applied
     return adapter

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.modes import select_mode
-from engine_lib.pipelines.levers import Levers, refuse_levers
+from engine_lib.pipelines.levers import refuse_levers
 
 if TYPE_CHECKING:  # torch is imported only when a device or dtype is resolved
     import torch
@@ -96,45 +96,30 @@ def model_path_from_env(pipeline: str) -> str:
 
 
 def resolve_model_path(config: EngineConfig) -> str:
-    """config.model_path, else the environment (see model_path_from_env), else the tiny model's directory."""
-    return config.model_path or model_path_from_env(config.pipeline) or str(default_model_dir(config.pipeline))
+    """config's model_path, else the environment (see model_path_from_env), else the tiny model's directory."""
+    model = config.model
+    return model.model_path or model_path_from_env(model.pipeline) or str(default_model_dir(model.pipeline))
 
 
 def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     """Resolve the config's pipeline, device, dtype and weights, and load the adapter once."""
-    adapter_cls = get_adapter_class(config.pipeline)
+    model = config.model
+    adapter_cls = get_adapter_class(model.pipeline)
     select_mode(config, adapter_cls)  # an unsupported mode fails here, before the weights load
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, device)
     model_path = resolve_model_path(config)
-    if not config.model_path and not model_path_from_env(config.pipeline) and not os.path.isdir(model_path):
+    if not model.model_path and not model_path_from_env(model.pipeline) and not os.path.isdir(model_path):
         # A hub id or an explicit path is left to from_pretrained; the silent default gets a clear message.
         raise ConfigError(
             f"parameter 'model_path': empty, ${MODEL_PATH_ENV} unset, and the tiny model {model_path!r} "
             "is not built (run `make models`)"
         )
-    options = adapter_options(config, model_path)
-    refuse_levers(adapter_cls, options["levers"], options["parallel"])
-    adapter = adapter_cls.load(model_path, device, dtype, options)
-    if config.world_size > 1:
-        adapter.launch_workers(model_path, options)
-    logger.info("loaded pipeline %s from %s on %s (%s)", config.pipeline, model_path, device, dtype)
+    if not config.lora.lora_dir and model_path == str(default_model_dir(model.pipeline)):
+        config = config.replace(lora_dir=str(default_lora_dir(model.pipeline)))  # the tiny model's LoRAs
+    refuse_levers(adapter_cls, config.levers, config.parallel)
+    adapter = adapter_cls.load(model_path, device, dtype, config)
+    if config.parallel.world_size > 1:
+        adapter.launch_workers(model_path, config)
+    logger.info("loaded pipeline %s from %s on %s (%s)", model.pipeline, model_path, device, dtype)
     return adapter
-
-
-def adapter_options(config: EngineConfig, model_path: str) -> dict:
-    """The engine parameters a loaded adapter keeps (every other one is the engine's or the scheduler's)."""
-    lora_dir = config.lora_dir
-    if not lora_dir and model_path == str(default_model_dir(config.pipeline)):
-        lora_dir = str(default_lora_dir(config.pipeline))
-    return {"cfg_batching": config.cfg_batching, "max_sequence_length": config.max_sequence_length or None,
-            "lora_dir": lora_dir or None, "max_loras": config.max_loras,
-            "mixed_size_batching": config.mixed_size_batching, "prompt_cache_bytes": config.prompt_cache_mb << 20,
-            "parallel": parallel_options(config), "levers": Levers.from_config(config)}
-
-
-def parallel_options(config: EngineConfig) -> dict:
-    """What the adapter's `start_workers` (and a sharded `load`) needs to know of the instance's ranks."""
-    return {"cfg_parallel": config.cfg_parallel, "sequence_parallel_size": config.sequence_parallel_size,
-            "tensor_parallel_size": config.tensor_parallel_size, "expert_parallel": config.expert_parallel,
-            "world_size": config.world_size, "devices": config.device_list()}

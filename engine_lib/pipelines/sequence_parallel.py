@@ -30,15 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine_lib.config import EngineConfig
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
 from engine_lib.pipelines.rank_states import RankHandler, RowFacts
 
 
-def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """`sequence_parallel_size` workers, each loading the pipeline on its device (CPUs over gloo, or one GPU each)."""
-    degree = options["parallel"]["sequence_parallel_size"]
-    return start_pipeline_ranks(SequenceRank, adapter_cls, model_path, device, dtype, options, degree, timeout_s)
+    degree = config.parallel.sequence_parallel_size
+    return start_pipeline_ranks(SequenceRank, adapter_cls, model_path, device, dtype, config, degree, timeout_s)
 
 
 def forward(group: WorkerGroup, latents: torch.Tensor, timestep: torch.Tensor, text: dict, rows: dict,

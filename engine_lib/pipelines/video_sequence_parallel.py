@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine_lib.config import EngineConfig
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerGroup, agree, start_pipeline_ranks
 from engine_lib.pipelines.sequence_parallel import enable_ulysses
 
 
-def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+def start(adapter_cls: type, model_path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """`sequence_parallel_size` workers, each loading the pipeline on its device (CPUs over gloo, or one GPU each)."""
-    degree = options["parallel"]["sequence_parallel_size"]
-    return start_pipeline_ranks(TransformerRank, adapter_cls, model_path, device, dtype, options, degree, timeout_s)
+    degree = config.parallel.sequence_parallel_size
+    return start_pipeline_ranks(TransformerRank, adapter_cls, model_path, device, dtype, config, degree, timeout_s)
 
 
 def transformer_call(adapter, context: str, **kwargs):

@@ -8,7 +8,7 @@ that ended since the last tick. Its `SchedulingPolicy` (policy.py) decides the
 queue order within a priority level, which compatible requests may share a
 step, and who may pause for whom. Two modes:
 
-* **Step batching** (`step_batching=True`, continuous batching): between ticks,
+* **Step batching** (`step_execution`, continuous batching): between ticks,
   waiting requests join the running set in queue order while they have a seat,
   fit the budget and are compatible with it (any key when it is empty).
   - *Preemption.* When the head of the queue cannot join and the policy lets it
@@ -29,12 +29,16 @@ step, and who may pause for whom. Two modes:
     another running request, as urgent or more, finishes within that wait, so
     both decode in one VAE call; requests in continuous batching finish a tick
     apart.
-* **Request batching** (`step_batching=False`): a wave is admitted only when
+* **Request batching** (no `step_execution`): a wave is admitted only when
   nothing runs: the head plus the requests right behind it that share its key
   (which includes the step count), up to the seats and the budget; an
   incompatible request ends the wave. Nothing joins or pauses a running wave.
-  With `admission_wait_s` the first wave of a burst waits for the burst to stop
-  growing (at most that long), so that it fills.
+  With `request_batch_max_wait_ms` the first wave of a burst waits for the
+  burst to stop growing (at most that long), so that it fills.
+
+It takes its group of the engine's config (`SchedulerConfig`: seats, mode,
+policy, budget, preemptions, the wait) and, from the adapter, the key and cost
+of a request and whether its decode batches.
 
 Not thread-safe: the engine calls it under its lock. Only the scheduler writes
 a request's status.
@@ -44,11 +48,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Hashable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Optional
 
 from engine_lib.request import DiffusionRequest, RequestStatus, RequestTimedOutError, SamplingParams
 from engine_lib.sched.outputs import RunnerOutput, SchedulerOutput
-from engine_lib.sched.policy import SchedulingPolicy
+from engine_lib.sched.policy import make_policy
+
+if TYPE_CHECKING:  # engine_lib.config imports the policies' names from this package
+    from engine_lib.config import SchedulerConfig
 
 KeyFn = Callable[[SamplingParams], Hashable]
 CostFn = Callable[[SamplingParams], int]  # latent tokens x rows a request adds to one forward
@@ -62,24 +69,23 @@ BURST_STABLE_S = 0.05  # a burst has stopped growing after this long without an 
 class Scheduler:
     """Admission into a running set that shares one compatibility key; see the module docstring."""
 
-    def __init__(self, max_num_seqs: int, key_fn: KeyFn, *, step_batching: bool = True,
-                 policy: Optional[SchedulingPolicy] = None, cost_fn: Optional[CostFn] = None,
-                 max_batch_tokens: int = 0, max_preemptions: int = 0, group_decodes: bool = False,
-                 admission_wait_s: float = 0.0, max_head_bypass: int = MAX_HEAD_BYPASS):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_preemptions < 0:
-            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, config: SchedulerConfig, key_fn: KeyFn, *, cost_fn: Optional[CostFn] = None,
+                 group_decodes: bool = False, max_head_bypass: int = MAX_HEAD_BYPASS):
+        if config.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
+        if config.max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {config.max_preemptions}")
+        step_batching = config.step_execution
+        self.max_num_seqs = config.max_num_seqs
         self.max_head_bypass = max_head_bypass  # how many later requests may pass a waiting one (0: strict order)
         self.key_fn = key_fn
         self.step_batching = step_batching
-        self.policy = policy or SchedulingPolicy()
+        self.policy = make_policy(config.scheduling_policy)
         self.cost_fn = cost_fn or (lambda params: 0)
-        self.max_batch_tokens = max_batch_tokens
-        self.max_preemptions = max_preemptions if step_batching else 0
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_preemptions = config.max_preemptions if step_batching else 0
         self.group_decodes = group_decodes and step_batching
-        self.admission_wait_s = admission_wait_s if not step_batching and max_num_seqs > 1 else 0.0
+        self.admission_wait_s = config.admission_wait_s if not step_batching and config.max_num_seqs > 1 else 0.0
         self.clock: Callable[[], float] = time.monotonic  # timeouts are on this clock (tests replace it)
         self._waiting: deque[DiffusionRequest] = deque()
         self._running: dict[str, DiffusionRequest] = {}  # insertion order is admission order

@@ -88,7 +88,7 @@ class TritonPythonModel:
         from engine_lib.hooks import hooks_from_environment  # noqa: PLC0415
 
         self.metrics = ModelMetrics(pb_utils, self.model_name, log=_log, instance=self.instance_name,
-                                    priority_levels=self.config.priority_levels)
+                                    priority_levels=self.config.scheduler.priority_levels)
         try:
             self.engine = DiffusionEngine.make_engine(self.config, tick_listener=self.metrics.tick,
                                                       hooks=hooks_from_environment(self.model_name))
@@ -105,10 +105,11 @@ class TritonPythonModel:
         self._ids = itertools.count(1)
         self._priority_key = os.environ.get(PRIORITY_KEY_ENVIRONMENT, "")  # empty: nobody passes the default level
         c = self.config
-        _log(f"{self.model_name}: loaded pipeline={c.pipeline} instance={self.instance_name} "
+        _log(f"{self.model_name}: loaded pipeline={c.model.pipeline} instance={self.instance_name} "
              f"model_path={resolve_model_path(self.config)} "
              f"device={self.adapter.device} dtype={self.adapter.dtype} mode={self.engine.mode.value} "
-             f"step_execution={c.step_execution} max_num_seqs={c.max_num_seqs} max_queue={c.max_queue} "
+             f"step_execution={c.scheduler.step_execution} max_num_seqs={c.scheduler.max_num_seqs} "
+             f"max_queue={c.limits.max_queue} "
              f"in {time.monotonic() - start:.1f} s; {loaded_levers}")
 
     def execute(self, requests: list) -> None:
@@ -124,8 +125,8 @@ class TritonPythonModel:
                 client_id = request.request_id() or ""
                 control = read_parameters(request.parameters(), self.engine.inputs)
                 params = self.engine.parse(read_inputs(self._input_arrays(request), self.engine.inputs.specs))
-                check_priority(params.get("priority") or 0, self.config.default_priority_level,
-                               self.config.priority_levels, control.get(PRIORITY_KEY), self._priority_key)
+                check_priority(params.get("priority") or 0, self.config.scheduler.default_priority_level,
+                               self.config.scheduler.priority_levels, control.get(PRIORITY_KEY), self._priority_key)
             except Exception as exc:  # noqa: BLE001 - bad input (or a bug): answer now, queue nothing
                 self.sender.reject(response_sender, exc, client_id)
                 continue

@@ -17,6 +17,6 @@ def test_gpu_sh_parses():
 def test_every_parallel_configuration_is_a_valid_engine_config():
     for gpus in (2, 4, 8):
         for pipeline, parameters, _ in configs(gpus):
-            config = EngineConfig(pipeline=pipeline, **parameters)
+            config = EngineConfig.of(pipeline=pipeline, **parameters)
             config.validate()
-            assert 1 < config.world_size <= max(gpus, 4)  # main() skips the 4-rank combination on fewer GPUs
+            assert 1 < config.parallel.world_size <= max(gpus, 4)  # main() skips the 4-rank combination on fewer GPUs

@@ -32,13 +32,13 @@ MODES = [
 def adapter(tiny_qwen_dir):
     from engine_lib.pipelines.registry import load_adapter
 
-    return load_adapter(EngineConfig(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
+    return load_adapter(EngineConfig.of(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
 
 
 def make(adapter, step_execution=False, max_num_seqs=1, hooks=None, **kw):
-    config = EngineConfig(step_execution=step_execution, max_num_seqs=max_num_seqs, warmup=False,
-                          input_max={**INPUT_MAX, "num_inference_steps": 1000},  # requests that outlast their checks
-                          **kw)
+    config = EngineConfig.of(step_execution=step_execution, max_num_seqs=max_num_seqs, warmup=False,
+                             input_max={**INPUT_MAX, "num_inference_steps": 1000},  # requests that outlast their checks
+                             **kw)
     return DiffusionEngine(adapter, config, hooks=hooks)
 
 
@@ -271,9 +271,9 @@ def test_capability_flags_checked_at_load(adapter):
         capabilities = Capabilities(frozenset())  # neither step execution nor request batches
 
     with pytest.raises(ConfigError, match="'step_execution'=true: .* does not run step execution"):
-        DiffusionEngine(NoStep(adapter, None), EngineConfig(step_execution=True))
+        DiffusionEngine(NoStep(adapter, None), EngineConfig.of(step_execution=True))
     with pytest.raises(ConfigError, match="'max_num_seqs'=2: .* does not run request batch"):
-        DiffusionEngine(NoStep(adapter, None), EngineConfig(max_num_seqs=2))
+        DiffusionEngine(NoStep(adapter, None), EngineConfig.of(max_num_seqs=2))
 
 
 def test_make_engine_cleans_up_when_warmup_fails(adapter):
@@ -293,7 +293,7 @@ def test_make_engine_loads_the_pipeline_on_a_thread_that_ends(adapter, monkeypat
 
     loaded_on = []
     monkeypatch.setattr(registry, "load_adapter", lambda config: loaded_on.append(threading.current_thread()) or adapter)
-    engine = DiffusionEngine.make_engine(EngineConfig(warmup=False))
+    engine = DiffusionEngine.make_engine(EngineConfig.of(warmup=False))
     try:
         assert engine.adapter is adapter
         assert loaded_on[0] is not threading.current_thread() and not loaded_on[0].is_alive()
@@ -309,7 +309,7 @@ def test_make_engine_raises_the_loading_error_itself(monkeypatch):
 
     monkeypatch.setattr(registry, "load_adapter", broken)
     with pytest.raises(ConfigError, match="model_path"):
-        DiffusionEngine.make_engine(EngineConfig(warmup=False))
+        DiffusionEngine.make_engine(EngineConfig.of(warmup=False))
 
 
 def test_request_mode_waits_for_a_burst_and_runs_it_as_one_wave(adapter, monkeypatch):
@@ -317,7 +317,7 @@ def test_request_mode_waits_for_a_burst_and_runs_it_as_one_wave(adapter, monkeyp
     clock in tests/sched); the burst runs as one wave of four, one tick per denoise step."""
     monkeypatch.setattr(scheduler, "BURST_STABLE_S", 60.0)  # only a full wave (or the 60 s limit) ends the wait
     ticks = []
-    engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=60000, warmup=False),
+    engine = DiffusionEngine(adapter, EngineConfig.of(max_num_seqs=4, request_batch_max_wait_ms=60000, warmup=False),
                              tick_listener=ticks.append)
     try:
         plans, decided, schedule = [], threading.Event(), engine.scheduler.schedule

@@ -116,7 +116,7 @@ def test_true_cfg_reads_nothing_from_the_device(adapter):
 def test_mixed_sizes_read_nothing_from_the_device(adapter):
     if not adapter.step_key_skips:
         pytest.skip(f"{adapter.name} keeps one image size per forward")
-    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config.replace(mixed_size_batching=True))
     inputs = [request(i, height=h, width=w) for i, (h, w) in enumerate([(32, 32), (64, 64), (32, 64)])]
     assert_quiet_after_admission(reads_per_tick(mixed, inputs))
 
@@ -131,8 +131,8 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     model_dir = ensure_model(adapter.name, "tiny")
     for name in ("toy_a", "toy_b"):
         shutil.copy(ensure_loras(adapter.name, model_dir) / f"{name}.safetensors", tmp_path)
-    with_loras = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu",
-                                           dtype="float32", lora_dir=str(tmp_path)))  # its own pipe
+    with_loras = load_adapter(EngineConfig.of(pipeline=adapter.name, model_path=str(model_dir), device="cpu",
+                                              dtype="float32", lora_dir=str(tmp_path)))  # its own pipe
     # 4, 6, 4 and 6 steps: two LoRAs on part of the rows before and after the batch shrinks
     loras = [{"lora_name": "toy_a"}, {"lora_name": "toy_b", "lora_scale": 0.5}, {}, {"lora_name": "toy_a"}]
     assert_quiet_after_admission(reads_per_tick(with_loras, [request(i, **lora) for i, lora in enumerate(loras)]))

@@ -69,7 +69,7 @@ class BlocksAdapter(PipelineAdapter):
     state_class = BlocksState
 
     @classmethod
-    def load(cls, model_path, device, dtype, options=None):
+    def load(cls, model_path, device, dtype, config=None):
         raise NotImplementedError
 
     def prepare_encode(self, state: BlocksState) -> None:
@@ -93,7 +93,7 @@ class Pipe:
 
 def engine(before_block=None, tick_gate=None, **config) -> DiffusionEngine:
     adapter = BlocksAdapter(Pipe(), torch.device("cpu"), torch.float32)
-    return DiffusionEngine(adapter, EngineConfig(pipeline="blocks", warmup=False, **config),
+    return DiffusionEngine(adapter, EngineConfig.of(pipeline="blocks", warmup=False, **config),
                            hooks=EngineHooks(tick_gate=tick_gate, before_block=before_block))
 
 
@@ -186,9 +186,9 @@ def test_the_hooks_of_another_runner_stay_inert():
     """A second engine over the same adapter: the first one's hooks (its interrupt set by its close) stay on
     the shared blocks while its runner lives, and never stop the second one's ticks."""
     adapter = BlocksAdapter(Pipe(), torch.device("cpu"), torch.float32)
-    first = DiffusionEngine(adapter, EngineConfig(pipeline="blocks", warmup=False))
+    first = DiffusionEngine(adapter, EngineConfig.of(pipeline="blocks", warmup=False))
     first.close()
-    second = DiffusionEngine(adapter, EngineConfig(pipeline="blocks", warmup=False))
+    second = DiffusionEngine(adapter, EngineConfig.of(pipeline="blocks", warmup=False))
     try:
         assert second.add_request("r", {"prompt": "p", "num_inference_steps": 2}).result(timeout=10).error is None
     finally:

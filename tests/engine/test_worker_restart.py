@@ -49,7 +49,7 @@ class Ranks:
     def __init__(self, adapter):
         self.adapter, self.groups, self.failing, self.die = adapter, [], False, False
 
-    def start(self, model_path, options):
+    def start(self, model_path, config):
         if self.failing:
             raise WorkerError("rank 0 could not join the group")
         self.groups.append(Group())
@@ -66,10 +66,10 @@ class Ranks:
 def ranks(tiny_qwen_dir):
     from engine_lib.pipelines.registry import load_adapter
 
-    adapter = load_adapter(EngineConfig(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
+    adapter = load_adapter(EngineConfig.of(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
     ranks = Ranks(adapter)
     adapter.start_workers = ranks.start  # what the registry's load does for a parallel instance
-    adapter.launch_workers(str(tiny_qwen_dir), {})
+    adapter.launch_workers(str(tiny_qwen_dir), adapter.config)
     return ranks
 
 
@@ -77,8 +77,8 @@ wait_until = functools.partial(wait_within, timeout=30.0)
 
 
 def make(ranks, budget, ticks=None):
-    config = EngineConfig(step_execution=True, max_num_seqs=1, warmup=False, max_preemptions=1,
-                          input_max={**INPUT_MAX, "num_inference_steps": 1000})
+    config = EngineConfig.of(step_execution=True, max_num_seqs=1, warmup=False, max_preemptions=1,
+                             input_max={**INPUT_MAX, "num_inference_steps": 1000})
     hooks = EngineHooks(tick_gate=FileTickBudget(str(budget.path)), before_forward=ranks.before_forward)
     return DiffusionEngine(ranks.adapter, config, hooks=hooks, tick_listener=ticks.append if ticks is not None else None)
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import EngineConfig, SchedulerConfig
 from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import packing, taylorseer
@@ -41,14 +41,14 @@ def load_tiny_adapter(pipeline: str, adapter_cls: type) -> PipelineAdapter:
     from engine_lib.tiny_models import ensure_model
 
     model_dir = ensure_model(pipeline, "tiny")
-    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32"))
+    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32"))
     assert isinstance(adapter, adapter_cls) and getattr(adapter, "cfg_batching", True)  # on by default
     return adapter
 
 
 def with_cfg_batching(adapter: PipelineAdapter, on: bool) -> PipelineAdapter:
     """The same pipe and options with cfg_batching `on` (off: cond and uncond as two forwards of B rows)."""
-    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "cfg_batching": on})
+    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config.replace(cfg_batching=on))
 
 
 @contextlib.contextmanager
@@ -112,8 +112,8 @@ def step_engine(adapter: PipelineAdapter, capacity: int = 4, float_output: bool 
     `group_decodes`: the scheduler's decode groups (else each request decodes the tick it finishes denoising);
     `max_preemptions`: times a running request may pause for a more urgent arrival.
     """
-    scheduler = Scheduler(capacity, lambda params: None, max_head_bypass=0, group_decodes=group_decodes,
-                          max_preemptions=max_preemptions)
+    config = SchedulerConfig(step_execution=True, max_num_seqs=capacity, max_preemptions=max_preemptions)
+    scheduler = Scheduler(config, lambda params: None, max_head_bypass=0, group_decodes=group_decodes)
     return DiffusionEngine(adapter, TEST_CONFIG, scheduler, run_loop=False, float_outputs=float_output)
 
 
@@ -382,7 +382,7 @@ class FlowMatchParitySuite:
         if not adapter.step_key_skips:
             pytest.skip(f"{adapter.name} keeps one image size per forward")
         return type(adapter)(adapter.pipe, adapter.device, adapter.dtype,
-                             {**adapter.options, "mixed_size_batching": True})
+                             adapter.config.replace(mixed_size_batching=True))
 
     def test_with_mixed_size_batching_size_leaves_the_step_key_but_not_the_request_key(self, adapter):
         mixed = self.mixed_size_adapter(adapter)

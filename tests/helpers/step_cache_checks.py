@@ -208,9 +208,9 @@ def first_layer_cache(run_layers, num_layers: int, limit: float, decisions, stat
     return layers
 
 
-def with_options(adapter: PipelineAdapter, **options) -> PipelineAdapter:
-    """The same pipe with `options` over its own."""
-    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, **options})
+def with_parameters(adapter: PipelineAdapter, **parameters) -> PipelineAdapter:
+    """The same pipe with these config parameters over its own."""
+    return type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config.replace(**parameters))
 
 
 def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
@@ -218,7 +218,7 @@ def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
     from engine_lib.tiny_models import ensure_loras, ensure_model
 
     loras = ensure_loras(pipeline, ensure_model(pipeline, "tiny"))
-    return with_options(adapter, lora_dir=str(loras), mixed_size_batching=True)
+    return with_parameters(adapter, lora_dir=str(loras), mixed_size_batching=True)
 
 
 def head_and_tail(adapter: PipelineAdapter) -> tuple[str, str]:

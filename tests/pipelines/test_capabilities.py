@@ -37,7 +37,7 @@ def config_of(name: str, *features: str) -> EngineConfig:
     values = {"pipeline": name, "model_path": str(ensure_model(name, "tiny")), "device": "cpu", "dtype": "float32"}
     for feature in features:
         values.update(LOAD[feature])
-    return EngineConfig(**values)
+    return EngineConfig.of(**values)
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,7 +143,7 @@ def test_qwen_image_and_flux_refuse_exactly_the_parallel_pairs_that_do_not_run()
                         ("flux", "mixed_sizes", "sequence_parallel"),
                         ("flux", "cfg_parallel", "sequence_parallel")}
     config = config_of("qwen_image", "cfg_parallel", "sequence_parallel")
-    assert config.world_size == 4
+    assert config.parallel.world_size == 4
     params = tiny("qwen_image").input_schema(config).parse({"prompt": "a cat", "negative_prompt": "blurry",
                                                             "true_cfg_scale": 4.0, "lora_name": "toy_a",
                                                             "cache": "first_block"})

@@ -48,8 +48,8 @@ def two_forwards(single) -> QwenImageAdapter:
 def loaded() -> QwenImageAdapter:
     from engine_lib.pipelines.registry import load_adapter
 
-    config = EngineConfig(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
-                          cfg_parallel=True)
+    config = EngineConfig.of(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
+                             cfg_parallel=True)
     adapter = load_adapter(config)
     yield adapter
     adapter.close()
@@ -62,7 +62,7 @@ def parallel(loaded) -> QwenImageAdapter:
     if loaded.workers.broken:
         loaded.close()
         loaded.workers = cfg_parallel.start(type(loaded), str(ensure_model("qwen_image", "tiny")), loaded.device,
-                                              loaded.dtype, loaded.options)
+                                              loaded.dtype, loaded.config)
     return loaded
 
 
@@ -72,8 +72,8 @@ def groups_of_two() -> QwenImageAdapter:
     uncond forward's on ranks 2 and 3."""
     from engine_lib.pipelines.registry import load_adapter
 
-    config = EngineConfig(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
-                          cfg_parallel=True, sequence_parallel_size=2)
+    config = EngineConfig.of(model_path=str(ensure_model("qwen_image", "tiny")), device="cpu", dtype="float32",
+                             cfg_parallel=True, sequence_parallel_size=2)
     adapter = load_adapter(config)
     yield adapter
     adapter.close()
@@ -119,9 +119,9 @@ def test_a_step_batch_joined_at_different_ticks_equals_the_single_process_run(pa
 
 def test_the_ranks_devices_are_checked():
     """(What cfg_parallel does not combine with: test_capabilities.py.)"""
-    assert EngineConfig.from_parameters({"cfg_parallel": "true"}).cfg_parallel
+    assert EngineConfig.from_parameters({"cfg_parallel": "true"}).parallel.cfg_parallel
     with pytest.raises(ConfigError, match="'devices'"):
-        EngineConfig(cfg_parallel=True, devices="cpu").validate()
+        EngineConfig.of(cfg_parallel=True, devices="cpu")
 
 
 def mixed_loras_and_caches(single) -> dict:

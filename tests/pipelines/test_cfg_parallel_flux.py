@@ -32,8 +32,8 @@ def two_forwards(single) -> FluxAdapter:
 
 @pytest.fixture(scope="module")
 def parallel():
-    adapter = load_adapter(EngineConfig(pipeline="flux", model_path=str(ensure_model("flux", "tiny")), device="cpu",
-                                        dtype="float32", cfg_parallel=True))
+    adapter = load_adapter(EngineConfig.of(pipeline="flux", model_path=str(ensure_model("flux", "tiny")), device="cpu",
+                                           dtype="float32", cfg_parallel=True))
     yield adapter
     adapter.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import taylorseer
 from engine_lib.pipelines.flux.adapter import DEFAULT_GUIDANCE_SCALE, FluxAdapter
@@ -88,11 +89,11 @@ def test_text_length_is_part_of_the_keys(adapter):
 
 
 def test_max_sequence_length_option_sets_the_default(adapter):
-    configured = FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 64})
+    configured = FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, EngineConfig.of(max_sequence_length=64))
     assert parse(configured, {"prompt": "x"}).max_sequence_length == 64
     assert configured.text_length(parse(configured, {"prompt": "x", "max_sequence_length": 16})) == 16
     with pytest.raises(ValueError, match="max_sequence_length"):
-        FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, {"max_sequence_length": 1024})
+        FluxAdapter(adapter.pipe, adapter.device, adapter.dtype, EngineConfig.of(max_sequence_length=1024))
 
 
 def test_guidance_is_rejected_by_checkpoints_without_guidance_embeddings(adapter, monkeypatch):

@@ -110,5 +110,5 @@ def test_ranks_are_refused_at_load_naming_the_parameter(pipeline, parameter, val
     from engine_lib.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"parameter '{parameter}'"):
-        load_adapter(EngineConfig(pipeline=pipeline, device="cpu", dtype="float32", devices="cpu,cpu",
-                                  **{parameter: value}))
+        load_adapter(EngineConfig.of(pipeline=pipeline, device="cpu", dtype="float32", devices="cpu,cpu",
+                                     **{parameter: value}))

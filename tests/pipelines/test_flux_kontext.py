@@ -112,7 +112,7 @@ def test_with_mixed_size_batching_two_output_and_three_condition_sizes_share_eve
     """mixed_size_batching: requests of two output sizes (32x48, 48x32) and three condition sizes join at
     ticks 0, 1 and 1 and share every forward (4 forwards, not the 10 of one size per forward): each row's latent
     tokens, then its own condition's, packed with its own ids; each within the batched bound of its solo run."""
-    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config.replace(mixed_size_batching=True))
     arrivals = [Arrival(0, "a", params(0, PROMPTS[0], seed=1, steps=4, **cfg)),
                 Arrival(1, "b", params(3, PROMPTS[1], seed=2, steps=3, height=48, width=32, **cfg)),
                 Arrival(1, "c", params(1, PROMPTS[1], seed=2, steps=3, **cfg))]

@@ -81,9 +81,9 @@ def test_num_frames_outside_what_helios_generates_is_refused_naming_it(adapter, 
 
 def test_more_than_one_active_request_fails_the_load_naming_max_num_seqs():
     with pytest.raises(ConfigError, match="max_num_seqs=1"):
-        select_mode(EngineConfig(pipeline="helios", step_execution=True, max_num_seqs=2), HeliosAdapter)
+        select_mode(EngineConfig.of(pipeline="helios", step_execution=True, max_num_seqs=2), HeliosAdapter)
     with pytest.raises(ConfigError, match="'max_num_seqs'=2: helios does not run request batch"):
-        select_mode(EngineConfig(pipeline="helios", max_num_seqs=2), HeliosAdapter)
+        select_mode(EngineConfig.of(pipeline="helios", max_num_seqs=2), HeliosAdapter)
 
 
 def test_progress_responses_follow_preview_interval_between_chunks(adapter):

@@ -65,9 +65,9 @@ def expected(single) -> dict:
 
 
 def load(expert_parallel: bool) -> HunyuanImage3Adapter:
-    return load_adapter(EngineConfig(pipeline="hunyuan_image3", model_path=str(ensure_model("hunyuan_image3", "tiny")),
-                                     device="cpu", dtype="float32", tensor_parallel_size=2,
-                                     expert_parallel=expert_parallel))
+    model_path = str(ensure_model("hunyuan_image3", "tiny"))
+    return load_adapter(EngineConfig.of(pipeline="hunyuan_image3", model_path=model_path, device="cpu", dtype="float32",
+                                        tensor_parallel_size=2, expert_parallel=expert_parallel))
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,8 @@ class LeftOpen:
 
 def test_an_aborted_request_frees_every_ranks_caches(ep):
     """Through the engine (a cancel is an abort)."""
-    engine = DiffusionEngine(LeftOpen(ep), EngineConfig(pipeline="hunyuan_image3", step_execution=True, warmup=False))
+    config = EngineConfig.of(pipeline="hunyuan_image3", step_execution=True, warmup=False)
+    engine = DiffusionEngine(LeftOpen(ep), config)
     try:
         stream = engine.add_request("long", inputs("a long wait", 7, steps=100))
         assert _wait(lambda: engine.stats().num_runner_states == 1)

@@ -84,7 +84,7 @@ def test_the_served_inputs(adapter):
 
 def test_a_folder_without_the_text_head_refuses_think_naming_bot_task(adapter, monkeypatch):
     monkeypatch.setattr(adapter.pipe, "text_head", None)
-    headless = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.options)
+    headless = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config)
     headless.check_inputs(parse(headless, {"prompt": "a cat"}))
     with pytest.raises(InvalidInputError, match="bot_task"):
         headless.check_inputs(parse(headless, {"prompt": "a cat", "bot_task": "think"}))

@@ -29,8 +29,8 @@ BASE = {"prompt": "a red car", "height": 64, "width": 64, "num_inference_steps":
 @functools.lru_cache(maxsize=None)
 def load(pipeline: str = "qwen_image", preset: str = "tiny", **levers_on):
     """The tiny model of `pipeline` with `levers_on` (config parameters), on the CPU in float32, step mode x8."""
-    config = EngineConfig(pipeline=pipeline, model_path=str(ensure_model(pipeline, preset)), device="cpu",
-                          dtype="float32", step_execution=True, max_num_seqs=8)
+    config = EngineConfig.of(pipeline=pipeline, model_path=str(ensure_model(pipeline, preset)), device="cpu",
+                             dtype="float32", step_execution=True, max_num_seqs=8)
     return load_adapter(config.replace(**levers_on))
 
 
@@ -144,16 +144,14 @@ def test_full_compile_traces_the_whole_forward_and_keeps_the_images_with_the_ste
 
 def test_a_parallel_rank_loads_its_copy_of_the_model_with_the_levers():
     """What each rank process of cfg_parallel runs at its start, here in-process (spawning ranks takes tens of
-    seconds; end to end, docs/benchmarks.md): the instance's options, levers included, on the rank's own copy."""
+    seconds; end to end, docs/benchmarks.md): the instance's config, levers included, on the rank's own copy."""
     from engine_lib.parallel import _load_pipeline_rank
     from engine_lib.pipelines.cfg_parallel import CfgRank
-    from engine_lib.pipelines.registry import adapter_options
 
     path = str(ensure_model("qwen_image", "tiny"))
-    config = EngineConfig(pipeline="qwen_image", model_path=path, device="cpu", dtype="float32", cfg_parallel=True,
-                          quantization="int8_weight_only", compile="regional", compile_backend="eager")
-    rank = _load_pipeline_rank(CfgRank, type(load()), path, torch.float32, adapter_options(config, path), 1, 2,
-                               torch.device("cpu"))
+    config = EngineConfig.of(pipeline="qwen_image", model_path=path, device="cpu", dtype="float32", cfg_parallel=True,
+                             quantization="int8_weight_only", compile="regional", compile_backend="eager")
+    rank = _load_pipeline_rank(CfgRank, type(load()), path, torch.float32, config, 1, 2, torch.device("cpu"))
     plain = levers.weight_bytes(load().pipe)["transformer"]
     assert levers.weight_bytes(rank.adapter.pipe)["transformer"] <= 0.35 * plain
     assert rank.adapter.levers.compiler is not None and rank.adapter.pipe.transformer._repeated_blocks

@@ -40,8 +40,8 @@ def setup(request, tmp_path_factory):
     lora_dir = tmp_path_factory.mktemp(f"loras-{pipeline}")
     for name in ("toy_a", "toy_b", "toy_all"):
         shutil.copy(ensure_loras(pipeline, model_dir) / f"{name}.safetensors", lora_dir)
-    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32",
-                                        lora_dir=str(lora_dir), max_loras=2))
+    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32",
+                                           lora_dir=str(lora_dir), max_loras=2))
     return adapter, lora_dir, model_dir
 
 
@@ -100,8 +100,9 @@ def test_loras_on_rows_of_different_sizes_share_a_forward(setup, first, second):
     adapter, lora_dir, model_dir = setup
     if not adapter.step_key_skips:
         pytest.skip(f"{adapter.name} keeps one image size per forward")
-    mixed = load_adapter(EngineConfig(pipeline=adapter.name, model_path=str(model_dir), device="cpu", dtype="float32",
-                                      lora_dir=str(lora_dir), mixed_size_batching=True, step_execution=True))
+    mixed = load_adapter(EngineConfig.of(pipeline=adapter.name, model_path=str(model_dir), device="cpu",
+                                         dtype="float32", lora_dir=str(lora_dir), mixed_size_batching=True,
+                                         step_execution=True))
     cases = {"first-32": {**BASE, "lora_name": first}, "none-64x48": {**BASE, "height": 64, "width": 48},
              "second-64": {**BASE, "lora_name": second, "height": 64, "width": 64, "seed": 6},
              "first_half-32x64": {**BASE, "lora_name": first, "lora_scale": 0.5, "height": 32, "width": 64}}

@@ -150,8 +150,8 @@ def test_a_video_over_the_compute_budget_is_refused_naming_its_size(adapter):
     from engine_lib.config import EngineConfig
     from engine_lib.engine import DiffusionEngine
 
-    engine = DiffusionEngine(adapter, EngineConfig(pipeline="ltx2", step_execution=True, max_num_seqs=2,
-                                                   max_batch_tokens=100, warmup=False))
+    engine = DiffusionEngine(adapter, EngineConfig.of(pipeline="ltx2", step_execution=True, max_num_seqs=2,
+                                                      max_batch_tokens=100, warmup=False))
     try:
         assert engine.parse(dict(prompt="x", height=32, width=32)).num_frames == 9  # 2 x 4 x 4 tokens, x2 CFG
         with pytest.raises(InvalidInputError, match=r"input 'height': 64x64, num_frames=17 needs 384 latent tokens "

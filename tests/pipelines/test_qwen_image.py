@@ -87,7 +87,7 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     from engine_lib.config import ConfigError
 
     assert registry.get_adapter_class("qwen_image") is QwenImageAdapter
-    assert registry.get_adapter_class(EngineConfig().pipeline) is QwenImageAdapter
+    assert registry.get_adapter_class(EngineConfig().model.pipeline) is QwenImageAdapter
     with pytest.raises(ConfigError, match="qwen_image"):
         registry.get_adapter_class("nope")
     assert registry.resolve_device("cpu") == torch.device("cpu")
@@ -101,8 +101,8 @@ def test_registry_resolves_names_devices_dtypes_and_paths(monkeypatch, tiny_qwen
     assert registry.resolve_model_path(EngineConfig()) == "/elsewhere"
     monkeypatch.setenv(f"{registry.MODEL_PATH_ENV}_QWEN_IMAGE", "/its/own")
     assert registry.resolve_model_path(EngineConfig()) == "/its/own"  # the per-pipeline variable wins
-    assert registry.resolve_model_path(EngineConfig(pipeline="flux")) == "/elsewhere"
-    assert registry.resolve_model_path(EngineConfig(model_path="/given")) == "/given"
+    assert registry.resolve_model_path(EngineConfig.of(pipeline="flux")) == "/elsewhere"
+    assert registry.resolve_model_path(EngineConfig.of(model_path="/given")) == "/given"
 
 
 @pytest.mark.parametrize("backend", ["native", "flex"])

@@ -107,7 +107,7 @@ def test_with_mixed_size_batching_two_output_sizes_and_two_condition_shapes_shar
     """mixed_size_batching: a 3:2 and a 2:3 image, outputs of 64x64 and 32x96, join at ticks 0, 1 and 1 and share
     every forward (each row's output tokens, then its own condition's, packed with its own RoPE): each within a
     uint8 level of its solo run."""
-    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {**adapter.options, "mixed_size_batching": True})
+    mixed = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, adapter.config.replace(mixed_size_batching=True))
     mixed.loras = adapter.loras
     arrivals = [Arrival(0, "a", parse(adapter, params(0, PROMPTS[0], seed=1))),
                 Arrival(1, "b", parse(adapter, params(3, PROMPTS[1], seed=2, height=32, width=96))),
@@ -165,7 +165,7 @@ def test_edit_plus_with_mixed_size_batching_one_and_two_images_share_every_forwa
     """mixed_size_batching: a request of one image and one of two (three condition shapes in all, each its own
     frame index in the row's RoPE) share every forward, each within a uint8 level of its solo run."""
     plus = load_tiny_adapter("qwen_image_edit_plus", QwenImageEditPlusAdapter)
-    mixed = type(plus)(plus.pipe, plus.device, plus.dtype, {**plus.options, "mixed_size_batching": True})
+    mixed = type(plus)(plus.pipe, plus.device, plus.dtype, plus.config.replace(mixed_size_batching=True))
     mixed.loras = plus.loras
     arrivals = [Arrival(0, "one", parse(plus, params(3, PROMPTS[0], seed=1, steps=2))),
                 Arrival(0, "two", parse(plus, params(steps=2, seed=2) | {"image": [IMAGES[0], IMAGES[3]]}))]

@@ -84,7 +84,7 @@ def test_every_image_request_the_default_limits_allow_is_admitted(cls):
 
 @pytest.mark.parametrize("text, limit", [("auto", 123), ("0", 0), ("5000", 5000), (" 7 ", 7)])
 def test_the_parameter_parses(text, limit):
-    assert EngineConfig.from_parameters({"max_request_cost": text}).request_cost_limit(123) == limit
+    assert EngineConfig.from_parameters({"max_request_cost": text}).scheduler.request_cost_limit(123) == limit
 
 
 @pytest.mark.parametrize("text", ["-1", "lots", "1e6", ""])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from engine_lib.config import SchedulerConfig
 from engine_lib.pipelines.flow_match import FlowMatchAdapter
 from engine_lib.request import DiffusionRequest, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, step_batch_key
@@ -36,8 +37,8 @@ def test_cfg_doubles_the_cost_of_every_image():
 
 def test_the_budget_admits_by_the_adapters_cost_with_its_cfg_rows():
     costs = adapter("cfg")
-    sched = Scheduler(8, lambda p: step_batch_key(p, ()), cost_fn=costs.request_cost, max_batch_tokens=7,
-                      max_head_bypass=0)
+    sched = Scheduler(SchedulerConfig(step_execution=True, max_num_seqs=8, max_batch_tokens=7, max_preemptions=0),
+                      lambda p: step_batch_key(p, ()), cost_fn=costs.request_cost, max_head_bypass=0)
     for rid, p in (("plain-3", params(48, 16, guidance_scale=1.0)), ("cfg-2", params(16, 16, guidance_scale=5.0)),
                    ("cfg-4", params(32, 16, guidance_scale=5.0)), ("plain-1", params(16, 16, guidance_scale=1.0))):
         sched.add_request(DiffusionRequest(rid, p))

@@ -32,8 +32,8 @@ CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
 
 
 def sequence_parallel(pipeline: str):
-    adapter = load_adapter(EngineConfig(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
-                                        device="cpu", dtype="float32", sequence_parallel_size=2))
+    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
+                                           device="cpu", dtype="float32", sequence_parallel_size=2))
     yield adapter
     adapter.close()
 

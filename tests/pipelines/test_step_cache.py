@@ -35,7 +35,7 @@ from tests.helpers.parity_checks import (FLOAT_BOUND, image_diff, load_tiny_adap
 from tests.helpers.step_cache_checks import (STEPS, cached_inputs, check_decisions_at_the_edge,
                                              check_pause_resume_and_abort, check_rows_decide_alone, check_shared_batch,
                                              check_solo_is_the_hooks, diffusers_cache, lora_runner, rows_into,
-                                             with_options)
+                                             with_parameters)
 
 
 @contextlib.contextmanager
@@ -172,7 +172,7 @@ def test_rows_decide_alone_in_a_shared_batch_and_reusing_rows_skip_the_blocks(ad
     packed (mixed_size_batching): each image is within one uint8 level of its solo run, and the tail block sees
     exactly the rows whose own request and branch computed there solo (the same decisions, made per row)."""
     mixed = sizes == "mixed_sizes"
-    runner = with_options(adapter, mixed_size_batching=mixed)
+    runner = with_parameters(adapter, mixed_size_batching=mixed)
     small = SMALL if mixed else {}
     a, b, c = CASES[pipeline].shared
     requests = {"off": {**CASES[pipeline].base, "seed": 1, **small}, "a": cached(pipeline, a, seed=2),

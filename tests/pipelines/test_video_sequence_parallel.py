@@ -153,7 +153,7 @@ def test_what_the_ltx2_ranks_cannot_split_is_refused_naming_the_input(ltx2_sp, l
     assert info.value.input_name == "max_sequence_length" and "at least 2 with sequence_parallel_size=2" in str(
         info.value)
     assert parse(ltx2_sp, dict(prompt="x", num_inference_steps=2, max_sequence_length=2)).max_sequence_length == 2
-    with mock.patch.dict(ltx2.options, parallel={"sequence_parallel_size": 32}), \
+    with mock.patch.object(ltx2, "config", ltx2.config.replace(sequence_parallel_size=32)), \
             mock.patch.object(ltx2, "workers", object()):
         with pytest.raises(InvalidInputError) as info:
             parse(ltx2, dict(prompt="x", num_inference_steps=2, height=32, width=32, num_frames=1,

@@ -165,7 +165,8 @@ def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapt
 
     adapter = get(adapters, "wan")
     lora_dir = ensure_loras("wan", registry.default_model_dir("wan"))
-    lora = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, {"lora_dir": str(lora_dir)})
+    config = adapter.config.replace(lora_dir=str(lora_dir))
+    lora = type(adapter)(adapter.pipe, adapter.device, adapter.dtype, config)
     inputs = inputs_for(lora, lora_name="toy_all", lora_scale=0.6)
     alone = solo_steps(lora, inputs)
     expected = diffusers_with_lora(lora, registry.default_model_dir("wan"), lora_dir, "toy_all", 0.6, inputs)

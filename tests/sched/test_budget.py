@@ -3,6 +3,7 @@ request joins only when the running set's cost plus its own fits (hand-made runn
 
 from __future__ import annotations
 
+from engine_lib.config import SchedulerConfig
 from engine_lib.request import DiffusionRequest, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, step_batch_key
 
@@ -20,8 +21,9 @@ def req(request_id: str, tokens: int, cfg: bool = False, steps: int = 3, num_ima
 
 def budget(max_batch_tokens: int, max_num_seqs: int = 8) -> Scheduler:
     """Every request compatible (an empty key), strict queue order: the budget alone limits the set."""
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ()), cost_fn=cost, max_batch_tokens=max_batch_tokens,
-                     max_head_bypass=0)
+    config = SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                             max_preemptions=0)
+    return Scheduler(config, lambda p: step_batch_key(p, ()), cost_fn=cost, max_head_bypass=0)
 
 
 def tick(sched: Scheduler):
@@ -67,7 +69,8 @@ def test_a_joining_request_must_fit_with_its_own_cost_not_only_the_room_left():
 
 
 def test_a_cfg_request_that_passes_the_head_still_counts_both_rows():
-    sched = Scheduler(8, lambda p: step_batch_key(p, ()), cost_fn=cost, max_batch_tokens=7)  # passing allowed
+    config = SchedulerConfig(step_execution=True, max_num_seqs=8, max_batch_tokens=7, max_preemptions=0)
+    sched = Scheduler(config, lambda p: step_batch_key(p, ()), cost_fn=cost)  # passing allowed
     sched.add_request(req("a-3", 3))
     sched.add_request(req("b-2", 1, cfg=True))
     tick(sched)  # 5 used

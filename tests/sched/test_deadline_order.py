@@ -5,14 +5,17 @@ cannot make it any more; preemption of a running request that is less pressing; 
 
 from __future__ import annotations
 
-from engine_lib.sched import Scheduler, SchedulerOutput, make_policy, step_batch_key
+from engine_lib.config import SchedulerConfig
+from engine_lib.sched import Scheduler, SchedulerOutput, step_batch_key
 from tests.helpers.scheduling import Clock, add, req, tick
 
 
 def edf(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, seconds_per_step=1.0) -> tuple[Scheduler, Clock]:
     """Every request costs 1 per step, and a step takes `seconds_per_step` per request in it (as if measured)."""
-    sched = Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
-                      cost_fn=lambda p: 1, max_preemptions=max_preemptions, policy=make_policy("deadline"))
+    config = SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_preemptions=max_preemptions,
+                             scheduling_policy="deadline")
+    sched = Scheduler(config, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
+                      cost_fn=lambda p: 1)
     sched.clock = clock = Clock()
     sched.policy.observe_tick(seconds_per_step, 1)
     return sched, clock

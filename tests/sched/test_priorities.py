@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from engine_lib.config import SchedulerConfig
 from engine_lib.request import RequestStatus, RequestTimedOutError
-from engine_lib.sched import Scheduler, make_policy, step_batch_key
+from engine_lib.sched import Scheduler, step_batch_key
 from engine_lib.sched.keys import request_batch_key
 from tests.helpers.scheduling import add, admission_order, req, tick
 
 
 def step(max_num_seqs=2, max_preemptions=1, max_batch_tokens=0, max_head_bypass=16) -> Scheduler:
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
-                     cost_fn=lambda p: p["height"], max_batch_tokens=max_batch_tokens, max_preemptions=max_preemptions)
+    config = SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                             max_preemptions=max_preemptions)
+    return Scheduler(config, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
+                     cost_fn=lambda p: p["height"])
 
 
 def test_the_most_urgent_waiting_request_is_admitted_first_then_the_oldest():
@@ -108,8 +111,8 @@ def test_preemption_frees_budget_as_well_as_seats():
 
 
 def test_request_mode_waves_follow_priority_and_the_budget():
-    sched = Scheduler(4, lambda p: request_batch_key(p, ("height",)), step_batching=False, cost_fn=lambda p: p["height"],
-                      max_batch_tokens=128)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_batch_tokens=128),
+                      lambda p: request_batch_key(p, ("height",)), cost_fn=lambda p: p["height"])
     add(sched, req("low1", 3), req("urgent1", 1), req("urgent2", 1), req("urgent3", 1))
     out, _ = tick(sched)
     assert out.new_ids == ["urgent1", "urgent2"]  # the budget takes two of 64
@@ -139,8 +142,9 @@ def test_negative_preemption_bound_is_refused(max_preemptions):
 
 
 def separate(max_num_seqs=4, max_preemptions=1) -> Scheduler:
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_preemptions=max_preemptions,
-                     policy=make_policy("separate_priorities"))
+    config = SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_preemptions=max_preemptions,
+                             scheduling_policy="separate_priorities")
+    return Scheduler(config, lambda p: step_batch_key(p, ("height",)))
 
 
 def test_separate_priorities_an_urgent_request_pauses_the_whole_less_urgent_set_and_runs_alone():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_lib.config import SchedulerConfig
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, request_batch_key
 from tests.helpers.scheduling import Clock
@@ -32,12 +33,12 @@ def key(params):
 
 
 def make(max_num_seqs: int = 1) -> Scheduler:
-    return Scheduler(max_num_seqs, key, step_batching=False)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs), key)
 
 
 def test_rejects_capacity_below_one():
     with pytest.raises(ValueError):
-        Scheduler(0, key, step_batching=False)
+        Scheduler(SchedulerConfig(max_num_seqs=0), key)
 
 
 def test_single_request_lifecycle():
@@ -213,7 +214,7 @@ def test_scheduled_request_without_result_is_an_internal_error():
 # --- admission wait ---------------------------------------------------------------------
 
 def waiting_wave(max_num_seqs: int = 4, wait_s: float = 10.0) -> tuple[Scheduler, Clock]:
-    sched = Scheduler(max_num_seqs, key, step_batching=False, admission_wait_s=wait_s)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_s * 1000), key)
     sched.clock = clock = Clock()
     return sched, clock
 
@@ -273,6 +274,6 @@ def test_admission_wait_starts_afresh_after_the_queue_empties():
 
 
 def test_step_batching_never_waits_for_a_burst():
-    sched = Scheduler(4, key, step_batching=True, admission_wait_s=10.0)
+    sched = Scheduler(SchedulerConfig(step_execution=True, max_num_seqs=4, request_batch_max_wait_ms=10000.0), key)
     sched.add_request(req("a"))
     assert sched.schedule().new_ids == ["a"]

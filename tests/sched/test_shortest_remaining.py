@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine_lib.sched import Scheduler, make_policy, step_batch_key
+from engine_lib.config import SchedulerConfig
+from engine_lib.sched import Scheduler, step_batch_key
 from engine_lib.sched.keys import request_batch_key
 from tests.helpers.scheduling import add, admission_order, req, tick
 
 
 def srpt(max_num_seqs=1, max_preemptions=1, max_head_bypass=16, order="shortest_remaining") -> Scheduler:
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass,
-                     max_preemptions=max_preemptions, policy=make_policy(order))
+    config = SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_preemptions=max_preemptions,
+                             scheduling_policy=order)
+    return Scheduler(config, lambda p: step_batch_key(p, ("height",)), max_head_bypass=max_head_bypass)
 
 
 def test_the_waiting_request_with_fewest_steps_left_goes_first_then_the_oldest():
@@ -77,8 +79,8 @@ def test_max_head_bypass_0_is_arrival_order():
 
 
 def test_request_mode_admits_the_shortest_wave_first():
-    sched = Scheduler(2, lambda p: request_batch_key(p, ("height",)), step_batching=False,
-                      policy=make_policy("shortest_remaining"))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, scheduling_policy="shortest_remaining"),
+                      lambda p: request_batch_key(p, ("height",)))
     add(sched, req("long", steps=16), req("short-a", steps=4), req("short-b", steps=4))
     out = sched.schedule()
     assert out.new_ids == ["short-a", "short-b"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_lib.config import SchedulerConfig
 from engine_lib.request import DiffusionRequest, PipelineError, RequestStatus, SamplingParams
 from engine_lib.sched import RunnerOutput, Scheduler, SchedulerOutput, step_batch_key
 
@@ -15,7 +16,8 @@ def req(request_id: str, steps: int = 3, **overrides) -> DiffusionRequest:
 
 def make(max_num_seqs: int = 4) -> Scheduler:
     """Strict queue order (no request passes a waiting one)."""
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), max_head_bypass=0)
+    return Scheduler(SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_preemptions=0),
+                     lambda p: step_batch_key(p, ("height",)), max_head_bypass=0)
 
 
 class FakeRunner:
@@ -208,7 +210,8 @@ def test_abort_mid_run_and_waiting():
 
 
 def test_compatible_requests_pass_an_incompatible_head_at_most_max_head_bypass_times():
-    sched = Scheduler(4, lambda p: step_batch_key(p, ("height",)), max_head_bypass=2)
+    sched = Scheduler(SchedulerConfig(step_execution=True, max_num_seqs=4, max_preemptions=0),
+                      lambda p: step_batch_key(p, ("height",)), max_head_bypass=2)
     runner = FakeRunner(sched)
     sched.add_request(req("run", steps=10))
     run_tick(sched, runner)
@@ -237,7 +240,8 @@ def test_without_bypass_an_incompatible_head_blocks_everyone_behind_it():
 # --- decode groups ------------------------------------------------------------------------
 
 def grouping(max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(max_num_seqs, lambda p: step_batch_key(p, ("height",)), group_decodes=True)
+    return Scheduler(SchedulerConfig(step_execution=True, max_num_seqs=max_num_seqs, max_preemptions=0),
+                     lambda p: step_batch_key(p, ("height",)), group_decodes=True)
 
 
 def decode_ticks(sched: Scheduler, arrivals: dict[int, list]) -> dict[str, int]:
@@ -330,6 +334,6 @@ def test_mixed_priority_holds_tick_by_tick():
 
 
 def test_request_batching_never_holds_a_decode():
-    sched = Scheduler(4, lambda p: step_batch_key(p, ("height",)), step_batching=False, group_decodes=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), lambda p: step_batch_key(p, ("height",)), group_decodes=True)
     sched.add_request(req("a", steps=1))
     assert sched.schedule().hold_decode_ids == set()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
-from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX, EngineConfig
+from engine_lib.config import INPUT_DEFAULTS, INPUT_MAX, PARAMETERS, EngineConfig
 from engine_lib.serving.processes import REPO_ROOT
 
 ROW = re.compile(r"^\|\s*`([a-z_]+)`\s*\|\s*`([^`]*)`\s*\|")
@@ -23,7 +22,7 @@ PER_INPUT = {"input_max": ("max_", INPUT_MAX), "input_defaults": ("default_", IN
 def test_tables_list_exactly_the_engine_config_parameters():
     """Every field, and for the per-input ones (`max_<input>`, `default_<input>`) every built-in entry."""
     documented = documented_defaults()
-    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in PER_INPUT]
+    names = list(PARAMETERS)
     names += [prefix + name for prefix, entries in PER_INPUT.values() for name in entries]
     assert sorted(documented) == sorted(names)
 
@@ -34,10 +33,10 @@ def test_documented_defaults_parse_to_the_real_defaults():
         value = "" if text == '""' else text
         parsed = EngineConfig.from_parameters({name: value})
         for field, (prefix, _) in PER_INPUT.items():
-            if name.startswith(prefix) and name not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            if name.startswith(prefix) and name not in PARAMETERS:
                 key = name.removeprefix(prefix)
-                assert getattr(parsed, field)[key] == getattr(defaults, field)[key], name
+                assert parsed.parameter(field)[key] == defaults.parameter(field)[key], name
                 break
         else:
-            assert getattr(parsed, name) == getattr(defaults, name), \
-                f"{name}: documented {text!r}, default {getattr(defaults, name)!r}"
+            assert parsed.parameter(name) == defaults.parameter(name), \
+                f"{name}: documented {text!r}, default {defaults.parameter(name)!r}"

@@ -152,8 +152,8 @@ def test_served_outputs_are_the_pipelines_own(server, model_dirs, model):
     as the server runs)."""
     from engine_lib.config import EngineConfig
 
-    adapter = registry.load_adapter(EngineConfig(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
-                                                 dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline=model, model_path=str(model_dirs[model]), device="cpu",
+                                                    dtype="float32"))
     inputs = dict(prompt="a lighthouse at dusk", height=64, width=64, num_inference_steps=3, seed=11,  # every model's size
                   **adapter.example_inputs(), **PARITY_EXTRA.get(model, {}))
     params = adapter.input_schema(EngineConfig()).parse(inputs)
@@ -233,8 +233,8 @@ def test_sd3_image_to_image_is_diffusers_own_and_hostile_images_are_refused(serv
         assert not result.responses and len(result.errors) == 1
         assert result.error.message().startswith(f"INVALID_ARG: [request id: {rid}] input 'image': "), \
             result.error.message()
-    adapter = registry.load_adapter(EngineConfig(pipeline="sd3", model_path=str(model_dirs["sd3"]), device="cpu",
-                                                 dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline="sd3", model_path=str(model_dirs["sd3"]), device="cpu",
+                                                    dtype="float32"))
     pipe = StableDiffusion3Img2ImgPipeline(**adapter.pipe.components)
     pipe.set_progress_bar_config(disable=True)
     schema = adapter.input_schema(EngineConfig())
@@ -409,8 +409,8 @@ def test_z_image_serves_turbos_defaults_and_refuses_bad_inputs_by_name(server):
     from engine_lib.config import EngineConfig
     from engine_lib.interface import to_uint8
 
-    adapter = registry.load_adapter(EngineConfig(pipeline="z_image", model_path=str(tiny_model_dirs()["z_image"]),
-                                                 device="cpu", dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline="z_image", model_path=str(tiny_model_dirs()["z_image"]),
+                                                    device="cpu", dtype="float32"))
     result = run_request(server.grpc_url, model="z_image", request_id="turbo", prompt="a red kite", height=48,
                          width=64, seed=5)
     assert not result.errors and int(result.final.as_numpy("num_steps")[0]) == 8, result.errors
@@ -632,8 +632,8 @@ def test_helios_streams_each_chunk_as_it_is_decoded_then_the_whole_video(server,
 
     from engine_lib.config import EngineConfig
 
-    adapter = registry.load_adapter(EngineConfig(pipeline="helios", model_path=str(model_dirs["helios"]),
-                                                 device="cpu", dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline="helios", model_path=str(model_dirs["helios"]),
+                                                    device="cpu", dtype="float32"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -789,8 +789,8 @@ def test_ltx2_image_to_video_from_the_client_is_diffusers_own_and_a_bad_image_is
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "step 1/2" in proc.stderr  # a progress response before the final one
-    adapter = registry.load_adapter(EngineConfig(pipeline="ltx2", model_path=str(model_dirs["ltx2"]), device="cpu",
-                                                 dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline="ltx2", model_path=str(model_dirs["ltx2"]), device="cpu",
+                                                    dtype="float32"))
     pipe = LTX2ImageToVideoPipeline(**adapter.pipe.components)
     pipe.set_progress_bar_config(disable=True)
     inputs = dict(prompt="a kite", image=picture.read_bytes(), num_frames=9, num_inference_steps=2, height=32,
@@ -991,8 +991,8 @@ def test_wan_serves_both_experts_at_fp32_scales_as_diffusers_and_as_mp4(server, 
                   guidance_scale=3.3, guidance_scale_2=0.7, negative_prompt="blurry")
     result = run_request(server.grpc_url, model="wan", request_id="wan-raw", **inputs)
     assert not result.errors and result.num_final == 1, result.errors
-    adapter = registry.load_adapter(EngineConfig(pipeline="wan", model_path=str(model_dirs["wan"]), device="cpu",
-                                                 dtype="float32"))
+    adapter = registry.load_adapter(EngineConfig.of(pipeline="wan", model_path=str(model_dirs["wan"]), device="cpu",
+                                                    dtype="float32"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine_lib import interface
+from engine_lib.config import EngineConfig
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines.bagel.pipeline import (GEN_THINK_SYSTEM_PROMPT, RENORM_TYPES, VLM_THINK_SYSTEM_PROMPT,
                                                  BagelPipeline, Context, Guidance, TextDecode, with_img)
@@ -126,12 +127,13 @@ class BagelAdapter(PipelineAdapter):
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "BagelAdapter":
+             config: Optional[EngineConfig] = None) -> "BagelAdapter":
         return cls(BagelPipeline.from_pretrained(model_path, dtype=dtype, device=device), torch.device(device), dtype,
-                   options)
+                   config)
 
-    def __init__(self, pipe: BagelPipeline, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe: BagelPipeline, device: torch.device, dtype: torch.dtype,
+                 config: Optional[EngineConfig] = None):
+        super().__init__(pipe, device, dtype, config)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
 
     def counters(self) -> dict[str, float]:

@@ -34,7 +34,7 @@ import torch
 
 from engine_lib import interface
 from engine_lib.interface import FRAME_OFFSET, FRAME_RATE, VIDEO, InputSpec, replace_spec
-from engine_lib.config import ConfigError
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import video_sequence_parallel
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState
@@ -116,16 +116,16 @@ class HeliosAdapter(DiffusersAdapter):
     capabilities = make("step_execution", "previews", "sequence_parallel", max_step_batch=1)
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
-    def __init__(self, pipe, device, dtype, options=None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe, device, dtype, config=None):
+        super().__init__(pipe, device, dtype, config)
         self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
 
-    def start_workers(self, model_path: str, options: dict):
+    def start_workers(self, model_path: str, config: EngineConfig):
         if self.pipe.transformer.config.is_amplify_history:
-            raise ConfigError(f"parameter 'sequence_parallel_size'={options['parallel']['sequence_parallel_size']}: "
+            raise ConfigError(f"parameter 'sequence_parallel_size'={config.parallel.sequence_parallel_size}: "
                               "this Helios checkpoint amplifies its history keys (is_amplify_history), and where "
                               "they end is counted from the tokens of the forward, of which each rank holds a share")
-        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
 
     @staticmethod
     def context_parallel_plan(transformer) -> dict:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine_lib import interface
+from engine_lib.config import EngineConfig
 from engine_lib.interface import InputSpec, replace_spec
 from engine_lib.pipelines import step_cache
 from engine_lib.pipelines.capabilities import make
@@ -106,19 +107,19 @@ class HunyuanImage3Adapter(PipelineAdapter):
 
     @classmethod
     def load(cls, model_path: str, device: torch.device, dtype: torch.dtype,
-             options: Optional[dict] = None) -> "HunyuanImage3Adapter":
+             config: Optional[EngineConfig] = None) -> "HunyuanImage3Adapter":
         """With tensor_parallel_size > 1 the transformer is the ranks' (`start_workers`): not loaded here."""
-        ranked = (options or {}).get("parallel", {}).get("tensor_parallel_size", 1) > 1
+        ranked = config is not None and config.parallel.tensor_parallel_size > 1
         model = tensor_parallel.ranked_model(model_path) if ranked else None
         pipe = HunyuanImage3Pipeline.from_pretrained(model_path, dtype=dtype, device=device, model=model)
         pipe.text_head = (tensor_parallel.ranked_text_head(model_path) if ranked
                           else TextHead.load(model_path, pipe.model.config, device, dtype))
-        return cls(pipe, torch.device(device), dtype, options)
+        return cls(pipe, torch.device(device), dtype, config)
 
-    def start_workers(self, model_path: str, options: dict):
-        if options["parallel"]["tensor_parallel_size"] > 1:
-            return tensor_parallel.start(self.pipe.model, model_path, self.device, self.dtype, options)
-        return super().start_workers(model_path, options)
+    def start_workers(self, model_path: str, config: EngineConfig):
+        if config.parallel.tensor_parallel_size > 1:
+            return tensor_parallel.start(self.pipe.model, model_path, self.device, self.dtype, config)
+        return super().start_workers(model_path, config)
 
     def release(self, state: "HunyuanState") -> None:
         """The ranks drop the request's KV cache shards, its text's included (tensor parallel; in one process they
@@ -127,8 +128,8 @@ class HunyuanImage3Adapter(PipelineAdapter):
         self.pipe.model.free([c for c in caches + [state.text and state.text.cache] if c is not None])
 
     def __init__(self, pipe: HunyuanImage3Pipeline, device: torch.device, dtype: torch.dtype,
-                 options: Optional[dict] = None):
-        super().__init__(pipe, device, dtype, options)
+                 config: Optional[EngineConfig] = None):
+        super().__init__(pipe, device, dtype, config)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request and CFG branch
         head = getattr(pipe, "text_head", None)  # `load` reads it (the ranks' under tensor parallelism)
         self.thinker = Thinker(pipe, head) if head is not None else None

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine_lib.config import ConfigError
+from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.parallel import DEFAULT_TIMEOUT_S, WorkerError, WorkerGroup, rank_devices
 from engine_lib.pipelines.decoder_parts import KVCache, RMSNorm, grow, held_bytes
 from engine_lib.pipelines.hunyuan_image3.model import (Gate, HunyuanConfig, HunyuanImage3Model, MoE, SwiGLU,
@@ -443,12 +443,12 @@ def ranked_text_head(model_path: str) -> Optional[RankedTextHead]:
     return RankedTextHead() if all(key in where for key in HEAD_KEYS) else None
 
 
-def start(model: RankedModel, model_path: str, device: torch.device, dtype: torch.dtype, options: dict,
+def start(model: RankedModel, model_path: str, device: torch.device, dtype: torch.dtype, config: EngineConfig,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """`tensor_parallel_size` workers, each loading its shard on its device; `model` hands its calls to them."""
-    parallel = options["parallel"]
-    world = parallel["tensor_parallel_size"]
-    check_split(model.config, world, parallel["expert_parallel"])
-    setup = functools.partial(_load_rank, model_path, dtype, parallel["expert_parallel"])
-    model.workers = WorkerGroup(setup, rank_devices(device, world, parallel.get("devices")), timeout_s)
+    parallel = config.parallel
+    world = parallel.tensor_parallel_size
+    check_split(model.config, world, parallel.expert_parallel)
+    setup = functools.partial(_load_rank, model_path, dtype, parallel.expert_parallel)
+    model.workers = WorkerGroup(setup, rank_devices(device, world, parallel.device_list()), timeout_s)
     return model.workers

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from engine_lib import interface
+from engine_lib.config import EngineConfig
 from engine_lib.host_copy import to_device
 from engine_lib.interface import FRAME_RATE, VIDEO, InputSpec, OutputSpec, replace_spec
 from engine_lib.pipelines import video_sequence_parallel
@@ -161,8 +162,8 @@ class LTX2Adapter(DiffusersAdapter):
     capabilities = make("request_batch", "step_execution", "previews", "image_input", "sequence_parallel")
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
-    def __init__(self, pipe, device: torch.device, dtype: torch.dtype, options: Optional[dict] = None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe, device: torch.device, dtype: torch.dtype, config: Optional[EngineConfig] = None):
+        super().__init__(pipe, device, dtype, config)
         self.stg_blocks = [min(STG_BLOCK, pipe.transformer.config.num_layers - 1)]
 
     # -- the declaration, refined by the checkpoint ------------------------------------
@@ -197,7 +198,7 @@ class LTX2Adapter(DiffusersAdapter):
         """Under sequence parallel every rank takes at least one text and one video token."""
         if self.workers is None:
             return
-        degree = int((self.options.get("parallel") or {}).get("sequence_parallel_size", 1))
+        degree = self.config.parallel.sequence_parallel_size
         mode = f"sequence_parallel_size={degree}"
         if params.max_sequence_length < degree:
             raise InvalidInputError("max_sequence_length", f"must be at least {degree} with {mode}")
@@ -206,8 +207,8 @@ class LTX2Adapter(DiffusersAdapter):
                                     f"(one per {self.pipe.vae_spatial_compression_ratio} x "
                                     f"{self.pipe.vae_spatial_compression_ratio} pixels of each latent frame)")
 
-    def start_workers(self, model_path: str, options: dict):
-        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, options)
+    def start_workers(self, model_path: str, config: EngineConfig):
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
 
     @staticmethod
     def context_parallel_plan(transformer) -> dict:

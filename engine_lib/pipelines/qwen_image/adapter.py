@@ -63,8 +63,8 @@ class QwenImageAdapter(FlowMatchAdapter):
         "cfg_parallel", "sequence_parallel")  # two CFG groups of sequence-parallel ranks (cfg_parallel.py)
     step_key_skips = ("height", "width")  # with mixed_size_batching, sizes share a step batch (mixed_sizes.py)
 
-    def __init__(self, pipe, device, dtype, options=None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe, device, dtype, config=None):
+        super().__init__(pipe, device, dtype, config)
         self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
 
     def input_specs(self) -> tuple[InputSpec, ...]:

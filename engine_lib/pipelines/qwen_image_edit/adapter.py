@@ -70,8 +70,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
                     .refuse("cfg_parallel", "lora", "not checked on the ranks with the image's tokens"))
     cost_reference = {**QwenImageAdapter.cost_reference, "image": None}
 
-    def __init__(self, pipe, device, dtype, options=None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe, device, dtype, config=None):
+        super().__init__(pipe, device, dtype, config)
         if self.mixed_size_batching and pipe.transformer.zero_cond_t:
             raise ConfigError("parameter 'mixed_size_batching'=true: the packed forward of mixed sizes does not run "
                               f"this checkpoint's zero_cond_t timestep of the condition tokens ({self.name})")

@@ -105,12 +105,12 @@ class WanAdapter(DiffusersAdapter):
     capabilities = make("request_batch", "step_execution", "previews", "lora", "first_block")
     batched_decode = False  # each video decodes alone: waiting for a decode group would only add latency
 
-    def __init__(self, pipe, device, dtype, options=None):
-        super().__init__(pipe, device, dtype, options)
+    def __init__(self, pipe, device, dtype, config=None):
+        super().__init__(pipe, device, dtype, config)
         self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
         ratio = pipe.config.boundary_ratio
         self.boundary_timestep = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
-        self.loras = LoraLibrary(pipe, self.options.get("lora_dir"), self.options.get("max_loras") or 4)
+        self.loras = LoraLibrary(pipe, self.config.lora.lora_dir or None, self.config.lora.max_loras)
         self.cache_steps: Counter = Counter()  # first-block cache decisions per request, branch and expert
 
     def counters(self) -> dict[str, float]:

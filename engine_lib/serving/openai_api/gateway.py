@@ -15,13 +15,13 @@ from typing import Any, AsyncIterator, Mapping, NamedTuple, Optional
 import grpc
 import numpy as np
 
-from engine_lib.config import EngineConfig
+from engine_lib.config import SchedulerConfig
 from engine_lib.interface import INT_RANGES
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.requests import OpenAIError
 from engine_lib.serving.tensors import NUMPY_DTYPES
 
-DEFAULT_PRIORITY_LEVEL = EngineConfig.default_priority_level  # a model without the parameter has the engine's
+DEFAULT_PRIORITY_LEVEL = SchedulerConfig.default_priority_level  # a model without the parameter has the engine's
 
 
 @dataclass
