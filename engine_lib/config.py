@@ -155,9 +155,17 @@ class LimitsConfig:
 
 GROUPS = {"model": ModelConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "cache": CacheConfig,
           "lora": LoraConfig, "levers": LeversConfig, "limits": LimitsConfig}
-PER_INPUT = {"input_max": "max_", "input_defaults": "default_"}  # limits fields set per input, not by their name
-# flat parameter name -> (its group, its field)
+PER_INPUT = ("input_max", "input_defaults")  # limits set per input (`max_<input>`, `default_<input>`), not by name
+# flat config.pbtxt name -> (its group, its field)
 PARAMETERS = {f.name: (group, f) for group, cls in GROUPS.items() for f in fields(cls) if f.name not in PER_INPUT}
+
+
+def _group_of(name: str) -> str:
+    if name in PARAMETERS:
+        return PARAMETERS[name][0]
+    if name in PER_INPUT:
+        return "limits"
+    raise ConfigError(f"unknown parameter '{name}'")
 
 
 @dataclass(frozen=True)
@@ -201,26 +209,22 @@ class EngineConfig:
         return cls().replace(**values, **limits)
 
     def parameter(self, name: str) -> Any:
-        """A parameter's value by its flat name (`max_num_seqs`, or a limits field)."""
-        group = PARAMETERS[name][0] if name in PARAMETERS else "limits"
-        return getattr(getattr(self, group), name)
+        """A parameter's value by its flat name (`max_num_seqs`, or `input_max` / `input_defaults`)."""
+        return getattr(getattr(self, _group_of(name)), name)
 
     def replace(self, **parameters: Any) -> "EngineConfig":
         """This config with parameters (flat names) changed, validated."""
         changes: dict[str, dict[str, Any]] = {}
         for name, value in parameters.items():
-            if name not in PARAMETERS and name not in PER_INPUT:
-                raise ConfigError(f"unknown parameter '{name}'")
-            changes.setdefault(PARAMETERS[name][0] if name in PARAMETERS else "limits", {})[name] = value
+            changes.setdefault(_group_of(name), {})[name] = value
         config = dataclasses.replace(self, **{group: dataclasses.replace(getattr(self, group), **values)
                                               for group, values in changes.items()})
         config.validate()
         return config
 
     def validate(self) -> None:
-        for name, (group, spec) in PARAMETERS.items():  # the one check of every parameter's bound or names
-            value, low, choices = getattr(getattr(self, group), name), spec.metadata.get("low"), \
-                spec.metadata.get("choices")
+        for name, (_, spec) in PARAMETERS.items():  # the one check of every parameter's bound or allowed names
+            value, low, choices = self.parameter(name), spec.metadata.get("low"), spec.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ConfigError(f"parameter '{name}': {value!r} is not one of {', '.join(choices)}")
             if low is not None and not (math.isfinite(value) and value >= low):
