@@ -230,22 +230,22 @@ class PipelineAdapter(ABC):
         if self.workers is not None:
             self.workers.close()
 
-    def start_workers(self, model_path: str, config: EngineConfig) -> Any:
-        """The worker group for `config.parallel` (config parameters `cfg_parallel`,
+    def start_workers(self, model_path: str) -> Any:
+        """The worker group for `self.config.parallel` (config parameters `cfg_parallel`,
         `sequence_parallel_size`, `tensor_parallel_size`, `expert_parallel`, `devices`), on the ranks'
         devices; the registry calls it once after `load`. A pipeline with parallel support overrides it."""
         raise ConfigError(f"pipeline '{self.name}' runs in one process")
 
-    def launch_workers(self, model_path: str, config: EngineConfig) -> None:
-        """`workers = start_workers(...)`, keeping its arguments for `restart_workers` (the registry's load)."""
-        self._worker_args = (model_path, config)
-        self.workers = self.start_workers(model_path, config)
+    def launch_workers(self, model_path: str) -> None:
+        """`workers = start_workers(...)`, keeping its argument for `restart_workers` (the registry's load)."""
+        self._model_path = model_path
+        self.workers = self.start_workers(model_path)
 
     def restart_workers(self) -> None:
         """A new worker group in place of a broken one: the engine calls it after a tick broke the group. Raises
         what `start_workers` raises (the engine tries again later)."""
         self.workers.close()
-        self.workers = self.start_workers(*self._worker_args)
+        self.workers = self.start_workers(self._model_path)
 
     @classmethod
     @abstractmethod

@@ -194,12 +194,12 @@ class FlowMatchAdapter(DiffusersAdapter):
         """Ranks that split each forward's tokens (1: none)."""
         return self.config.parallel.sequence_parallel_size
 
-    def start_workers(self, model_path: str, config: EngineConfig):
-        if config.parallel.cfg_parallel:
-            return cfg_parallel.start(type(self), model_path, self.device, self.dtype, config)
-        if config.parallel.sequence_parallel_size > 1:
-            return sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
-        return super().start_workers(model_path, config)
+    def start_workers(self, model_path: str):
+        if self.config.parallel.cfg_parallel:
+            return cfg_parallel.start(type(self), model_path, self.device, self.dtype, self.config)
+        if self.sequence_parallel_size > 1:
+            return sequence_parallel.start(type(self), model_path, self.device, self.dtype, self.config)
+        return super().start_workers(model_path)
 
     def release(self, state: FlowMatchState) -> None:
         """The ranks drop the request's step caches (they hold those of the forwards they run)."""

@@ -120,6 +120,6 @@ def load_adapter(config: EngineConfig) -> "PipelineAdapter":
     refuse_levers(adapter_cls, config.levers, config.parallel)
     adapter = adapter_cls.load(model_path, device, dtype, config)
     if config.parallel.world_size > 1:
-        adapter.launch_workers(model_path, config)
+        adapter.launch_workers(model_path)
     logger.info("loaded pipeline %s from %s on %s (%s)", model.pipeline, model_path, device, dtype)
     return adapter

@@ -49,7 +49,7 @@ class Ranks:
     def __init__(self, adapter):
         self.adapter, self.groups, self.failing, self.die = adapter, [], False, False
 
-    def start(self, model_path, config):
+    def start(self, model_path):
         if self.failing:
             raise WorkerError("rank 0 could not join the group")
         self.groups.append(Group())
@@ -69,7 +69,7 @@ def ranks(tiny_qwen_dir):
     adapter = load_adapter(EngineConfig.of(model_path=str(tiny_qwen_dir), device="cpu", dtype="float32"))
     ranks = Ranks(adapter)
     adapter.start_workers = ranks.start  # what the registry's load does for a parallel instance
-    adapter.launch_workers(str(tiny_qwen_dir), adapter.config)
+    adapter.launch_workers(str(tiny_qwen_dir))
     return ranks
 
 

@@ -116,10 +116,10 @@ class HunyuanImage3Adapter(PipelineAdapter):
                           else TextHead.load(model_path, pipe.model.config, device, dtype))
         return cls(pipe, torch.device(device), dtype, config)
 
-    def start_workers(self, model_path: str, config: EngineConfig):
-        if config.parallel.tensor_parallel_size > 1:
-            return tensor_parallel.start(self.pipe.model, model_path, self.device, self.dtype, config)
-        return super().start_workers(model_path, config)
+    def start_workers(self, model_path: str):
+        if self.config.parallel.tensor_parallel_size > 1:
+            return tensor_parallel.start(self.pipe.model, model_path, self.device, self.dtype, self.config)
+        return super().start_workers(model_path)
 
     def release(self, state: "HunyuanState") -> None:
         """The ranks drop the request's KV cache shards, its text's included (tensor parallel; in one process they
