@@ -377,7 +377,7 @@ class PipelineAdapter(ABC):
 
 class DiffusersAdapter(PipelineAdapter):
     """An adapter of one diffusers pipeline class (`pipeline_class`), loaded with its own `from_pretrained`,
-    with a prompt-embedding cache (`text_cache`, `prompt_cache_bytes` option) whose hits and misses it counts."""
+    with a prompt-embedding cache (`text_cache`, `prompt_cache_mb` of its config) whose hits and misses it counts."""
 
     pipeline_class: ClassVar[str]  # the diffusers class, e.g. "FluxPipeline"
     levers: Any = None  # what the GPU levers did at load (levers.Applied), set by `load`
