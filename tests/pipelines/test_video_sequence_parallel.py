@@ -164,7 +164,8 @@ def test_what_the_ltx2_ranks_cannot_split_is_refused_naming_the_input(ltx2_sp, l
 
 def test_a_helios_checkpoint_that_amplifies_its_history_is_refused_sequence_parallel(helios):
     """Where its history keys end is counted from the forward's tokens, of which a rank holds a share."""
-    config = FrozenDict({**helios.pipe.transformer.config, "is_amplify_history": True})
-    with mock.patch.object(helios.pipe.transformer, "_internal_dict", config):
+    amplifying = FrozenDict({**helios.pipe.transformer.config, "is_amplify_history": True})
+    with mock.patch.object(helios.pipe.transformer, "_internal_dict", amplifying), \
+            mock.patch.object(helios, "config", helios.config.replace(sequence_parallel_size=2)):
         with pytest.raises(ConfigError, match="'sequence_parallel_size'=2: this Helios checkpoint amplifies"):
-            helios.start_workers("unused", {"parallel": {"sequence_parallel_size": 2}})
+            helios.start_workers("unused")

@@ -120,12 +120,12 @@ class HeliosAdapter(DiffusersAdapter):
         super().__init__(pipe, device, dtype, config)
         self._latents_mean, self._latents_std = video_vae_stats(self.pipe.vae, self.device)
 
-    def start_workers(self, model_path: str, config: EngineConfig):
+    def start_workers(self, model_path: str):
         if self.pipe.transformer.config.is_amplify_history:
-            raise ConfigError(f"parameter 'sequence_parallel_size'={config.parallel.sequence_parallel_size}: "
+            raise ConfigError(f"parameter 'sequence_parallel_size'={self.config.parallel.sequence_parallel_size}: "
                               "this Helios checkpoint amplifies its history keys (is_amplify_history), and where "
                               "they end is counted from the tokens of the forward, of which each rank holds a share")
-        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, self.config)
 
     @staticmethod
     def context_parallel_plan(transformer) -> dict:

@@ -207,8 +207,8 @@ class LTX2Adapter(DiffusersAdapter):
                                     f"(one per {self.pipe.vae_spatial_compression_ratio} x "
                                     f"{self.pipe.vae_spatial_compression_ratio} pixels of each latent frame)")
 
-    def start_workers(self, model_path: str, config: EngineConfig):
-        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, config)
+    def start_workers(self, model_path: str):
+        return video_sequence_parallel.start(type(self), model_path, self.device, self.dtype, self.config)
 
     @staticmethod
     def context_parallel_plan(transformer) -> dict:
