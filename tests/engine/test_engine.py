@@ -378,7 +378,7 @@ def test_step_is_one_tick_that_a_caller_drives(adapter):
     """Without its thread the engine runs nothing until `step()`; each call is one tick: schedule (a request
     submitted before it joins at it), one denoise step over the running set, update, emit (previews, then one
     final per request). The finals equal the threaded engine's images."""
-    engine = DiffusionEngine(adapter, EngineConfig(step_execution=True, max_num_seqs=2, warmup=False),
+    engine = DiffusionEngine(adapter, EngineConfig.of(step_execution=True, max_num_seqs=2, warmup=False),
                              run_loop=False)
     first = engine.add_request("first", params(seed=1, steps=3, preview_interval=2, num_images=2))
     stats = engine.stats()

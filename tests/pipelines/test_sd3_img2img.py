@@ -87,7 +87,7 @@ def test_strength_runs_the_tail_of_the_schedule(adapter):
 def test_a_request_counts_its_steps_once(adapter):
     """strength -> steps runs once per request: validation at parse, the request's `num_steps` at admission (its
     state takes it) and its request-mode wave key all read that one count."""
-    engine = DiffusionEngine(adapter, EngineConfig(max_num_seqs=2, warmup=False), run_loop=False)
+    engine = DiffusionEngine(adapter, EngineConfig.of(max_num_seqs=2, warmup=False), run_loop=False)
     strength_steps.cache_clear()
     engine.add_request("r", engine.parse(params(strength=0.45, steps=7, seed=11)))  # 3.15 of 7: the last 4 run
     assert strength_steps.cache_info().misses == 1
