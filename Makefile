@@ -15,12 +15,12 @@ models: setup models/.built  ## build the tiny random-weight pipelines offline i
 # What the tiny builds depend on: when none of it changed since models/.built and every model
 # folder is there, `make models` (so `make demo`, `make serve`) starts without the check, which
 # imports torch and every pipeline. A missing model folder counts as a change (empty rules below).
-TINY_SOURCES := requirements.txt engine_lib/tiny_models.py $(shell find engine_lib/pipelines -type f -not -path '*/__pycache__/*')
+TINY_SOURCES := requirements.txt $(shell find engine_lib/pipelines -type f -not -path '*/__pycache__/*')
 TINY_MODELS := $(patsubst model_repository/%/config.pbtxt,models/%-tiny/tiny_model.json,$(wildcard model_repository/*/config.pbtxt)) models/loras
 $(TINY_MODELS):
 
 models/.built: $(TINY_SOURCES) $(TINY_MODELS) | setup
-	@$(PY) -m engine_lib.tiny_models --pipeline all --preset tiny
+	@$(PY) -m engine_lib.pipelines.tiny_models --pipeline all --preset tiny
 	@touch $@
 
 repository: setup  ## regenerate model_repository/<pipeline> input/output lists and docs tables from the adapters

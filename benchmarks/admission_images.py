@@ -61,7 +61,7 @@ def in_process() -> dict:
 def served(rounds: int = 5) -> dict:
     from benchmarks.systems import System, engine, serve
     from client.api import generate
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     system = System("sd3", "SD3 tiny", pipeline="sd3", parameters=engine())
     valid = dict(model="sd3", height=64, width=64, steps=4, seed=1, guidance_scale=1.0)

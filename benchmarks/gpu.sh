@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu.sh: torch sees no CUDA device")'
-PRESET=${GPU_PRESET:-$("$PY" -c 'from engine_lib.tiny_models import available; print("gpu" if "gpu" in available()["qwen_image"] else "bench")')}
+PRESET=${GPU_PRESET:-$("$PY" -c 'from engine_lib.pipelines.tiny_models import available; print("gpu" if "gpu" in available()["qwen_image"] else "bench")')}
 if [ "${1:-}" != parallel ] && [ "${1:-}" != levers ]; then
   "$PY" -m benchmarks.run --device cuda --dtype bfloat16 --preset "$PRESET" --out benchmarks/results/gpu \
     --scenario "${1:-}" ${CACHE_THRESHOLD:+--cache-threshold "$CACHE_THRESHOLD"}

@@ -48,7 +48,7 @@ def _transformer(name: str, setup: Setup, **overrides):
     Only the config is read (the class diffusers saved with it): no pipeline, weights or text encoder load."""
     import diffusers
 
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     config = json.loads((ensure_model(name, "tiny") / "transformer" / "config.json").read_text())
     torch.manual_seed(0)

@@ -61,7 +61,7 @@ def main() -> None:
     import torch
 
     from engine_lib.config import ConfigError, EngineConfig
-    from engine_lib.tiny_models import available, ensure_loras, ensure_model
+    from engine_lib.pipelines.tiny_models import available, ensure_loras, ensure_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")

@@ -52,7 +52,7 @@ def machine_info() -> dict:
 
 
 def model_path(sc: Scenario, pipeline: str) -> Path:
-    from engine_lib.tiny_models import ensure_loras, ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_loras, ensure_model
 
     path = ensure_model(pipeline, sc.preset)
     if any(lora for _, v in sc.variants for lora in v.get("loras", ())) or any(sc.loras):

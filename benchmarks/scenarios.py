@@ -20,7 +20,7 @@ class Scenario:
     title: str
     kind: str
     systems: tuple = ()
-    preset: str = "bench"  # the random-weight preset of every system's pipeline (engine_lib.tiny_models)
+    preset: str = "bench"  # the random-weight preset of every system's pipeline (engine_lib.pipelines.tiny_models)
     sizes: tuple = (128,)  # square image sizes, drawn uniformly per request
     steps: tuple = (8,)  # denoising steps, drawn uniformly per request
     num_frames: int = 0  # video pipelines

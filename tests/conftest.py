@@ -28,7 +28,7 @@ if "DIFFUSION_DATA_DIR" not in os.environ:
 @pytest.fixture(scope="session")
 def tiny_qwen_dir() -> Path:
     """The tiny random-weight Qwen-Image pipeline, saved under models/ (built once if missing)."""
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     return ensure_model("qwen_image", "tiny")
 

@@ -406,7 +406,7 @@ def test_the_edits_scenario_sends_each_request_its_own_image_and_compares_it_wit
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     return ensure_model("qwen_image", "tiny")
 

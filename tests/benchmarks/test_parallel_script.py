@@ -7,7 +7,7 @@ import subprocess
 
 from benchmarks.parallel import configs
 from engine_lib.config import EngineConfig
-from engine_lib.tiny_models import REPO_ROOT
+from engine_lib.pipelines.tiny_models import REPO_ROOT
 
 
 def test_gpu_sh_parses():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from benchmarks import report, scenarios, think
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 
 
 def test_one_loop_shares_text_forwards_the_baseline_runs_one_row_each():

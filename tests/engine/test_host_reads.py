@@ -126,7 +126,7 @@ def test_mixed_loras_read_nothing_from_the_device(adapter, tmp_path):
     made once per plan instead of in every layer."""
     from engine_lib.config import EngineConfig
     from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.tiny_models import ensure_loras, ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_loras, ensure_model
 
     model_dir = ensure_model(adapter.name, "tiny")
     for name in ("toy_a", "toy_b"):

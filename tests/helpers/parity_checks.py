@@ -38,7 +38,7 @@ PROMPT_MOVES = 1e-2
 def load_tiny_adapter(pipeline: str, adapter_cls: type) -> PipelineAdapter:
     """The tiny model of `pipeline`, loaded through the registry as the engine loads it (CPU, float32)."""
     from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     model_dir = ensure_model(pipeline, "tiny")
     adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(model_dir), device="cpu", dtype="float32"))

@@ -71,7 +71,7 @@ def model_path(request) -> str:
 
 def default_model_path() -> str:
     """model_path's answer without a fixture (for a server started before its first test)."""
-    from engine_lib.tiny_models import ensure_model  # noqa: PLC0415
+    from engine_lib.pipelines.tiny_models import ensure_model  # noqa: PLC0415
 
     return os.environ.get("DIFFUSION_MODEL_PATH") or str(ensure_model("qwen_image", "tiny"))
 

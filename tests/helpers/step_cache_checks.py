@@ -215,7 +215,7 @@ def with_parameters(adapter: PipelineAdapter, **parameters) -> PipelineAdapter:
 
 def lora_runner(adapter: PipelineAdapter, pipeline: str) -> PipelineAdapter:
     """The same pipe with the toy LoRAs and mixed_size_batching (one LoRA library per pipe)."""
-    from engine_lib.tiny_models import ensure_loras, ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_loras, ensure_model
 
     loras = ensure_loras(pipeline, ensure_model(pipeline, "tiny"))
     return with_parameters(adapter, lora_dir=str(loras), mixed_size_batching=True)

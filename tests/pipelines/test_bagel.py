@@ -26,7 +26,7 @@ from engine_lib.pipelines import registry
 from engine_lib.pipelines.bagel.adapter import BagelAdapter
 from engine_lib.pipelines.bagel.pipeline import BagelPipeline
 from engine_lib.request import InvalidInputError
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "bagel"

@@ -14,7 +14,7 @@ from engine_lib.pipelines import registry
 from engine_lib.pipelines.capabilities import FEATURES, REQUIRES
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.repository import refused_pairs
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter
 
 NAMES = registry.names()

@@ -21,7 +21,7 @@ from engine_lib.interface import to_uint8
 from engine_lib.parallel import WorkerError
 from engine_lib.pipelines import cfg_parallel, rank_states
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 from tests.helpers.step_cache_checks import head_and_tail, rank_rows, rows_through
 

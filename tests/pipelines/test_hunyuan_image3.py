@@ -25,7 +25,7 @@ from engine_lib.pipelines.hunyuan_image3.adapter import HunyuanImage3Adapter
 from engine_lib.pipelines.hunyuan_image3.model import image_positions, rope_2d, text_positions
 from engine_lib.pipelines.hunyuan_image3.pipeline import HunyuanImage3Pipeline
 from engine_lib.request import InvalidInputError
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hunyuan_image3"

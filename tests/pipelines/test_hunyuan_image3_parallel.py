@@ -29,7 +29,7 @@ from engine_lib.pipelines.hunyuan_image3.model import HunyuanConfig, read_config
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, run_arrivals, run_ticks, step_engine,
                                          step_latents)
 from tests.helpers.waiting import wait_until

@@ -21,7 +21,7 @@ from engine_lib.interface import to_uint8
 from engine_lib.lora import LoraLibrary
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
-from engine_lib.tiny_models import ensure_loras, ensure_model
+from engine_lib.pipelines.tiny_models import ensure_loras, ensure_model
 from tests.helpers.parity_checks import (MAX_UINT8_CHANGED_FRACTION, TEST_CONFIG, Arrival, parse, run_steps, run_wave,
                                          solo_steps)
 

@@ -21,7 +21,7 @@ from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import InvalidInputError
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
 from tests.helpers.step_cache_checks import (cached_inputs, diffusers_cache, head_and_tail, hook_decisions, rank_rows,
                                              rows_through)

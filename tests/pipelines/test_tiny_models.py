@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine_lib import tiny_models
+from engine_lib.pipelines import tiny_models
 from tests.helpers.early_servers import starts_early, take_early
 
 TINY_PIPELINES = sorted(name for name, presets in tiny_models.available().items() if "tiny" in presets)
@@ -43,10 +43,10 @@ class OtherProcessBuild:
     def __init__(self, root: Path):
         self.root = root
         code = (
-            "import sys\nfrom engine_lib.tiny_models import ensure_model\n"
+            "import sys\nfrom engine_lib.pipelines.tiny_models import ensure_model\n"
             "for name in sys.argv[2:]:\n    ensure_model(name, out_dir=sys.argv[1] + '/' + name)\n"
         )
-        repo_root = Path(tiny_models.__file__).resolve().parent.parent
+        repo_root = Path(tiny_models.__file__).resolve().parents[2]
         self.process = subprocess.Popen([sys.executable, "-c", code, str(root), *TINY_PIPELINES], cwd=repo_root)
 
     def stop(self) -> None:
@@ -205,7 +205,7 @@ def test_ensure_model_reuses_complete_and_rebuilds_incomplete(tmp_path, capsys):
 
 
 def test_default_dir_and_unknown_names():
-    repo_root = Path(tiny_models.__file__).resolve().parent.parent
+    repo_root = Path(tiny_models.__file__).resolve().parents[2]
     assert tiny_models.default_model_dir("flux", "tiny") == repo_root / "models" / "flux-tiny"
     with pytest.raises(ValueError, match="pipeline"):
         tiny_models.build_pipeline("nope")

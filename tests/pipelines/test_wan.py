@@ -161,7 +161,7 @@ def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapt
     own LoRA within its expert's forward and every video is within 1 level of its solo run."""
     from test_lora import assert_within_one_level, diffusers_with_lora
 
-    from engine_lib.tiny_models import ensure_loras
+    from engine_lib.pipelines.tiny_models import ensure_loras
 
     adapter = get(adapters, "wan")
     lora_dir = ensure_loras("wan", registry.default_model_dir("wan"))

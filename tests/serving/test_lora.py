@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_lib.interface import to_uint8
-from engine_lib.tiny_models import ensure_loras
+from engine_lib.pipelines.tiny_models import ensure_loras
 from tests.helpers.servers import default_model_path, module_server_of, start_server
 from tests.helpers.streaming import RequestStream, close_all, run_held, run_request
 

@@ -49,7 +49,7 @@ def model_dirs():
 
 
 def tiny_model_dirs() -> dict:
-    from engine_lib.tiny_models import ensure_model
+    from engine_lib.pipelines.tiny_models import ensure_model
 
     return {name: ensure_model(name, "tiny") for name in MODELS}
 

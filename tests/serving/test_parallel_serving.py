@@ -22,7 +22,7 @@ import pytest
 
 from engine_lib.hooks import hooks_environment
 from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.servers import (SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter,
                                    write_repository)
 from tests.helpers.streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,

@@ -14,7 +14,7 @@ import re
 
 from safetensors import safe_open
 
-from engine_lib.tiny_models import ensure_model
+from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.servers import module_server
 from tests.helpers.streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
                                      wait_for_metric)

@@ -36,7 +36,7 @@ _QWEN_TEXT = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num
 _QWEN_PRESETS = {
     # attention_head_dim must equal sum(axes_dims_rope).
     "tiny": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=[8, 4, 4]),
-    # bench: sized so that denoising dominates the cost (numbers in engine_lib/tiny_models.py).
+    # bench: sized so that denoising dominates the cost (numbers in engine_lib/pipelines/tiny_models.py).
     "bench": dict(num_layers=6, attention_head_dim=64, num_attention_heads=4, axes_dims_rope=[16, 24, 24]),
     # gpu: for benchmarks/gpu.sh on a CUDA host (unmeasured so far); built only when asked for.
     "gpu": dict(num_layers=12, attention_head_dim=128, num_attention_heads=12, axes_dims_rope=[32, 48, 48]),

@@ -13,7 +13,7 @@ also has ``bench`` and ``gpu``).
 
 Measured on a 2-core CPU machine (load average about 3.5 from other
 jobs; torch 2.13 CPU, float32, best of 5 calls), with
-``OMP_NUM_THREADS=1 python -m engine_lib.tiny_models --pipeline P --preset S --measure [--size N --steps K]``:
+``OMP_NUM_THREADS=1 python -m engine_lib.pipelines.tiny_models --pipeline P --preset S --measure [--size N --steps K]``:
 
 =================  =========  =====  ===========  ===========  ==========
 model              size       steps  pipe() call  denoise      VAE decode
@@ -32,7 +32,7 @@ Known limit: with Qwen-Image's real scheduler config (``shift_terminal`` 0.02),
 to the terminal value divides by ``1 - sigmas[-1]`` = 0. Adapters must ask for
 >= 2 steps.
 
-CLI: ``python -m engine_lib.tiny_models [--pipeline <name>|all]
+CLI: ``python -m engine_lib.pipelines.tiny_models [--pipeline <name>|all]
 [--preset tiny|bench] [--out DIR] [--force] [--measure]`` builds (if needed)
 and prints the model directory.
 """
