@@ -12,7 +12,7 @@ from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, with_cfg_batching
-from test_cfg_parallel import CFG, assert_same_cached_run, assert_same_run, mixed_loras_and_caches
+from tests.helpers.rank_checks import CFG, assert_same_cached_run, assert_same_run, mixed_loras_and_caches
 
 FLUX_CFG = {**CFG, "true_cfg_scale": 3.7}
 

@@ -17,11 +17,10 @@ from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import InvalidInputError
-from tests.helpers.parity_checks import (FLOAT_BOUND, TEST_CONFIG, Arrival, assert_close_images, load_tiny_adapter,
+from tests.helpers.parity_checks import (FLOAT_BOUND, Arrival, assert_close_images, load_tiny_adapter,
                                          parse, run_steps, run_wave)
+from tests.helpers.ltx2_runs import NO_GUIDANCE, run
 
-NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
-                   modality_scale=1.0, audio_modality_scale=1.0)
 CASES = {
     "defaults": dict(prompt="a cat", seed=3, height=32, width=32),  # CFG, STG, modality, rescale: every pass
     "longer": dict(prompt="a cat", seed=4, num_frames=17, negative_prompt="blurry", height=32, width=64,
@@ -43,18 +42,6 @@ def adapter():
 def pipe_outputs(adapter, inputs):
     out = adapter.pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np")
     return out.frames, out.audio.numpy()
-
-
-def run(adapter, requests: dict, capacity=4, step_mode=True, float_outputs=True):
-    """request id -> (tick, inputs); every request's float outputs (step mode: joining at its tick; else one
-    request-mode wave)."""
-    if not step_mode:
-        finals = DiffusionEngine.wave(adapter, TEST_CONFIG, len(requests), float_outputs=float_outputs).generate(
-            {rid: parse(adapter, inputs) for rid, (_, inputs) in requests.items()})
-        assert all(final.ok for final in finals.values()), finals
-        return {rid: final.outputs for rid, final in finals.items()}
-    arrivals = [Arrival(tick, rid, inputs) for rid, (tick, inputs) in requests.items()]
-    return run_steps(adapter, arrivals, capacity, float_output=float_outputs).outputs
 
 
 @pytest.mark.parametrize("case", CASES)

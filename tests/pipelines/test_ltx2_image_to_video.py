@@ -6,7 +6,6 @@ kept across a pause and freed on abort."""
 from __future__ import annotations
 
 import gc
-import io
 import weakref
 
 import numpy as np
@@ -23,29 +22,7 @@ from engine_lib.runner import ModelRunner
 from tests.helpers.hostile_images import encode
 from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, load_tiny_adapter, parse,
                                          run_arrivals, step_engine)
-from test_ltx2 import NO_GUIDANCE, run
-
-RNG = np.random.default_rng(11)
-
-
-def png(width: int, height: int) -> bytes:
-    """A random RGB image of another size than the request's (resized as the pipeline resizes it)."""
-    buffer = io.BytesIO()
-    Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-IMAGES = [png(48, 40), png(64, 64), png(40, 56)]
-
-
-def params(image: int = 0, prompt: str = PROMPTS[0], seed: int = 3, steps: int = 2, **kw) -> dict:
-    return {"prompt": prompt, "num_inference_steps": steps, "seed": seed, "height": 32, "width": 32,
-            "image": IMAGES[image], **kw}
-
-
-def text_only(inputs: dict) -> dict:
-    return {k: v for k, v in inputs.items() if k != "image"}
-
+from tests.helpers.ltx2_runs import NO_GUIDANCE, params, run, text_only
 
 @pytest.fixture(scope="module")
 def adapter() -> LTX2Adapter:

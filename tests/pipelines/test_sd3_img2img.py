@@ -5,16 +5,13 @@ across a pause)."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import io
 import weakref
 
 import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline
-from PIL import Image
 
 from engine_lib.config import EngineConfig
 from engine_lib.engine import DiffusionEngine
@@ -26,25 +23,7 @@ from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from tests.helpers.parity_checks import (PROMPTS, Arrival, load_tiny_adapter, parse, run_arrivals, run_steps,
                                          solo_steps, step_batched_then_alone, step_engine)
-
-RNG = np.random.default_rng(7)
-
-
-def png(width: int, height: int) -> bytes:
-    """A random RGB image of another size than the request's (resized as diffusers resizes it)."""
-    buffer = io.BytesIO()
-    Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-IMAGES = [png(48, 40), png(80, 64), png(64, 64)]
-
-
-def params(image: int = 0, strength: float = 0.6, prompt: str = PROMPTS[0], seed: int = 3, steps: int = 5,
-           **kw) -> dict:
-    return {"prompt": prompt, "num_inference_steps": steps, "seed": seed, "height": 64, "width": 64,
-            "max_sequence_length": 32, "guidance_scale": 1.0, "image": IMAGES[image], "strength": strength, **kw}
-
+from tests.helpers.sd3_img2img_inputs import params
 
 @pytest.fixture(scope="module")
 def adapter() -> SD3Adapter:

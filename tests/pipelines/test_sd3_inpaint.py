@@ -21,8 +21,7 @@ from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
 from tests.helpers.parity_checks import (PROMPTS, Arrival, load_tiny_adapter, parse, run_arrivals, run_steps,
                                          solo_steps, step_engine)
-from test_sd3_img2img import IMAGES
-from test_sd3_img2img import params as img2img_params
+from tests.helpers.sd3_img2img_inputs import params as img2img_params
 
 
 def encoded(image: Image.Image) -> bytes:

@@ -14,28 +14,17 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engine_lib.config import EngineConfig
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import rank_states
 from engine_lib.pipelines.flux.adapter import FluxAdapter
 from engine_lib.pipelines.qwen_image.adapter import QwenImageAdapter
-from engine_lib.pipelines.registry import load_adapter
 from engine_lib.request import InvalidInputError
-from engine_lib.pipelines.tiny_models import ensure_model
 from tests.helpers.parity_checks import load_tiny_adapter, parse, step_latents, with_cfg_batching
+from tests.helpers.rank_checks import CFG, LATENT_BOUND, sequence_parallel
 from tests.helpers.step_cache_checks import (cached_inputs, diffusers_cache, head_and_tail, hook_decisions, rank_rows,
                                              rows_through)
 
-LATENT_BOUND = 1e-5
 TAYLORSEER_BOUND = 2e-4  # rows that predict with TaylorSeer (measured: 1.5e-4 for Qwen-Image)
-CFG = dict(negative_prompt="blurry", true_cfg_scale=4.0)
-
-
-def sequence_parallel(pipeline: str):
-    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
-                                           device="cpu", dtype="float32", sequence_parallel_size=2))
-    yield adapter
-    adapter.close()
 
 
 @pytest.fixture(scope="module")

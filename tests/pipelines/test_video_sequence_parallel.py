@@ -25,9 +25,8 @@ from engine_lib.pipelines.helios.adapter import HeliosAdapter
 from engine_lib.pipelines.ltx2.adapter import LTX2Adapter
 from engine_lib.request import InvalidInputError
 from tests.helpers.parity_checks import load_tiny_adapter, parse, run_wave
-from test_ltx2 import NO_GUIDANCE
-from test_ltx2_image_to_video import png
-from test_sequence_parallel import sequence_parallel
+from tests.helpers.ltx2_runs import NO_GUIDANCE, png
+from tests.helpers.rank_checks import sequence_parallel
 
 LATENT_BOUND = 1e-5
 LTX2_SIZE = dict(height=96, width=32, num_frames=17, max_sequence_length=7)  # 3 latent frames of 12x4 tokens
