@@ -98,3 +98,20 @@ def test_the_graph_covers_every_package_and_resolves_relative_imports(tmp_path, 
     found = {name: imports_of(path, set(files)) - {name} for name, path in files.items()}
     assert found == {"a": {"a.x"}, "a.x": {"a.b", "a.b.y"}, "a.b": set(), "a.b.y": {"a", "a.x"}}
     assert find_cycle(found) == ["a", "a.x", "a.b.y", "a"]
+
+
+def test_tests_import_shared_code_from_tests_helpers_only():
+    """A test module or conftest imported as a module runs its fixtures and tests twice under another name:
+    what tests share lives in tests/helpers, imported as `tests.helpers.<module>`."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                     ["." * node.level] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                last = name.split(".")[-1]
+                if name.startswith(".") or last == "conftest" or last.startswith("test_") or (
+                        name.startswith("tests.") and not name.startswith("tests.helpers")):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert offenders == []

@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import diffusers
 import numpy as np
 import pytest
 import torch
@@ -19,11 +18,10 @@ import torch
 from engine_lib.engine import DiffusionEngine
 from engine_lib.interface import to_uint8
 from engine_lib.lora import LoraLibrary
-from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
 from engine_lib.pipelines.tiny_models import ensure_loras, ensure_model
-from tests.helpers.parity_checks import (MAX_UINT8_CHANGED_FRACTION, TEST_CONFIG, Arrival, parse, run_steps, run_wave,
-                                         solo_steps)
+from tests.helpers.lora_checks import assert_within_one_level, diffusers_with_lora
+from tests.helpers.parity_checks import TEST_CONFIG, Arrival, parse, run_steps, run_wave, solo_steps
 
 PIPELINES = ("qwen_image", "flux", "sd3", "z_image", "flux2")
 BASE = {"prompt": "a photo of a cat", "height": 32, "width": 32, "num_inference_steps": 3, "seed": 5}
@@ -49,21 +47,6 @@ def lora_per_row(adapter) -> bool:
     """Whether rows with different LoRAs share a step forward (Z-Image's keys hold one LoRA per forward: its
     embedders see every row's tokens concatenated)."""
     return "lora" not in dict(adapter.key_fields(parse(adapter, {**BASE, "lora_name": "toy_a"})))
-
-
-def assert_within_one_level(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
-    levels = np.abs(actual.astype(np.int16) - expected.astype(np.int16))
-    assert levels.max() <= 1 and (levels > 0).mean() <= MAX_UINT8_CHANGED_FRACTION, what
-
-
-def diffusers_with_lora(adapter, model_dir, lora_dir, name, scale, inputs) -> np.ndarray:
-    """What diffusers makes of the same request with the LoRA active at `scale` (its images, or its video)."""
-    pipeline_cls = getattr(diffusers, registry.get_adapter_class(adapter.name).pipeline_class)
-    pipe = pipeline_cls.from_pretrained(str(model_dir), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(str(lora_dir / f"{name}.safetensors"), adapter_name=name)
-    pipe.set_adapters([name], [scale])
-    return getattr(pipe(**adapter.pipe_kwargs(parse(adapter, inputs)), output_type="np"), adapter.outputs[0].pipe_output)
 
 
 @pytest.mark.parametrize("name", ["toy_a", "toy_all"], ids=["attention", "every-layer"])

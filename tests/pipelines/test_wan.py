@@ -17,6 +17,7 @@ import torch
 from engine_lib.interface import to_uint8
 from engine_lib.pipelines import registry
 from engine_lib.request import InvalidInputError
+from tests.helpers.lora_checks import assert_within_one_level, diffusers_with_lora
 from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, pipe_reference, run_steps, run_wave,
                                          solo_steps)
 
@@ -159,8 +160,6 @@ def test_loras_per_row_on_both_experts_match_diffusers_and_their_solo_runs(adapt
     """A LoRA (on every layer of `transformer`, where diffusers' Wan loader puts it) alone is bitwise diffusers'
     `set_adapters`; with other LoRAs and none, joining at different ticks on different experts, each row keeps its
     own LoRA within its expert's forward and every video is within 1 level of its solo run."""
-    from test_lora import assert_within_one_level, diffusers_with_lora
-
     from engine_lib.pipelines.tiny_models import ensure_loras
 
     adapter = get(adapters, "wan")
