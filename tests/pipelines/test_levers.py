@@ -20,6 +20,7 @@ from engine_lib.config import ConfigError, EngineConfig
 from engine_lib.pipelines import levers
 from engine_lib.pipelines.registry import load_adapter
 from engine_lib.pipelines.tiny_models import ensure_model
+from tests.helpers.hostile_images import encode, rgb
 from tests.helpers.parity_checks import Arrival, run_steps, solo_steps
 
 BASE = {"prompt": "a red car", "height": 64, "width": 64, "num_inference_steps": 3, "seed": 7,
@@ -115,10 +116,11 @@ def test_a_lora_change_on_a_compiled_transformer_recompiles_nothing():
     assert compiled.counters()["compile_recompiles"] == before
 
 
-@pytest.mark.parametrize("pipeline", ["flux", "sd3"])
+@pytest.mark.parametrize("pipeline", ["flux", "sd3", "z_image", "flux2", "flux_kontext", "qwen_image_edit",
+                                      "qwen_image_edit_plus"])
 def test_regional_compile_keeps_the_images_of_every_flow_match_pipeline(pipeline):
     eager, compiled = load(pipeline), load(pipeline, compile="regional", compile_backend="eager")
-    p = inputs(eager, num_inference_steps=1)
+    p = inputs(eager, num_inference_steps=2, image=encode(rgb(48, 40, seed=3)), auto_resize=0)  # edits take one
     assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2
     assert compiled.levers.compiler.graphs >= 1
 
