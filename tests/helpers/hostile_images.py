@@ -26,6 +26,11 @@ def rgb(width: int = 24, height: int = 16, seed: int = 0) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
+def random_png(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A PNG of random RGB pixels drawn from `rng` (a test's own seeded generator: its images stay the same)."""
+    return encode(Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)))
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header declares width x height and whose data is a few bytes: a decompression bomb."""
     def chunk(kind: bytes, body: bytes) -> bytes:

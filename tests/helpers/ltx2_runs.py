@@ -4,12 +4,12 @@ than the request's)."""
 
 from __future__ import annotations
 
-import io
+from functools import partial
 
 import numpy as np
-from PIL import Image
 
 from engine_lib.engine import DiffusionEngine
+from tests.helpers.hostile_images import random_png
 from tests.helpers.parity_checks import PROMPTS, TEST_CONFIG, Arrival, parse, run_steps
 
 NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
@@ -28,13 +28,7 @@ def run(adapter, requests: dict, capacity=4, step_mode=True, float_outputs=True)
 
 
 RNG = np.random.default_rng(11)
-
-
-def png(width: int, height: int) -> bytes:
-    """A random RGB image of another size than the request's (resized as the pipeline resizes it)."""
-    buffer = io.BytesIO()
-    Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
+png = partial(random_png, RNG)  # random images of other sizes than the requests'
 
 
 IMAGES = [png(48, 40), png(64, 64), png(40, 56)]

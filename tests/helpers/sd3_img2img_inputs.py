@@ -3,21 +3,15 @@ the request's inputs (shared by the img2img and inpaint tests)."""
 
 from __future__ import annotations
 
-import io
+from functools import partial
 
 import numpy as np
-from PIL import Image
 
+from tests.helpers.hostile_images import random_png
 from tests.helpers.parity_checks import PROMPTS
 
 RNG = np.random.default_rng(7)
-
-
-def png(width: int, height: int) -> bytes:
-    """A random RGB image of another size than the request's (resized as diffusers resizes it)."""
-    buffer = io.BytesIO()
-    Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
+png = partial(random_png, RNG)  # random images of other sizes than the requests'
 
 
 IMAGES = [png(48, 40), png(80, 64), png(64, 64)]

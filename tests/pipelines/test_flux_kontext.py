@@ -8,7 +8,7 @@ takes a minute and a half (its parity with diffusers was measured so, not rerun 
 from __future__ import annotations
 
 import gc
-import io
+from functools import partial
 import weakref
 
 import numpy as np
@@ -20,18 +20,13 @@ from engine_lib.interface import to_uint8
 from engine_lib.pipelines.flux_kontext.adapter import FluxKontextAdapter
 from engine_lib.request import DiffusionRequest, InvalidInputError
 from engine_lib.runner import ModelRunner
-from tests.helpers.hostile_images import encode
+from tests.helpers.hostile_images import encode, random_png
 from tests.helpers.parity_checks import (FLOAT_BOUND, PROMPTS, Arrival, assert_close_images, image_diff,
                                          load_tiny_adapter, parse, pipe_reference, run_arrivals, run_steps, solo_steps,
                                          step_engine, with_cfg_batching)
 
 RNG = np.random.default_rng(11)
-
-
-def png(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(RNG.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
+png = partial(random_png, RNG)  # random images of other sizes than the requests'
 
 
 IMAGES = [png(48, 40), png(44, 42), png(40, 47), png(64, 32)]  # the first three encode at 40x40 (multiples of 8)
