@@ -23,6 +23,7 @@ import pytest
 from engine_lib.hooks import hooks_environment
 from engine_lib.serving.processes import REPO_ROOT, free_port, proc_stat
 from engine_lib.pipelines.tiny_models import ensure_model
+from tests.helpers.launched import command_lines
 from tests.helpers.servers import (SERVER_PRIORITY_KEY, ProbedServer, model_path, running, set_parameter,
                                    write_repository)
 from tests.helpers.streaming import (RequestStream, close_all, metric, run_concurrently, run_held, run_request, scrape,
@@ -76,12 +77,7 @@ def stub_children(server, model: str) -> list[int]:
     """The model's stub's worker processes: multiprocessing's spawned children (its resource tracker, also a
     child, is not one)."""
     model_py = str(Path(server.model_repository) / model / "1" / "model.py")
-    argv = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
+    argv = command_lines()
     stubs = {pid for pid, args in argv.items() if args[0].endswith("triton_python_backend_stub") and args[1:2] == [model_py]}
     children = []
     for pid, args in argv.items():
