@@ -187,8 +187,10 @@ def test_a_body_announced_over_the_limit_is_refused_unread(client):
     assert reply.status_code == 413
 
 
-def test_a_body_over_the_limit_is_read_to_its_end_before_the_413():
-    """A client still sending reads the 413 (no reset connection): the body is read and dropped, never kept."""
+@pytest.mark.parametrize("announced", [False, True])
+def test_a_body_over_the_limit_is_read_to_its_end_before_the_413(announced):
+    """A client still sending reads the 413 (no reset connection): the body is read and dropped, never kept,
+    with or without a Content-Length that already says it is too large."""
     body = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
     chunks = [{"type": "http.request", "body": body[i:i + 65536], "more_body": i + 65536 < len(body)}
               for i in range(0, len(body), 65536)]
@@ -197,7 +199,8 @@ def test_a_body_over_the_limit_is_read_to_its_end_before_the_413():
     async def receive():
         return pending.pop(0) if pending else {"type": "http.disconnect"}
 
-    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+    headers = [(b"content-length", str(len(body)).encode())] if announced else []
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
     with pytest.raises(OpenAIError) as info:
         asyncio.run(app_module.read_json(request))
     assert info.value.status == 413 and not pending

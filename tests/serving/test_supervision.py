@@ -180,7 +180,7 @@ def test_hostile_bodies_are_refused_by_the_front_door(launcher):
 
 
 def test_a_body_declared_over_the_limit_gets_its_413_before_it_arrives(launcher):
-    """Content-Length: 5000000 and a few bytes of it: refused at once, not after the body's 30 s timeout."""
+    """Content-Length: 5000000 and a few bytes of it: refused after the 5 s drain, not the body's 30 s timeout."""
     with socket.create_connection(("127.0.0.1", launcher.front)) as connection:
         connection.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                            b"Content-Length: 5000000\r\n\r\n{\"prompt\": \"")

@@ -60,8 +60,9 @@ from engine_lib.serving.tensors import encode_png_base64
 MAX_BODY_BYTES = 1 << 20  # a request is a prompt and a few numbers; anything this big is not one
 BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 kB/s; a client that dribbles its body slower holds a request for nothing
 # A body over MAX_BODY_BYTES is still read (and dropped) up to this size before the 413, so that a client still
-# sending it reads the answer instead of a reset connection; one declared larger is refused unread.
+# sending it reads the answer instead of a reset connection; one announced larger is refused unread.
 MAX_DISCARD_BYTES = 8 << 20
+DRAIN_TIMEOUT_S = 5.0  # how long a body announced over the limit is waited for before its 413
 # An edit's form: its files (an image and a mask, each within MAX_IMAGE_BYTES) within MAX_EDIT_FILES_BYTES together,
 # so that its Triton request still fits the gRPC gate's 16 MiB message, and a request's worth of fields; 120 s is
 # 131 kB/s for all of it.
@@ -205,20 +206,21 @@ def create_app(triton_url: str, keys: FrontDoorKeys = FrontDoorKeys(), store: Op
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 past `max_bytes` (at once when Content-Length says more: uvicorn drops the rest
-    of the body as it comes, within the header timeout, so a client still sending reads the answer; a body without
-    a length is read and dropped up to twice `max_bytes`, at least MAX_DISCARD_BYTES, first) and 408 when it takes
-    over `timeout_s`. A client gone meanwhile ends the request quietly: its answer goes nowhere, and Starlette's
+    """The body, refused with 413 past `max_bytes` and 408 when it takes over `timeout_s`. A body over the limit
+    is read and dropped first, up to twice `max_bytes` (at least MAX_DISCARD_BYTES) and for at most
+    DRAIN_TIMEOUT_S when Content-Length announced it, so that a client still sending reads the 413 instead of a
+    reset connection (uvicorn closes a connection whose body it did not read); one announced larger still is
+    refused unread. A client gone meanwhile ends the request quietly: its answer goes nowhere, and Starlette's
     ClientDisconnect would log a traceback per client."""
     too_large = OpenAIError(413, f"the request body is over {max_bytes} bytes", code="body_too_large")
     discard = max(MAX_DISCARD_BYTES, 2 * max_bytes)
     length = request.headers.get("content-length", "")
     declared = int(length) if length.isdecimal() else 0
-    if declared > max_bytes:
+    if declared > discard:
         raise too_large
     data, received = bytearray(), 0
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s if declared <= max_bytes else min(timeout_s, DRAIN_TIMEOUT_S)):
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > discard:
