@@ -33,6 +33,7 @@ import torch
 
 from engine_lib.host_copy import to_device
 from engine_lib.interface import InputSpec
+from engine_lib.pipelines import levers
 from engine_lib.request import InvalidInputError
 
 LORA_NAME = InputSpec("lora_name", "BYTES", "a LoRA: the stem of a .safetensors file in the model's lora_dir; "
@@ -114,7 +115,8 @@ class LoraLibrary:
     def _load(self, name: str, mtime: float) -> None:
         adapter = f"lora{next(self._ids)}"  # peft names modules by it: a file stem may hold '.'
         try:
-            with torch.inference_mode(False):  # a quantized (torchao) layer cannot take a LoRA in inference mode
+            # a quantized (torchao) layer cannot take a LoRA in inference mode
+            with torch.inference_mode(False), levers.model_offload_paused(self.pipe):
                 self.pipe.load_lora_weights(str(self.path(name)), adapter_name=adapter)
         except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file fails its own request only
             self._forget(adapter)

@@ -42,7 +42,7 @@ from engine_lib.host_copy import to_device, to_uint8
 from engine_lib.interface import InputSpec, OutputSpec, replace_spec
 from engine_lib.lora import LORA_INPUTS, LoraLibrary, RowLora
 from engine_lib.parallel import WorkerError
-from engine_lib.pipelines import cfg_parallel, rank_states, sequence_parallel, step_cache, taylorseer
+from engine_lib.pipelines import cfg_parallel, levers, rank_states, sequence_parallel, step_cache, taylorseer
 from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, RequestState, Schedule
 from engine_lib.pipelines.capabilities import make
 from engine_lib.pipelines.rank_states import RowFacts
@@ -267,6 +267,7 @@ class FlowMatchAdapter(DiffusersAdapter):
                      states: list[FlowMatchState]) -> torch.Tensor:
         """One transformer call, exactly as the pipeline's denoising loop makes it: `_forward`, under the
         TaylorSeer plan of the requests that ask for it (taylorseer.py)."""
+        levers.onload(self.pipe.transformer)  # under offload=model: its blocks may run without its forward
         seer = taylorseer.plan(self.pipe.transformer, states, rows["branches"], self.cache_steps, self.loras)
         with taylorseer.attending(seer):
             return self._forward(latents, timestep, text, rows, states, seer)

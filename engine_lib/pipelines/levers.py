@@ -6,8 +6,9 @@ cuts it with the same levers diffusers users have, set as config.pbtxt parameter
 * `quantization` (+ `quantize_components`): diffusers' `PipelineQuantizationConfig` at `from_pretrained`, with
   a `TorchAoConfig` per component (torchao's int8 / fp8 / int4 weight tensors) or bitsandbytes' nf4;
 * `attention_backend`: diffusers' attention dispatcher (`set_attention_backend`) on every component that has it;
-* `offload`: diffusers' group offloading at leaf level (every leaf module onloads itself, so the engine's own
-  block loops, which call a transformer's parts directly, are covered), with streams on CUDA;
+* `offload`: diffusers' model CPU offload (whole components moved to the device when they run; the engine's own
+  block loops, which call a transformer's parts without its `forward`, onload it first: `onload`), or group
+  offloading at leaf level (every leaf module onloads itself), with streams on CUDA;
 * `compile`: `compile_repeated_blocks` (regional), and with `full` the transformer's whole forward as well, with
   dynamic shapes from the first compile, so the row and token counts continuous batching changes every tick
   do not recompile; every recompilation dynamo makes is counted (`CompileCounter`);
@@ -19,13 +20,16 @@ and the reason. Nothing here imports torch until a pipeline is loaded (config.py
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from engine_lib.config import QUANTIZATIONS, ConfigError, LeversConfig, ParallelConfig
 
@@ -173,9 +177,11 @@ def _place(pipe: Any, device: Any, offload: str) -> None:
     if offload == "none":
         pipe.to(device)
     elif offload == "model":
-        raise ConfigError("parameter 'offload': model (diffusers' model CPU offload) moves a component to the device "
-                          "when its forward is called, and the engine calls a transformer's blocks directly (step "
-                          "cache, mixed sizes); use offload=group")
+        try:
+            _offload_models(pipe, device)
+        except (AttributeError, ValueError) as exc:  # no model_cpu_offload_seq, a device map
+            raise ConfigError(f"parameter 'offload': model cannot offload this pipeline: {exc}") from None
+        logger.info("model offloading of %s between cpu and %s", pipe.model_cpu_offload_seq, device)
     else:
         from diffusers.hooks import apply_group_offloading
 
@@ -183,6 +189,56 @@ def _place(pipe: Any, device: Any, offload: str) -> None:
             apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"),
                                    offload_type="leaf_level", use_stream=device.type == "cuda")
         logger.info("group offloading (leaf level) of %s between cpu and %s", ", ".join(_modules(pipe)), device)
+
+
+# -- offload=model ------------------------------------------------------------------------------------
+def _offload_models(pipe: Any, device: Any) -> None:
+    """diffusers' model CPU offload (accelerate's hook on each component moves it to `device` when it runs), with
+    one component on the device at a time (`_onload_alone`)."""
+    pipe.enable_model_cpu_offload(device=device)
+    owner = weakref.ref(pipe)
+    for user_hook in pipe._all_hooks:
+        user_hook.hook.pre_forward = functools.partial(_onload_alone, owner, user_hook.hook)
+
+
+def _onload_alone(owner: Any, hook: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+    """accelerate's `CpuOffload.pre_forward` (a component's forward, a VAE's `decode` through diffusers'
+    `apply_forward_hook`), every other component taken off the device first: diffusers' hooks take off only the
+    component before it in the pipeline's order, which keeps one on the device during a pipeline call, and the
+    engine encodes a new request between two denoising steps of others. The moves run outside inference mode,
+    where the engine calls it from: a quantized (torchao) weight cannot be swapped for its moved copy inside it."""
+    import torch
+
+    with torch.inference_mode(False):
+        for other in getattr(owner(), "_all_hooks", ()):
+            if other.model is not module:
+                other.offload()
+        return type(hook).pre_forward(hook, module, *args, **kwargs)
+
+
+def onload(module: Any) -> None:
+    """Bring a component under `offload=model` to its device before the engine calls its parts directly (the step
+    cache's and packing's block loops): accelerate's hook moves a module when its `forward` is called, and this is
+    what diffusers' own `apply_forward_hook` does before a VAE's `decode`. Without the hook: nothing to do."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(module)
+
+
+@contextlib.contextmanager
+def model_offload_paused(pipe: Any) -> Iterator[None]:
+    """Under `offload=model`: the hooks off for the duration (a LoRA load), then back on the same device.
+    diffusers' LoRA loader does the same itself, but puts them back on its default accelerator, which is not
+    this instance's device on a CPU or with several devices."""
+    device = getattr(pipe, "_offload_device", None)
+    if not getattr(pipe, "_all_hooks", None) or device is None:
+        yield
+        return
+    pipe.remove_all_hooks()
+    try:
+        yield
+    finally:
+        _offload_models(pipe, device)
 
 
 def _modules(pipe: Any) -> dict[str, Any]:
@@ -275,6 +331,10 @@ def refuse_levers(adapter_cls: Any, levers: LeversConfig, parallel: Optional[Par
     if not hasattr(adapter_cls, "pipeline_class"):
         raise ConfigError(f"parameter '{changed[0]}': pipeline '{adapter_cls.name}' is our own model code, which "
                           "diffusers' compile, quantization, attention, offload and tiling machinery does not load")
+    if levers.offload != "none" and levers.compile != "none" and levers.quantization != "none":
+        raise ConfigError(f"parameter 'offload': {levers.offload} does not run with compile and quantization "
+                          "together: torch.compile keeps weak references to the quantized (torchao) weights, and "
+                          "torch cannot swap a weight that has one for its moved copy; offload with one of them")
     if levers.compile != "none" and parallel is not None and parallel.sequence_parallel_size > 1:
         raise ConfigError("parameter 'compile': does not run with sequence_parallel_size > 1: dynamo cannot trace "
                           "diffusers' Ulysses all_to_all (its process group is opaque to the fake tensors dynamo "

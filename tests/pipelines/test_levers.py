@@ -84,6 +84,9 @@ def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
         load("bagel", compile="regional")
     with pytest.raises(ConfigError, match="parameter 'compile': does not run with sequence_parallel_size > 1"):
         load(compile="regional", compile_backend="eager", sequence_parallel_size=2)
+    for offload in ("model", "group"):
+        with pytest.raises(ConfigError, match=f"parameter 'offload': {offload} does not run with compile and quant"):
+            load(offload=offload, compile="regional", compile_backend="eager", quantization="int8_weight_only")
 
 
 # -- compile -----------------------------------------------------------------------------------------
@@ -200,8 +203,69 @@ def test_group_offload_runs_end_to_end_with_parity_and_every_leaf_onloads_to_the
                 assert hook.group.onload_device == offloaded.device, f"{name}.{leaf_name}"
                 leaves += "lora_" in leaf_name
     assert leaves  # the LoRA's own layers among them
-    with pytest.raises(ConfigError, match="parameter 'offload': model .* use offload=group"):
-        load(offload="model")
+
+
+def test_model_offload_runs_end_to_end_with_parity_and_one_component_on_the_device_at_a_time(monkeypatch):
+    """accelerate's hook moves a component when its `forward` is called (and takes the one before it in the
+    pipeline's order off); the step cache's block loop runs the transformer's blocks without it, and the engine
+    encodes a new request between two steps of another. Here each hook keeps the set of components it has put on
+    the device, as on a GPU, and every leaf checks that its own component, alone, is in it when it runs."""
+    from accelerate.hooks import CpuOffload
+
+    eager, offloaded = load(), load(offload="model")
+    assert isinstance(offloaded.pipe.transformer._hf_hook, CpuOffload)
+    on_device, wrong, runs = set(), [], set()
+    pre_forward, init_hook = CpuOffload.pre_forward, CpuOffload.init_hook
+
+    def onload(hook, module, *args, **kwargs):
+        if hook.prev_module_hook is not None:
+            on_device.discard(hook.prev_module_hook.model)
+        on_device.add(module)
+        return pre_forward(hook, module, *args, **kwargs)
+
+    def offload(hook, module):  # putting the hooks on, and a hook's offload()
+        on_device.discard(module)
+        return init_hook(hook, module)
+
+    names = {module: name for name, module in levers._modules(offloaded.pipe).items()}
+
+    def check(component, name):
+        def hook(leaf, args):
+            runs.add(name)
+            if on_device != {component}:
+                wrong.append((name, tuple(sorted(names[m] for m in on_device))))
+        return hook
+
+    monkeypatch.setattr(CpuOffload, "pre_forward", onload)
+    monkeypatch.setattr(CpuOffload, "init_hook", offload)
+    handles = [leaf.register_forward_pre_hook(check(component, name))
+               for name, component in levers._modules(offloaded.pipe).items() for leaf in component.modules()
+               if leaf is not component and any(True for _ in leaf.parameters(recurse=False))]
+    try:
+        p = inputs(eager)
+        cases = {"a": p, "b": {**p, "seed": 8, "prompt": "a bowl of fruit", "cache": "first_block",
+                                     "cache_threshold": 0.3},  # its blocks run directly
+                 "c": {**p, "seed": 9, "lora_name": "toy_a", "lora_scale": 0.6}}  # its load takes the hooks off
+        for params in cases.values():  # one after the other: each decode takes the transformer off the device
+            assert levels(solo_steps(offloaded, params), solo_steps(eager, params)) <= 1
+        arrivals = [Arrival(0, "a", cases["a"]), Arrival(1, "b", cases["b"])]  # b's encode between a's steps
+        expected, got = run_steps(eager, arrivals).images, run_steps(offloaded, arrivals).images
+        assert max(levels(got[rid], expected[rid]) for rid in ("a", "b")) <= 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert {"text_encoder", "transformer", "vae"} <= runs
+    assert not wrong, f"{len(wrong)} leaf runs with the wrong components on the device: {sorted(set(wrong))}"
+
+
+@pytest.mark.parametrize("pipeline", ["flux", "sd3", "z_image", "flux2", "flux_kontext", "qwen_image_edit",
+                                      "qwen_image_edit_plus", "ltx2", "wan", "wan_i2v"])
+def test_model_offload_keeps_the_images_of_every_diffusers_pipeline(pipeline):
+    """Each pipeline's own `model_cpu_offload_seq` (Wan 2.2's two transformers, LTX-2's audio VAE and vocoder)."""
+    eager, offloaded = load(pipeline), load(pipeline, offload="model")
+    p = inputs(eager, num_inference_steps=2, image=encode(rgb(48, 40, seed=3)), auto_resize=0)  # edits take one
+    assert levels(solo_steps(offloaded, p), solo_steps(eager, p)) <= 1
+    assert offloaded.pipe._all_hooks
 
 
 def test_vae_tiling_keeps_an_image_within_one_tile_and_decodes_a_larger_one_in_tiles():

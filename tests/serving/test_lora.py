@@ -1,10 +1,13 @@
-"""LoRA per request through a real tritonserver: qwen_image in step mode with its own lora_dir.
+"""LoRA per request through a real tritonserver: qwen_image in step mode with its own lora_dir, under
+`offload=model` (both of its devices the CPU here: a GPU's code path, each LoRA load taking the offload hooks off
+and putting them back), every image still bitwise or within a level of diffusers' own.
 
 Requests that must share a forward are held by the engine's tick budget until all wait.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -25,7 +28,7 @@ def start_lora_server(tmp_path_factory):
     for name in ("toy_a", "toy_b"):
         shutil.copy(ensure_loras("qwen_image", path) / f"{name}.safetensors", lora_dir)
     server = start_server(tmp_path_factory.mktemp("lora-server"), path, step_execution="true", max_num_seqs="4",
-                          lora_dir=str(lora_dir), max_loras="2", wait=False)
+                          lora_dir=str(lora_dir), max_loras="2", offload="model", wait=False)
     server.lora_dir, server.model_dir = lora_dir, path
     return server
 
@@ -57,6 +60,7 @@ def test_a_lora_changes_the_image_as_diffusers_set_adapters_does(lora_server):
     expected = pipe(prompt=BASE["prompt"], height=32, width=32, num_inference_steps=3, output_type="np",
                     generator=torch.Generator().manual_seed(BASE["seed"])).images
     assert np.array_equal(served, to_uint8(expected))  # bitwise (CPU float32)
+    assert re.search(r"levers offload=model; weight bytes: ", lora_server.log_text())
 
 
 def test_different_loras_in_one_step_batch_equal_their_solo_runs(lora_server):
