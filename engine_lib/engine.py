@@ -297,7 +297,8 @@ class DiffusionEngine:
             return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running, self.runner.num_states,
                                len(self._sinks), self._loop_alive(), self.scheduler.waiting_by_priority(),
                                self.scheduler.num_preempted, self.clock.totals(),
-                               {**self.adapter.counters(), "frames_generated": self.runner.frames_generated},
+                               {**self.watch.with_rank_counters(self.adapter.counters()),
+                                "frames_generated": self.runner.frames_generated},
                                self.watch.rank_states, int(self.watch.down is not None))
 
     def _loop_alive(self) -> bool:

@@ -1,7 +1,8 @@
 """WorkerWatch: the engine thread's watch over its adapter's parallel worker group (parallel.py).
 
 It notices a group that broke (a worker died, or a call timed out), starts a new one after a growing
-wait, checks an idle group's liveness and counts the request states its ranks hold. What a broken
+wait, checks an idle group's liveness and reads what its ranks report for the metrics: the request states they
+hold and their counters (the recompilations of the transformer each rank runs). What a broken
 group means for the requests (each one it held ends with one final error) stays with the engine.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any, Optional
 
 from engine_lib.parallel import WorkerError
@@ -21,8 +23,9 @@ RANK_STATES_EVERY_S = 1.0  # while the engine runs, the parallel workers' reques
 
 
 class WorkerWatch:
-    """Why the adapter's worker group is down (`down`; None: up, or no group), when it tries a new one, and the
-    request states its ranks hold (`rank_states`). Used by the engine thread only."""
+    """Why the adapter's worker group is down (`down`; None: up, or no group), when it tries a new one, the
+    request states its ranks hold (`rank_states`) and the totals of their counters (`rank_counters`, summed over
+    the ranks and every group so far, so that they only grow). Used by the engine thread only."""
 
     def __init__(self, adapter: Any):
         self.adapter = adapter
@@ -31,6 +34,8 @@ class WorkerWatch:
         self.checked_at = 0.0
         self.failed_restarts = 0
         self.rank_states, self.rank_states_at = 0, 0.0
+        self.rank_counters: dict[str, float] = {}
+        self._earlier_groups: Counter = Counter()  # the counters of the groups that broke (a new one counts from 0)
 
     @property
     def workers(self) -> Any:
@@ -45,20 +50,33 @@ class WorkerWatch:
             return None
         self.down, self.restart_at = workers.broken, time.monotonic()
         self.rank_states = 0  # (gone with the workers)
+        self._earlier_groups = Counter(self.rank_counters)
         return workers.broken
 
     def count_rank_states(self, idle: bool) -> None:
-        """The request states the parallel workers hold (`held_states` of every rank), for the metrics: whenever the
-        engine goes idle (0 unless one leaked) and every RANK_STATES_EVERY_S while it runs: one call to the ranks."""
+        """What the parallel workers report (`report` of every rank: the request states they hold, their counters),
+        for the metrics: whenever the engine goes idle (0 states unless one leaked) and every RANK_STATES_EVERY_S
+        while it runs: one call to the ranks."""
         workers = self.workers
         now = time.monotonic()
         if workers is None or workers.broken or not (idle or now - self.rank_states_at >= RANK_STATES_EVERY_S):
             return
         self.rank_states_at = now
         try:
-            self.rank_states = sum(workers.call_all("held_states", [()] * workers.world_size))
+            reports = workers.call_all("report", [()] * workers.world_size)
         except WorkerError:  # (a dead worker: `broke` notices it)
-            pass
+            return
+        totals = Counter(self._earlier_groups)
+        for report in reports:
+            totals.update(report)
+        self.rank_states = int(totals.pop("held_states", 0))
+        self.rank_counters = dict(totals)
+
+    def with_rank_counters(self, counters: dict[str, float]) -> dict[str, float]:
+        """The driver's `counters` with the ranks' totals added (the driver's own copy of a compiled transformer
+        runs nothing under cfg_parallel: the ranks' recompilations are the ones that count)."""
+        return {key: counters.get(key, 0.0) + self.rank_counters.get(key, 0.0)
+                for key in {**counters, **self.rank_counters}}
 
     def check_due(self) -> bool:
         """Idle, a live worker group is still checked every WORKERS_CHECK_EVERY_S: a rank that died or went silent

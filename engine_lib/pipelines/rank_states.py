@@ -74,7 +74,8 @@ class RankStates:
 
 class RankHandler:
     """The part of a cfg_parallel or sequence_parallel rank's handler besides its forward: the step caches it holds
-    (`held_states`, for the metrics), freeing them, and the rows its transformer's blocks ran (`rows_into`)."""
+    (`held_states`; with its compile counter, `report`, for the metrics), freeing them, and the rows its
+    transformer's blocks ran (`rows_into`)."""
 
     def __init__(self, adapter, rank: int, world_size: int):
         self.adapter, self.rank, self.world_size = adapter, rank, world_size
@@ -84,6 +85,12 @@ class RankHandler:
     def held_states(self) -> int:
         """Requests whose step cache (of this rank's forwards) this rank holds."""
         return len(self.held)
+
+    def report(self) -> dict[str, float]:
+        """What the metrics read of this rank (worker_watch.py): the states it holds and its copy's lever
+        counters (the recompilations of its compiled transformer, which runs the forwards)."""
+        applied = getattr(self.adapter, "levers", None)
+        return {"held_states": float(len(self.held)), **(applied.counters() if applied is not None else {})}
 
     def free(self, request_ids: list[str]) -> None:
         self.held.free(request_ids)

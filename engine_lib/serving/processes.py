@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,11 +43,22 @@ def default_address() -> str:
     return os.environ.get("TRITON_ADDRESS", "").strip() or DEFAULT_ADDRESS
 
 
+_handed_out: set[int] = set()  # every port free_port gave this process
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as sock:
-        sock.bind((DEFAULT_ADDRESS, 0))
-        return sock.getsockname()[1]
+    """A TCP port free on loopback now, and never one this process was given before: nothing listens on a port
+    between two calls, so the kernel may hand out the same one twice, and a server given it for two of its
+    listeners (gRPC and metrics) would fail to start."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((DEFAULT_ADDRESS, 0))
+            port = sock.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def connect_host(address: str) -> str:

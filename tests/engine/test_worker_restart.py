@@ -36,10 +36,11 @@ class Group:
         self.broken = self.broken or "closed"
 
     world_size = 2
+    reports = [{"held_states": 0.0}] * 2  # what each rank's `report` answers
 
     def call_all(self, method, args_per_rank):
-        assert method == "held_states"
-        return [0, 0]
+        assert method == "report"
+        return self.reports
 
 
 class Ranks:
@@ -137,3 +138,23 @@ def test_while_restarts_fail_requests_end_unavailable_then_the_model_serves_agai
         assert len(ranks.groups) == 2 and not ranks.adapter.workers.broken
     finally:
         engine.close()
+
+
+def test_the_ranks_counters_add_up_over_the_ranks_and_the_groups_and_only_grow():
+    """The metrics' counters are monotone: a new group's ranks count their recompilations from 0 again, so the
+    watch keeps what the broken group had counted."""
+    first, second = Group(), Group()
+    first.reports = [{"held_states": 1.0, "compile_recompiles": 2.0}, {"held_states": 0.0, "compile_recompiles": 1.0}]
+    second.reports = [{"held_states": 0.0, "compile_recompiles": 1.0}] * 2
+    adapter = type("Adapter", (), {"name": "double", "workers": first})()
+    watch = worker_watch.WorkerWatch(adapter)
+    watch.count_rank_states(idle=True)
+    assert watch.rank_states == 1
+    assert watch.with_rank_counters({"compile_recompiles": 1.0, "prompt_cache_hits": 4.0}) == \
+        {"compile_recompiles": 4.0, "prompt_cache_hits": 4.0}  # the driver's own, and the ranks'
+    first.broken = DEATH
+    assert watch.broke() == DEATH and watch.rank_states == 0
+    adapter.restart_workers = lambda: setattr(adapter, "workers", second)
+    assert watch.restart()
+    watch.count_rank_states(idle=True)
+    assert watch.rank_counters == {"compile_recompiles": 5.0}  # 3 before the restart, 2 since

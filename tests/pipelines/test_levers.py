@@ -160,6 +160,7 @@ def test_a_parallel_rank_loads_its_copy_of_the_model_with_the_levers():
     plain = levers.weight_bytes(load().pipe)["transformer"]
     assert levers.weight_bytes(rank.adapter.pipe)["transformer"] <= 0.35 * plain
     assert rank.adapter.levers.compiler is not None and rank.adapter.pipe.transformer._repeated_blocks
+    assert rank.report() == {"held_states": 0.0, "compile_recompiles": 0.0}  # the metrics add it to the driver's
 
 
 # -- attention, offload, tiling --------------------------------------------------------------------

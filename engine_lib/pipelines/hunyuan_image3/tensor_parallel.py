@@ -281,6 +281,10 @@ class TensorParallelRank:
         """Prompt KV caches held (a request with CFG holds two; one in its text phase, its text's)."""
         return len(self.caches)
 
+    def report(self) -> dict[str, float]:
+        """What the metrics read of this rank (worker_watch.py): the KV caches it holds."""
+        return {"held_states": float(len(self.caches))}
+
     def held_bytes(self, padded: bool = True) -> int:
         """The bytes of every KV cache shard and first-block cache residual this rank holds, and (`padded`) of the
         padded copies of the last forward's caches it keeps for the next one."""
