@@ -1,8 +1,8 @@
 """Priorities, preemption at step boundaries, shortest-remaining admission, deadlines and the compute
 budget through a real tritonserver (step mode, two running slots, max_batch_tokens 128: two 64x64 images
 of the tiny model, 64 latent tokens each; `scheduling_policy=shortest_remaining`, which orders requests only
-within a priority level, so the priority tests use distinct levels). Order-based, held by the tick budget:
-no timing in the asserts."""
+within a priority level, so the priority tests use distinct levels), under `offload=group` (both devices the CPU
+here: the code path). Order-based, held by the tick budget: no timing in the asserts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ FIRST = dict(priority=1, parameters=URGENT)  # the most urgent level, with the k
 
 
 prio_server = module_server("priorities", step_execution="true", max_num_seqs="2", max_batch_tokens="128",
-                            max_preemptions="1", scheduling_policy="shortest_remaining")
+                            max_preemptions="1", scheduling_policy="shortest_remaining", offload="group")
 
 
 def waiting(server, count: int) -> None:
@@ -96,6 +96,7 @@ def test_a_preempted_request_resumes_and_equals_its_uninterrupted_run(prio_serve
     solo = run_request(url, prompt="second", seed=12, num_inference_steps=6)
     difference = np.abs(paused.final.as_numpy("image").astype(int) - solo.final.as_numpy("image").astype(int))
     assert difference.max() <= 1, difference.max()
+    assert "levers offload=group;" in prio_server.log_text()  # each leaf onloaded as it runs, paused or not
 
 
 def test_a_short_request_pauses_the_running_one_with_the_most_steps_left(prio_server):
