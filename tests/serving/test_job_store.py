@@ -77,6 +77,18 @@ def test_open_store_picks_the_database_from_the_environment(tmp_path):
             open_store({"DIFFUSION_DATA_DIR": str(tmp_path), **bad})
 
 
+@pytest.mark.parametrize("url, says", [("mysql://x", "must be a postgresql:// URL"),
+                                       ("postgresql://jobs:hunter2@127.0.0.1:1/jobs", "Connection refused")])
+def test_a_store_that_cannot_open_stops_the_front_door_in_one_line(tmp_path, url, says):
+    """A wrong scheme or a database it cannot reach: exit 2 and one line naming the store, no traceback, and
+    never the URL's password."""
+    env = {"PATH": "/usr/bin:/bin", "DIFFUSION_DATA_DIR": str(tmp_path), "JOB_STORE_URL": url}
+    done = subprocess.run([sys.executable, "-m", "engine_lib.serving.openai_api", "--port", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "the job store cannot open" in done.stderr and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "hunter2" not in done.stdout + done.stderr
+
+
 def test_a_completed_job_outlives_its_store_and_deleting_it_removes_row_and_file(stores, environment):
     first = stores()
     assert isinstance(first, PostgresStore) == ("JOB_STORE_URL" in environment)
