@@ -121,11 +121,27 @@ def test_a_lora_change_on_a_compiled_transformer_recompiles_nothing():
 
 @pytest.mark.parametrize("pipeline", ["flux", "sd3", "z_image", "flux2", "flux_kontext", "qwen_image_edit",
                                       "qwen_image_edit_plus"])
-def test_regional_compile_keeps_the_images_of_every_flow_match_pipeline(pipeline):
+def test_regional_compile_of_every_flow_match_pipeline_keeps_its_images_and_hardly_recompiles(pipeline):
+    """Qwen-Image's three checks above on every other flow-match pipeline: within 2 levels of eager; after the
+    warm-up (the solo run), step batches of 1, 3 and 8 at two sizes recompile at most twice; switching between
+    loaded LoRAs recompiles nothing."""
     eager, compiled = load(pipeline), load(pipeline, compile="regional", compile_backend="eager")
     p = inputs(eager, num_inference_steps=2, image=encode(rgb(48, 40, seed=3)), auto_resize=0)  # edits take one
     assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2
     assert compiled.levers.compiler.graphs >= 1
+    warm, q = compiled.counters()["compile_recompiles"], p
+    for size in (32, 64):
+        for n in (1, 3, 8):
+            run_steps(compiled, [Arrival(0, f"r{i}", {**q, "height": size, "width": size, "seed": i})
+                                 for i in range(n)], capacity=8)
+    recompiles = compiled.counters()["compile_recompiles"] - warm
+    print(f"{pipeline} regional compile: {recompiles} recompilation(s) over batches of 1, 3, 8 at 32 and 64")
+    assert recompiles <= 2
+    run_steps(compiled, [Arrival(0, "a", {**q, "lora_name": "toy_a"}), Arrival(0, "b", {**q, "lora_name": "toy_b"})])
+    before = compiled.counters()["compile_recompiles"]  # (each LoRA's first load changed the blocks once)
+    run_steps(compiled, [Arrival(0, rid, {**q, "lora_name": name, "seed": i})
+                         for i, (rid, name) in enumerate((("c", "toy_b"), ("d", ""), ("e", "toy_a")))])
+    assert compiled.counters()["compile_recompiles"] == before
 
 
 def test_full_compile_traces_the_whole_forward_and_keeps_the_images_with_the_step_cache():
