@@ -90,16 +90,31 @@ def test_what_this_cpu_or_checkpoint_cannot_quantize_is_refused_by_name():
 
 
 # -- compile -----------------------------------------------------------------------------------------
+def batch_recompiles(compiled, p: dict, sizes: tuple) -> float:
+    """Recompilations over step batches of 1, 3 and 8 requests `p` at each of `sizes` (after a warm-up)."""
+    warm = compiled.counters()["compile_recompiles"]
+    for size in sizes:
+        for n in (1, 3, 8):
+            run_steps(compiled, [Arrival(0, f"r{i}", {**p, "height": size, "width": size, "seed": i})
+                                 for i in range(n)], capacity=8)
+    return compiled.counters()["compile_recompiles"] - warm
+
+
+def lora_switch_recompiles(compiled, p: dict, plans: tuple) -> float:
+    """Recompilations over one step batch per plan (each request's LoRA), once toy_a and toy_b are loaded: each
+    LoRA's first load changes the blocks (a recompilation), switching between them then should not."""
+    run_steps(compiled, [Arrival(0, "a", {**p, "lora_name": "toy_a"}), Arrival(0, "b", {**p, "lora_name": "toy_b"})])
+    before = compiled.counters()["compile_recompiles"]
+    for plan in plans:
+        run_steps(compiled, [Arrival(0, f"l{i}", {**p, "lora_name": name, "seed": i}) for i, name in enumerate(plan)])
+    return compiled.counters()["compile_recompiles"] - before
+
+
 def test_regional_compile_keeps_the_images_and_batches_of_1_3_8_at_two_sizes_recompile_at_most_twice():
     eager, compiled = load(), load(compile="regional", compile_backend="eager")
     p = inputs(eager, num_inference_steps=2, negative_prompt=None)
     assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2  # the warm-up: one compile
-    warm = compiled.counters()["compile_recompiles"]
-    for size in (64, 96):
-        for n in (1, 3, 8):
-            run_steps(compiled, [Arrival(0, f"r{i}", {**p, "height": size, "width": size, "seed": i})
-                                   for i in range(n)], capacity=8)
-    recompiles = compiled.counters()["compile_recompiles"] - warm
+    recompiles = batch_recompiles(compiled, p, (64, 96))
     print(f"regional compile: {recompiles} recompilation(s) over batches of 1, 3, 8 at 64 and 96")
     assert recompiles <= 2
     assert re.search(r"levers compile=regional compile_backend=eager, compiled \d+ graph\(s\) in [\d.]+ s, "
@@ -108,15 +123,10 @@ def test_regional_compile_keeps_the_images_and_batches_of_1_3_8_at_two_sizes_rec
 
 
 def test_a_lora_change_on_a_compiled_transformer_recompiles_nothing():
-    """Each LoRA's first load changes the blocks (a recompilation, in the warm-up here); switching LoRAs between
-    requests then recompiles nothing: their hooks run eagerly between the compiled pieces."""
+    """Switching LoRAs between requests recompiles nothing: their hooks run eagerly between the compiled pieces."""
     compiled = load(compile="regional", compile_backend="eager")  # the shapes test's adapter, when both run
     p = inputs(compiled, num_inference_steps=2, negative_prompt=None)
-    run_steps(compiled, [Arrival(0, "a", {**p, "lora_name": "toy_a"}), Arrival(0, "b", {**p, "lora_name": "toy_b"})])
-    before = compiled.counters()["compile_recompiles"]
-    for plan in (("toy_b", "toy_a"), ("", "toy_b"), ("toy_a", "")):
-        run_steps(compiled, [Arrival(0, f"l{i}", {**p, "lora_name": name, "seed": i}) for i, name in enumerate(plan)])
-    assert compiled.counters()["compile_recompiles"] == before
+    assert lora_switch_recompiles(compiled, p, (("toy_b", "toy_a"), ("", "toy_b"), ("toy_a", ""))) == 0
 
 
 @pytest.mark.parametrize("pipeline", ["flux", "sd3", "z_image", "flux2", "flux_kontext", "qwen_image_edit",
@@ -129,19 +139,10 @@ def test_regional_compile_of_every_flow_match_pipeline_keeps_its_images_and_hard
     p = inputs(eager, num_inference_steps=2, image=encode(rgb(48, 40, seed=3)), auto_resize=0)  # edits take one
     assert levels(solo_steps(compiled, p), solo_steps(eager, p)) <= 2
     assert compiled.levers.compiler.graphs >= 1
-    warm, q = compiled.counters()["compile_recompiles"], p
-    for size in (32, 64):
-        for n in (1, 3, 8):
-            run_steps(compiled, [Arrival(0, f"r{i}", {**q, "height": size, "width": size, "seed": i})
-                                 for i in range(n)], capacity=8)
-    recompiles = compiled.counters()["compile_recompiles"] - warm
+    recompiles = batch_recompiles(compiled, p, (32, 64))
     print(f"{pipeline} regional compile: {recompiles} recompilation(s) over batches of 1, 3, 8 at 32 and 64")
     assert recompiles <= 2
-    run_steps(compiled, [Arrival(0, "a", {**q, "lora_name": "toy_a"}), Arrival(0, "b", {**q, "lora_name": "toy_b"})])
-    before = compiled.counters()["compile_recompiles"]  # (each LoRA's first load changed the blocks once)
-    run_steps(compiled, [Arrival(0, rid, {**q, "lora_name": name, "seed": i})
-                         for i, (rid, name) in enumerate((("c", "toy_b"), ("d", ""), ("e", "toy_a")))])
-    assert compiled.counters()["compile_recompiles"] == before
+    assert lora_switch_recompiles(compiled, p, (("toy_b", "", "toy_a"),)) == 0
 
 
 def test_full_compile_traces_the_whole_forward_and_keeps_the_images_with_the_step_cache():
