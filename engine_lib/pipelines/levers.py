@@ -12,7 +12,7 @@ cuts it with the same levers diffusers users have, set as config.pbtxt parameter
 * `compile`: `compile_repeated_blocks` (regional), and with `full` the transformer's whole forward as well, with
   dynamic shapes from the first compile, so the row and token counts continuous batching changes every tick
   do not recompile; every recompilation dynamo makes is counted (`CompileCounter`);
-* `vae_tiling`: the VAE's own `enable_tiling`.
+* `vae_tiling`: the VAE's own `enable_tiling`, and LTX-2's temporal tiles (`use_framewise_decoding`).
 
 A value the device, the installed packages or the model cannot honour fails the load naming the parameter
 and the reason. Nothing here imports torch until a pipeline is loaded (config.py validates the value names).
@@ -168,6 +168,8 @@ def apply(pipe: Any, device: Any, levers: LeversConfig) -> Applied:
         if vae is None or not hasattr(vae, "enable_tiling"):
             raise ConfigError("parameter 'vae_tiling': this pipeline's VAE has no tiled decode")
         vae.enable_tiling()
+        if hasattr(vae, "use_framewise_decoding"):  # LTX-2's video VAE: tiles in time too, which its enable_tiling
+            vae.use_framewise_decoding = True  # does not turn on (Wan's and Helios' decode one latent frame a time)
     return applied
 
 

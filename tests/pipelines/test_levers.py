@@ -303,3 +303,21 @@ def test_vae_tiling_keeps_an_image_within_one_tile_and_decodes_a_larger_one_in_t
                           tile_sample_stride_width=192)  # diffusers' defaults, for the cached adapter
     print(f"vae tiling in 64-pixel tiles (stride 48) of a 128x128 image: {db:.1f} dB against one decode")
     assert calls and db >= 20  # the tiny random VAE's seams (blended over 16 pixels); a trained VAE's are finer
+
+
+def test_vae_tiling_tiles_an_ltx2_video_in_time():
+    """Frames past one temporal tile (16) decode in overlapping windows, so a long video's decode holds a window's
+    activations; within one tile the video is unchanged."""
+    eager, tiled = load("ltx2"), load("ltx2", vae_tiling=True)
+    vae, calls = tiled.pipe.vae, []
+    assert vae.use_tiling and vae.use_framewise_decoding
+    short = inputs(eager, num_frames=9, num_inference_steps=2)
+    assert levels(solo_steps(tiled, short), solo_steps(eager, short)) == 0
+    vae._temporal_tiled_decode = lambda *a, _decode=vae._temporal_tiled_decode, **k: calls.append(1) or _decode(*a, **k)
+    try:
+        long = {**short, "num_frames": 17}
+        db = psnr(solo_steps(tiled, long), solo_steps(eager, long))
+    finally:
+        del vae._temporal_tiled_decode
+    print(f"ltx2 vae tiling in time, 17 frames: {db:.1f} dB against one decode")
+    assert calls and db >= 15  # the tiny random VAE's seams between windows
