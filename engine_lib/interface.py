@@ -224,6 +224,9 @@ VIDEO = OutputSpec("video", "UINT8", (-1, -1, -1, -1, 3), "videos [N, F, H, W, 3
                    encodings=("mp4",), pipe_output="frames")
 FRAME_RATE = OutputSpec("frame_rate", "FP32", (1,), "frames per second the video plays at (and its mp4 is encoded at)")
 FRAME_OFFSET = OutputSpec("frame_offset", "INT32", (1,), "chunk responses: the index of the chunk's first frame")
+# The rate each video pipeline's frames play at (LTX-2: its frame_rate input's default), which the front door also
+# needs, to turn a request's seconds into frames: Wan 2.2 and diffusers' Helios example export at 16 and 24 fps.
+VIDEO_FRAME_RATES = {"ltx2": 24.0, "helios": 24.0, "wan": 16.0, "wan_i2v": 16.0}
 
 # What a pipeline that writes text (BAGEL, HunyuanImage-3.0) sends besides its image.
 TEXT = OutputSpec("text", "BYTES", (1,), "the answer or thought (UTF-8); intermediate responses: its new characters")

@@ -26,7 +26,9 @@ VIDEO_INPUTS = {"prompt": InputType("TYPE_STRING"), "height": InputType("TYPE_IN
                 "output_format": InputType("TYPE_STRING"), "image": InputType("TYPE_STRING")}
 CONFIGS = {"v": (VIDEO_INPUTS, {"video", "video_mp4"}),  # an image input and a frame rate (as LTX-2 with image)
            "h": ({k: t for k, t in VIDEO_INPUTS.items() if k not in ("image", "frame_rate")}, {"video", "video_mp4"}),
+           "w": ({k: t for k, t in VIDEO_INPUTS.items() if k not in ("image", "frame_rate")}, {"video", "video_mp4"}),
            "img": ({k: VIDEO_INPUTS[k] for k in ("prompt", "height", "width")}, {"image"})}
+FRAME_RATES = {"v": 24.0, "h": 24.0, "w": 16.0}  # as the gateway reads them (w: a Wan model at 16 fps; img: none)
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's own deprecation
 HOLD = "hold"  # a request with this prompt runs its first step, then waits until it is cancelled
 
@@ -49,7 +51,7 @@ class VideoGateway(OneModelGateway):
         return sorted(name for name, (_, outputs) in CONFIGS.items() if output in outputs)
 
     async def _config(self, model: str):
-        return (*CONFIGS[model], 2)
+        return (*CONFIGS[model], 2, FRAME_RATES.get(model))
 
     async def stream(self, model, tensors, request_id, parameters=None):
         inputs = {t.name(): sent_value(t) for t in tensors}
@@ -120,7 +122,7 @@ def test_a_job_is_created_completed_downloaded_listed_and_deleted(http):
     assert VideoGateway.cancelled == []
 
 
-def test_seconds_default_to_4_at_24_fps_and_input_reference_is_the_image(http):
+def test_seconds_default_to_4_at_the_models_frame_rate_and_input_reference_is_the_image(http):
     client = sdk(http)
     client.videos.create(model="v", prompt="a kite", input_reference=("in.png", PNG, "image/png"))
     assert VideoGateway.sent[-1]["num_frames"] == 97 and VideoGateway.sent[-1]["frame_rate"] == 24.0
@@ -128,6 +130,8 @@ def test_seconds_default_to_4_at_24_fps_and_input_reference_is_the_image(http):
     reply = http.post("/v1/videos", json={"model": "h", "prompt": "json", "seconds": 4})  # JSON works too
     assert reply.status_code == 200 and reply.json()["seconds"] == "4" and reply.json()["size"] == "auto"
     assert VideoGateway.sent[-1]["num_frames"] == 97 and "frame_rate" not in VideoGateway.sent[-1]
+    client.videos.create(model="w", prompt="a wave", seconds="4")  # a model of its own rate, which it takes as is
+    assert VideoGateway.sent[-1]["num_frames"] == 65 and "frame_rate" not in VideoGateway.sent[-1]
 
 
 def test_deleting_a_running_job_cancels_its_request_and_its_content_is_a_409_until_then(http):

@@ -841,7 +841,7 @@ def test_a_long_ltx2_tick_is_cancelled_within_2_s_and_the_model_serves_the_next_
 def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request(server, tmp_path):
     """The official SDK's `videos.create`, polled with `retrieve`, ends with an mp4 of the asked frames (1 s at
     8 fps: 9) and its sound track; deleting a running job cancels its Triton request (the model counts it). A Wan job
-    beside it: 1 s at the front door's 24 frames per second is 25 frames (Wan's 4k + 1), with no sound track."""
+    beside it: 1 s at Wan's own 16 frames per second is 17 frames (its 4k + 1), with no sound track."""
     import openai
 
     from engine_lib.serving.mp4 import probe_mp4
@@ -862,7 +862,7 @@ def test_the_front_door_video_jobs_run_ltx2_and_deleting_one_cancels_its_request
         assert probe_mp4(mp4) == {"frames": 9, "height": 32, "width": 64, "audio_streams": 1}
         assert client.videos.poll(wan.id, poll_interval_ms=100).status == "completed"
         assert probe_mp4(client.videos.download_content(wan.id).content) == \
-            {"frames": 25, "height": 32, "width": 48, "audio_streams": 0}
+            {"frames": 17, "height": 32, "width": 48, "audio_streams": 0}
         cancelled = metric(scrape(server.metrics_url), "diffusion_requests_total", model="ltx2", outcome="cancelled")
         slow = client.videos.create(model="ltx2", prompt=SLOW_PROMPT, size="32x32", seconds="1",
                                     extra_body={"frame_rate": 8, "num_inference_steps": 2})

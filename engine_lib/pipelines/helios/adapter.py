@@ -42,7 +42,7 @@ from engine_lib.pipelines.helios import context_parallel
 from engine_lib.pipelines.vae import video_vae_stats
 from engine_lib.request import InvalidInputError, SamplingParams
 
-FRAME_RATE_FPS = 24.0  # diffusers' Helios example exports at 24 fps
+FRAME_RATE_FPS = interface.VIDEO_FRAME_RATES["helios"]  # diffusers' Helios example exports at 24 fps
 HISTORY_SIZES = [16, 2, 1]  # HeliosPipeline.__call__ defaults (long, mid, short history windows)
 LATENT_FRAMES_PER_CHUNK = 9
 

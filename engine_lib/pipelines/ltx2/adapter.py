@@ -73,7 +73,7 @@ LTX2_INPUTS = (
     replace(interface.WIDTH, doc="frame width in pixels"),
     replace(interface.NUM_FRAMES, default=9, doc="video frames: 8k + 1 (8: the VAE's temporal compression)"),
     InputSpec("frame_rate", "FP32", "frames per second: the video's pace (positions and sound length follow it)",
-              default=24.0, low=1, high=120, pipe_arg="frame_rate"),
+              default=interface.VIDEO_FRAME_RATES["ltx2"], low=1, high=120, pipe_arg="frame_rate"),
     interface.NUM_INFERENCE_STEPS,
     interface.SEED,
     _scale("guidance_scale", 3.0, "video CFG scale: > 1 (or audio_guidance_scale > 1) runs the negative prompt"),

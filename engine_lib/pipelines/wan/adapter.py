@@ -43,7 +43,7 @@ from engine_lib.pipelines.base import DiffusersAdapter, InputBatch, Outputs, Req
 from engine_lib.pipelines.vae import video_vae_stats
 from engine_lib.request import InvalidInputError, SamplingParams
 
-FRAME_RATE_FPS = 16.0  # the Wan releases' frame rate (diffusers' examples export at 16 fps)
+FRAME_RATE_FPS = interface.VIDEO_FRAME_RATES["wan"]  # the Wan releases' (diffusers' examples export at 16 fps)
 
 WAN_INPUTS = (
     interface.PROMPT,

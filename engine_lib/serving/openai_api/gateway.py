@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, NamedTuple, Optional
 
@@ -16,7 +17,7 @@ import grpc
 import numpy as np
 
 from engine_lib.config import SchedulerConfig
-from engine_lib.interface import INT_RANGES
+from engine_lib.interface import INT_RANGES, VIDEO_FRAME_RATES
 from engine_lib.request import InvalidInputError
 from engine_lib.serving.openai_api.requests import OpenAIError
 from engine_lib.serving.tensors import NUMPY_DTYPES
@@ -140,14 +141,24 @@ class TritonGateway:
         """The model's `default_priority_level` parameter (the engine's default without one; None: unreadable)."""
         return (await self._config(model))[2]
 
-    async def _config(self, model: str) -> tuple[dict[str, InputType], set[str], Optional[int]]:
-        """(inputs by name, output names, default priority level) of the model's config, cached per model."""
+    async def video_frame_rate(self, model: str) -> Optional[float]:
+        """The frames per second of the model's videos when a request sets none: its `default_frame_rate`
+        parameter, else its pipeline's (interface.VIDEO_FRAME_RATES); None: no video pipeline known here."""
+        return (await self._config(model))[3]
+
+    async def _config(self, model: str) -> tuple[dict[str, InputType], set[str], Optional[int], Optional[float]]:
+        """(inputs by name, output names, default priority level, video frame rate) of the model's config, cached
+        per model."""
         if model not in self._configs:
             config = (await self.client.get_model_config(model, as_json=True))["config"]
             inputs = {i["name"]: InputType(i["data_type"], int(i.get("dims", [1])[0])) for i in config.get("input", [])}
-            level = config.get("parameters", {}).get("default_priority_level", {}).get("string_value")
+            parameters = {key: value.get("string_value") for key, value in config.get("parameters", {}).items()}
+            level = parameters.get("default_priority_level")
             default = DEFAULT_PRIORITY_LEVEL if level is None else int(level) if level.strip().isdecimal() else None
-            self._configs[model] = (inputs, {o["name"] for o in config.get("output", [])}, default)
+            rate = parameters.get("default_frame_rate") or ""
+            frame_rate = (float(rate) if re.fullmatch(r"\s*\d+(\.\d*)?\s*", rate) else
+                          VIDEO_FRAME_RATES.get(parameters.get("pipeline") or ""))
+            self._configs[model] = (inputs, {o["name"] for o in config.get("output", [])}, default, frame_rate)
         return self._configs[model]
 
     def tensors(self, inputs: Mapping[str, Any], input_types: Mapping[str, InputType]) -> list:

@@ -11,10 +11,11 @@ The fields, as the model gets them:
 - `size` "WxH": `width` and `height` (left out: the model's default size, reported as "auto");
 - `seconds` (a string, as OpenAI's; default "4"): `num_frames` = seconds x frame rate + 1 (a clip of s
   seconds at r frames per second spans s x r frame intervals). The frame rate is the request's own
-  `frame_rate` for a model that takes one (LTX-2), else FRAME_RATE (LTX-2's default, Helios's fixed
-  rate), sent as the model's `frame_rate` when it declares one. The model's own rule on frame counts
-  then decides (LTX-2: 8k + 1, up to max_num_frames; Helios: whole chunks): "4" is 97 frames, which
-  both make; a count it refuses is a 400 naming `seconds`;
+  `frame_rate` for a model that takes one (LTX-2), else the model's: its `default_frame_rate` parameter, else
+  its pipeline's (24 for LTX-2 and Helios, 16 for Wan 2.2: interface.VIDEO_FRAME_RATES), sent as the model's
+  `frame_rate` when it declares one. The model's own rule on frame counts then decides (LTX-2: 8k + 1, up to
+  max_num_frames; Helios: whole chunks; Wan: 4k + 1): "4" is 97 frames at 24 and 65 at 16, which they make;
+  a count it refuses is a 400 naming `seconds`;
 - `input_reference` (a file): the model's `image` input, for a model that declares one;
 - any other field: the model's declared input of that name, as on the images endpoints.
 
@@ -55,7 +56,7 @@ from engine_lib.serving.openai_api.store import HEARTBEAT_S, Job, Store, StoreFu
 
 log = logging.getLogger(__name__)
 
-FRAME_RATE = 24  # frames per second `seconds` counts in, unless the request gives the model a `frame_rate`
+FRAME_RATE = 24  # frames per second `seconds` counts in for a model of no pipeline known here (gateway.py)
 DEFAULT_SECONDS = "4"  # OpenAI's default
 MAX_JOBS_PER_CALLER = 32
 REFUSAL_WAIT_S = 0.5
@@ -214,15 +215,16 @@ def parse_seconds(value: Any, frame_rate: float) -> tuple[str, int]:
 
 
 def parse_video_request(body: Any, files: list[tuple[str, bytes]], input_types: Mapping[str, InputType],
-                        default_model: Optional[str]) -> VideoRequest:
-    """Map a create body (JSON, or a form typed by `form_body`) and its files onto the model's inputs."""
+                        default_model: Optional[str], model_frame_rate: float) -> VideoRequest:
+    """Map a create body (JSON, or a form typed by `form_body`) and its files onto the model's inputs;
+    `model_frame_rate`: the model's frames per second when the request sets none (gateway.video_frame_rate)."""
     model, prompt = model_and_prompt(body, default_model)
     inputs: dict[str, Any] = {"prompt": prompt}
     size = body.get("size", "auto")
     width, height = parse_size(size)
     if width is not None:
         inputs.update(width=width, height=height)
-    frame_rate = body.get("frame_rate", FRAME_RATE) if "frame_rate" in input_types else FRAME_RATE
+    frame_rate = body.get("frame_rate", model_frame_rate) if "frame_rate" in input_types else model_frame_rate
     if isinstance(frame_rate, bool) or not isinstance(frame_rate, (int, float)) or not 0 < frame_rate < 1e4:
         raise bad_request(f"frame_rate {frame_rate!r} is not a positive number", "frame_rate")
     seconds, inputs["num_frames"] = parse_seconds(body.get("seconds", DEFAULT_SECONDS), frame_rate)
@@ -306,12 +308,13 @@ def make_router(read_json, read_form, authorize, keys: FrontDoorKeys) -> APIRout
                                    f"{', '.join(names) or 'none'})", param="model", code="model_not_found")
         default = names[0] if len(names) == 1 else None
         input_types = await gateway.input_types(model or default) if model or default else {}
+        frame_rate = await gateway.video_frame_rate(model or default) if model or default else None
         if form:
             body = form_body(fields, input_types)
             surrogate = lone_surrogate_field(body)
             if surrogate is not None:
                 raise bad_request(f"input '{surrogate}': holds a lone surrogate, which is not Unicode text", surrogate)
-        return parse_video_request(body, files, input_types, default), input_types
+        return parse_video_request(body, files, input_types, default, frame_rate or FRAME_RATE), input_types
 
     @router.post("")
     async def create(request: Request, caller: Caller = Depends(authorize)) -> dict:
