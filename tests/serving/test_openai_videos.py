@@ -230,3 +230,24 @@ def test_a_model_that_makes_no_video_is_a_404_and_so_is_an_unknown_job(http):
         reply = http.get(f"/v1/videos?{query}")
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
     assert VideoGateway.sent == []
+
+
+@pytest.mark.parametrize("parameters, rate", [({"pipeline": "wan"}, 16.0), ({"pipeline": "helios"}, 24.0),
+                                              ({"pipeline": "ltx2", "default_frame_rate": "30"}, 30.0),
+                                              ({"pipeline": "qwen_image"}, None)])
+def test_the_gateway_reads_a_models_frame_rate_from_its_config(parameters, rate):
+    """Its `default_frame_rate` parameter, else its pipeline's own; an image model has none."""
+    from engine_lib.serving.openai_api.gateway import TritonGateway
+
+    class Client:
+        async def get_model_config(self, model, as_json):
+            return {"config": {"input": [], "output": [], "parameters": {
+                key: {"string_value": value} for key, value in parameters.items()}}}
+
+    async def read() -> float:
+        gateway = TritonGateway("127.0.0.1:1")  # (its client needs the running loop)
+        await gateway.close()
+        gateway.client = Client()
+        return await gateway.video_frame_rate("m")
+
+    assert asyncio.run(read()) == rate

@@ -112,7 +112,7 @@ class TritonGateway:
         self._grpc = grpcclient
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
-        self._configs: dict[str, tuple[dict[str, InputType], set[str], Optional[int]]] = {}
+        self._configs: dict[str, tuple[dict[str, InputType], set[str], Optional[int], Optional[float]]] = {}
         # The launcher protects Triton's repository API (which lists the models) with a key.
         key = os.environ.get("TRITON_ADMIN_KEY", "") if admin_key is None else admin_key
         self._index_headers = {"triton-grpc-protocol-admin-key": key} if key else None
