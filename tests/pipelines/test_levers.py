@@ -286,6 +286,24 @@ def test_model_offload_keeps_the_images_of_every_diffusers_pipeline(pipeline):
     assert offloaded.pipe._all_hooks
 
 
+@pytest.mark.parametrize("combination", [
+    dict(compile="regional", offload="group"), dict(compile="full", offload="model"),
+    dict(attention_backend="flex", offload="model"),
+    dict(quantization="int8_weight_only", offload="model", attention_backend="_native_math", vae_tiling=True),
+    dict(quantization="int8_weight_only", compile="regional", attention_backend="flex"),
+], ids=lambda combination: "+".join(f"{k}={v}" for k, v in combination.items()))
+def test_the_levers_compose_with_each_other_and_with_the_step_cache(combination):
+    """Within 2 levels of the plain model (1 with int8 weights, which round), with and without first_block (whose
+    block loop calls the transformer's blocks itself, past the forward the levers wrap)."""
+    if "compile" in combination:
+        combination = {**combination, "compile_backend": "eager"}
+    eager, combined = load(), load(**combination)
+    p = inputs(eager)
+    for case in (p, {**p, "seed": 8, "cache": "first_block", "cache_threshold": 0.3}):
+        assert levels(solo_steps(combined, case), solo_steps(eager, case)) <= (1 if "quantization" in combination
+                                                                                else 2)
+
+
 def test_vae_tiling_keeps_an_image_within_one_tile_and_decodes_a_larger_one_in_tiles():
     eager, tiled = load(), load(vae_tiling=True)
     vae = tiled.pipe.vae
