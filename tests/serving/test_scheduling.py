@@ -3,7 +3,8 @@ size joins the running batch, and a short compatible request passes an incompati
 waiting behind it. Order-based, held by the tick budget.
 
 The server also runs GPU levers a CPU has (int8 weights, an attention backend, regional compile on dynamo's
-eager backend: inductor's C++ build takes minutes per graph here), which order does not depend on; the last test
+eager backend: inductor's C++ build takes minutes per graph here; VAE tiling, its images within one tile), which
+order does not depend on; the last test
 checks them as served: images, the weight bytes gauge, the recompilation counter and the load log (its compile
 time and weight bytes)."""
 
@@ -20,7 +21,7 @@ from tests.helpers.streaming import (RequestStream, close_all, metric, run_concu
                                      wait_for_metric)
 
 LEVERS = dict(quantization="int8_weight_only", attention_backend="_native_math", compile="regional",
-              compile_backend="eager")
+              compile_backend="eager", vae_tiling="true")
 step_server = module_server("scheduling", step_execution="true", max_num_seqs="2", mixed_size_batching="true",
                             **LEVERS)
 
@@ -99,7 +100,7 @@ def test_the_levers_serve_images_of_two_sizes_and_report_weight_bytes_and_recomp
     url, labels = step_server.grpc_url, {"model": "qwen_image"}
     log = step_server.log_text()
     assert re.search(r"levers compile=regional compile_backend=eager quantization=int8_weight_only "
-                     r"attention_backend=_native_math, compiled [1-9]\d* graph\(s\) in [\d.]+ s, \d+ "
+                     r"attention_backend=_native_math vae_tiling=True, compiled [1-9]\d* graph\(s\) in [\d.]+ s, \d+ "
                      r"recompilation\(s\); weight bytes: .*transformer [\d.]+ MiB", log), log[-2000:]
     before = metric(scrape(step_server.metrics_url), "diffusion_compile_recompiles_total", **labels)
     requests = [dict(prompt="a red car", height=64, width=48, num_inference_steps=3, seed=7, num_images=2),
