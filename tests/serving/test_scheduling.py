@@ -4,9 +4,8 @@ waiting behind it. Order-based, held by the tick budget.
 
 The server also runs GPU levers a CPU has (int8 weights, an attention backend, regional compile on dynamo's
 eager backend: inductor's C++ build takes minutes per graph here; VAE tiling, its images within one tile), which
-order does not depend on; the last test
-checks them as served: images, the weight bytes gauge, the recompilation counter and the load log (its compile
-time and weight bytes)."""
+order does not depend on; the last test checks them as served: images, the weight bytes gauge, the recompilation
+counter and the load log (its compile time and weight bytes)."""
 
 from __future__ import annotations
 
