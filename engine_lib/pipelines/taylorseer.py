@@ -75,9 +75,10 @@ class ModuleFactors:
                 delta = step - self.last_step
                 previous = self.factors[i]
                 for j in range(CONFIG.max_order):
-                    if j >= len(previous) or previous[j].shape != orders[j].shape:
+                    before = fit(previous[j], orders[j].shape[1]) if j < len(previous) else None
+                    if before is None or before.shape != orders[j].shape:
                         break
-                    orders.append((orders[j] - previous[j].to(features.dtype)) / delta)
+                    orders.append((orders[j] - before.to(features.dtype)) / delta)
             # copies: a row group's factors hold none of the batch's other rows
             renewed.append([f.to(CONFIG.taylor_factors_dtype, copy=True) for f in orders])
         self.factors, self.last_step = renewed, step
@@ -88,10 +89,19 @@ class ModuleFactors:
         outputs = []
         for dtype, orders in zip(self.dtypes, self.factors):
             out = torch.zeros_like(orders[0], dtype=dtype)
-            for order in range(len(self.factors[0])):
+            for order in range(len(orders)):  # (an output whose shape changed at its last compute kept order 0)
                 out = out + orders[order].to(dtype) * ((offset ** order) / math.factorial(order))
             outputs.append(out)
         return outputs
+
+
+def fit(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`tensor` [rows, tokens', ...] cut or zero-padded to `tokens` along its token axis. A text stream is padded to
+    the longest prompt of the forward's batch, which changes as requests join and leave it; a request's own tokens
+    come first and are fewer than any batch's padding, so they keep their values, and its padding stays padding."""
+    if tensor.shape[1] >= tokens:
+        return tensor[:, :tokens]
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, tokens - tensor.shape[1]))
 
 
 @dataclass
@@ -178,6 +188,9 @@ class Plan:
                     value, torch.Tensor) and value.shape[0] == total else value for name, value in kwargs.items()})
         single = isinstance(out, torch.Tensor)
         outputs = (out,) if single else out
+        # each output has the tokens of its stream's input (a joint attention returns image, then text)
+        tokens = [kwargs[name].shape[1] for name in ("hidden_states", "encoder_hidden_states")
+                  if kwargs.get(name) is not None]
         pieces, taken = [], 0
         for group, rows in self.view:
             n = rows.stop - rows.start
@@ -187,7 +200,7 @@ class Plan:
                 if group.factors is not None:
                     group.factors[k].update(piece, group.step)
             else:
-                piece = group.factors[k].predict(group.step)
+                piece = [fit(p, length) for p, length in zip(group.factors[k].predict(group.step), tokens)]
                 single = len(piece) == 1
             pieces.append(piece)
         if len(computing) == len(self.view):
@@ -226,6 +239,8 @@ class Plan:
                 piece = group.factors[k].predict(group.step)
                 if joined:
                     piece = [piece[0][:, txt.shape[1]:], piece[0][:, :txt.shape[1]]]
+                else:
+                    piece = [piece[0], fit(piece[1], txt.shape[1])]
             pieces.append(piece)
         if len(computing) == len(self.view):
             return out

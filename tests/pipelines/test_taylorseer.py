@@ -121,6 +121,33 @@ def test_a_shared_batch_decides_per_row(qwen):
     assert counts == {"cache_steps_computed": 3 * STEPS - reused, "cache_steps_reused": reused}
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["step batch", "packed"])
+def test_prompts_of_other_lengths_joining_and_leaving_keep_each_request_as_it_runs_solo(packed, qwen):
+    """A request's text stream is padded to its batch's longest prompt, which changes as requests join and leave;
+    its TaylorSeer factors keep its own tokens (`taylorseer.fit`). A TaylorSeer request joined by one with a longer
+    prompt, or outliving it, at a step where it computes or predicts, stays within one level of its solo run, and
+    so does the other (also of another size, packed)."""
+    adapter = qwen
+    if packed:
+        from engine_lib.config import EngineConfig
+        from engine_lib.pipelines.registry import load_adapter
+        from engine_lib.pipelines.tiny_models import ensure_model
+
+        adapter = load_adapter(EngineConfig.of(pipeline="qwen_image", model_path=str(ensure_model("qwen_image", "tiny")),
+                                               device="cpu", dtype="float32", step_execution=True,
+                                               max_num_seqs=8, mixed_size_batching=True))
+    short = {**BASE, "seed": 1, "prompt": "a cat"}
+    long = {**BASE, "seed": 2, "prompt": "a long prompt about a bowl of fruit on a wooden table in the morning light",
+            **({"height": 96} if packed else {})}
+    plain_long = {k: v for k, v in long.items() if k != "cache"}
+    solo = {id(params): solo_steps(adapter, params) for params in (short, long, plain_long)}
+    for first, second in ((short, long), (long, short), (short, plain_long)):
+        for tick in (1, 2, 3, 4):  # the first request at its steps 1 to 4: computing (1, 2, 4) and predicting (3)
+            images = run_steps(adapter, [Arrival(0, "a", first), Arrival(tick, "b", second)]).images
+            for rid, params in (("a", first), ("b", second)):
+                assert np.abs(images[rid].astype(int) - solo[id(params)].astype(int)).max() <= 1, (tick, rid)
+
+
 def test_pause_and_resume_equal_the_uninterrupted_runs(qwen):
     """Two taylorseer requests share a batch until a more urgent one takes the seat of the least urgent,
     which resumes later (its factors kept): both end as they do alone."""
