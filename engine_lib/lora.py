@@ -213,7 +213,9 @@ class LoraLibrary:
         if plan is None:
             return output
         x = args[0]
-        if self._token_plan is not None and x.dim() == 3 and x.shape[0] == 1:  # the packed stream: a row per token
+        # the packed stream [1, T, ...]: a row per token. (With one row, the row path below adds the same, and a
+        # one-row text stream [1, L, ...] looks like it: the rows of a TaylorSeer forward that compute alone.)
+        if self._token_plan is not None and x.dim() == 3 and x.shape[0] == 1 and len(plan) > 1:
             if x.shape[1] != len(self._token_plan):
                 raise RuntimeError(f"a LoRA layer saw {x.shape[1]} packed tokens for a plan of {len(self._token_plan)}")
             if self._token_indices is None:

@@ -205,7 +205,9 @@ class ModelRunner:
             if len(states) == 1:
                 self._fail(result, states[0].request_id, exc)
                 return
-            # denoise_step mutates nothing, so each request can simply be retried alone.
+            # denoise_step changes no request's state but its step caches, and those take the same step again
+            # (taylorseer.ModuleFactors.update; a first-block cache is set once its forward has run), so each
+            # request can simply be retried alone.
             logger.warning("batched denoise of %d requests failed (%s); retrying one by one", len(states), exc)
             result.batch_retries += 1
             self._input_batch = None

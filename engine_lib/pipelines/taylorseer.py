@@ -66,8 +66,14 @@ class ModuleFactors:
     dtypes: tuple = ()  # the module's output dtypes
 
     def update(self, outputs: list[torch.Tensor], step: int) -> None:
-        """`TaylorSeerState.update`: the outputs and their divided differences against the last factors."""
+        """`TaylorSeerState.update`: the outputs and their divided differences against the last factors. The same
+        step again (a batched forward that failed part way, run again one request at a time: runner.py) renews
+        the outputs and keeps the differences, which were taken at this step."""
         self.dtypes = tuple(o.dtype for o in outputs)
+        if step == self.last_step:
+            self.factors = [[o.to(CONFIG.taylor_factors_dtype, copy=True), *(fit(f, o.shape[1]) for f in old[1:])]
+                            for o, old in zip(outputs, self.factors)]
+            return
         renewed = []
         for i, features in enumerate(outputs):
             orders = [features]

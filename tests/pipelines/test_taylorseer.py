@@ -148,6 +148,55 @@ def test_prompts_of_other_lengths_joining_and_leaving_keep_each_request_as_it_ru
                 assert np.abs(images[rid].astype(int) - solo[id(params)].astype(int)).max() <= 1, (tick, rid)
 
 
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_packed_with_a_lora_row_the_rows_that_compute_alone_take_their_own_loras(pipeline):
+    """Packed (mixed sizes), a TaylorSeer request without a LoRA and one with a LoRA of another size: at a step
+    where one predicts, the other's attention runs alone, its text stream one row [1, L, ...], which the LoRA
+    hooks took for the packed image stream (the batched forward failed and ran again one by one). Each forward
+    stays shared and each image within one level of its solo run."""
+    from engine_lib.config import EngineConfig
+    from engine_lib.pipelines.registry import load_adapter
+    from engine_lib.pipelines.tiny_models import ensure_model
+
+    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
+                                           device="cpu", dtype="float32", step_execution=True, max_num_seqs=8,
+                                           mixed_size_batching=True))
+    requests = {"plain": {**BASE, "seed": 1, "num_inference_steps": 8},
+                "lora": {**BASE, "seed": 2, "height": 96, "width": 96, "lora_name": "toy_a", "lora_scale": 0.6}}
+    result = run_steps(adapter, [Arrival(0, "lora", requests["lora"]), Arrival(2, "plain", requests["plain"])])
+    assert 2 in result.forward_sizes and 1 not in result.forward_sizes[2:6], result.forward_sizes  # none retried
+    for rid, params in requests.items():
+        assert np.abs(result.images[rid].astype(int) - solo_steps(adapter, params).astype(int)).max() <= 1, rid
+
+
+def test_a_batched_forward_that_fails_part_way_runs_again_with_the_factors_intact(qwen):
+    """The runner runs a failed batched forward again one request at a time. The attention modules before the
+    failure have renewed their factors at that step already, and renew them again (the outputs anew, the
+    differences kept: no division by a zero step): each request still equals its solo run. The planted failure
+    is in the last block, at the batched forwards of step 0 and of step 4, both computing steps."""
+    requests = {"a": {**BASE, "seed": 1}, "b": {**BASE, "seed": 2, "prompt": "a dog on a sofa"}}
+    solo = {rid: solo_steps(qwen, params) for rid, params in requests.items()}
+    last = qwen.pipe.transformer.transformer_blocks[-1]
+    forward, batched_calls, failed = last.forward, [], []
+
+    def failing(*args, **kwargs):
+        if (args[0] if args else kwargs["hidden_states"]).shape[0] > 1:
+            batched_calls.append(1)
+            if len(batched_calls) in (1, 5):  # the retried steps' calls are one row each
+                failed.append(len(batched_calls))
+                raise RuntimeError("a planted failure in the last block")
+        return forward(*args, **kwargs)
+
+    last.forward = failing
+    try:
+        result = run_steps(qwen, [Arrival(0, rid, params) for rid, params in requests.items()])
+    finally:
+        del last.forward
+    assert failed == [1, 5]
+    for rid, image in result.images.items():
+        assert np.abs(image.astype(int) - solo[rid].astype(int)).max() <= 1, rid
+
+
 def test_pause_and_resume_equal_the_uninterrupted_runs(qwen):
     """Two taylorseer requests share a batch until a more urgent one takes the seat of the least urgent,
     which resumes later (its factors kept): both end as they do alone."""
