@@ -90,7 +90,7 @@ class RankHandler:
         """What the metrics read of this rank (worker_watch.py): the states it holds and its copy's lever
         counters (the recompilations of its compiled transformer, which runs the forwards)."""
         applied = getattr(self.adapter, "levers", None)
-        return {"held_states": float(len(self.held)), **(applied.counters() if applied is not None else {})}
+        return {"held_states": float(self.held_states()), **(applied.counters() if applied is not None else {})}
 
     def free(self, request_ids: list[str]) -> None:
         self.held.free(request_ids)

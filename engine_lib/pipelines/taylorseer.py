@@ -80,11 +80,8 @@ class ModuleFactors:
             if self.last_step is not None:
                 delta = step - self.last_step
                 previous = self.factors[i]
-                for j in range(CONFIG.max_order):
-                    before = fit(previous[j], orders[j].shape[1]) if j < len(previous) else None
-                    if before is None or before.shape != orders[j].shape:
-                        break
-                    orders.append((orders[j] - before.to(features.dtype)) / delta)
+                for j in range(min(CONFIG.max_order, len(previous))):  # (over the tokens both text lengths share)
+                    orders.append((orders[j] - fit(previous[j], orders[j].shape[1]).to(features.dtype)) / delta)
             # copies: a row group's factors hold none of the batch's other rows
             renewed.append([f.to(CONFIG.taylor_factors_dtype, copy=True) for f in orders])
         self.factors, self.last_step = renewed, step
@@ -95,7 +92,7 @@ class ModuleFactors:
         outputs = []
         for dtype, orders in zip(self.dtypes, self.factors):
             out = torch.zeros_like(orders[0], dtype=dtype)
-            for order in range(len(orders)):  # (an output whose shape changed at its last compute kept order 0)
+            for order in range(len(orders)):
                 out = out + orders[order].to(dtype) * ((offset ** order) / math.factorial(order))
             outputs.append(out)
         return outputs

@@ -283,7 +283,7 @@ class TensorParallelRank:
 
     def report(self) -> dict[str, float]:
         """What the metrics read of this rank (worker_watch.py): the KV caches it holds."""
-        return {"held_states": float(len(self.caches))}
+        return {"held_states": float(self.held_states())}
 
     def held_bytes(self, padded: bool = True) -> int:
         """The bytes of every KV cache shard and first-block cache residual this rank holds, and (`padded`) of the
