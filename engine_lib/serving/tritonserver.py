@@ -46,6 +46,7 @@ DEFAULT_SHM_BYTES = 64 * 1024 * 1024
 DRAINED_EXIT_TIMEOUT_S = 3
 LOADED_LINE = re.compile(rb"successfully loaded '([^']+)'")  # tritonserver's log line once a model is loaded
 SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")  # ... once a signal starts its shutdown
+SIGNAL_LINE_LAG_S = 3.0  # how long the log's signal line may trail the API going away (unload_all)
 EXIT_TIMEOUT_LINE = b"Exit timeout expired"  # ... once it gives up waiting for running requests (it crashes next)
 INSTANCE_LINE = re.compile(rb"TRITONBACKEND_ModelInstanceInitialize: (\S+) ")  # ... as a Python stub starts
 ADMIN_HEADER = "admin-key"  # HTTP header; gRPC clients send it as "triton-grpc-protocol-admin-key"
@@ -312,11 +313,20 @@ class TritonServer:
                     return left
                 time.sleep(0.1)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            if self.signalled is None:
+            if not self._signal_logged_within(SIGNAL_LINE_LAG_S):
                 return [f"(repository API unreachable: {exc})"]
             # A signal from outside stops the server meanwhile (it unloads the models itself): its exit says how.
             self.wait(max(0.0, deadline - time.monotonic()) + 5.0)
             return [] if self.exited_cleanly() else ["(tritonserver's own stop did not end cleanly)"]
+
+    def _signal_logged_within(self, timeout_s: float) -> bool:
+        """Whether the server's log says a signal started its shutdown, waiting up to timeout_s for the line: a
+        whole process tree signalled at once (systemd, `docker stop`) may close the API before the log's thread
+        has read the line that says why (seen under load: a broken pipe, then the line)."""
+        deadline = time.monotonic() + timeout_s
+        while self.signalled is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.signalled is not None
 
     def exited_cleanly(self) -> bool:
         """It exited with code 0, its running requests ended before its exit timeout expired."""

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -63,6 +64,22 @@ def test_free_port_never_hands_out_the_same_port_twice():
     listeners does not start."""
     ports = [free_port() for _ in range(2000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_an_api_gone_before_the_log_says_why_is_an_outside_signal_not_a_failure(tmp_path):
+    """A process tree signalled at once: tritonserver's API goes away (a broken pipe) a moment before the log's
+    thread reads the signal line. Unloading waits for that line and the server's own clean exit, and reports
+    nothing left loaded; an API that goes away with no signal logged is still reported."""
+    server = TritonServer(tmp_path, http_port=free_port(), admin_key="key")  # nothing listens on its port
+    server.process = subprocess.Popen(["sh", "-c", "sleep 1"])  # a server that exits cleanly on its own
+    threading.Timer(0.5, lambda: setattr(server, "signalled", signal.SIGTERM)).start()  # the line, late
+    assert server.unload_all(timeout_s=5.0) == []
+    quiet = TritonServer(tmp_path, http_port=free_port(), admin_key="key")
+    quiet.process = subprocess.Popen(["sleep", "0"])
+    assert "repository API unreachable" in quiet.unload_all(timeout_s=5.0)[0]
+    for each in (server, quiet):
+        each.process.wait()
+        each.cleanup()
 
 
 def test_config_error_fails_the_load_with_the_parameter_named(tmp_path):
