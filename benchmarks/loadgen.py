@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from benchmarks.workloads import RequestSpec, input_image
+from client.grpc_transport import stop_stream
 
 DEFAULT_TIMEOUT_S = 900.0
 # The DIFFUSION_PRIORITY_KEY of the servers the benchmarks start (systems.serve): a request more urgent than the
@@ -151,7 +152,7 @@ class StreamClient(InferClient):
     def _fail(self, record: RequestRecord, error: str, done: Optional[float] = None) -> RequestRecord:
         """The request ends with `error`, and the stream starts clean (an error response has no request id)."""
         record.error, record.done = error, done
-        self._client.stop_stream(cancel_requests=True)
+        stop_stream(self._client, cancel=True)
         self._responses = queue.Queue()
         self._client.start_stream(callback=self._on_response)
         return record
@@ -217,8 +218,9 @@ class StreamClient(InferClient):
 
     def close(self) -> None:
         self._drain_late()
-        # A held stream keeps tritonserver 2.51 from shutting down: always stop it.
-        self._client.stop_stream(cancel_requests=True)
+        # A held stream keeps tritonserver 2.51 from shutting down: always stop it (without tritonclient's
+        # leaked thread: a cancelled stream's request iterator otherwise waits for the life of the process).
+        stop_stream(self._client, cancel=True)
         super().close()
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from benchmarks import loadgen, perf_analyzer, report, run, scenarios, systems, workloads
 from benchmarks.loadgen import RequestRecord, RunResult
+from tests.helpers.servers import client_threads
+from tests.helpers.waiting import wait_until
 
 SPEC = workloads.RequestSpec("a cat", 64, 64, 4, seed=1, preview_interval=2)
 
@@ -416,10 +418,15 @@ def _system_named(name: str) -> systems.System:
 
 
 def test_loadgen_streams_two_requests_through_step_batching(tiny_model, tmp_path):
+    """Two streams at once through step batching; closed, they leave no gRPC thread behind (a cancelled
+    tritonclient stream's request iterator otherwise waits for the life of the process)."""
+    threads = client_threads()
     with systems.serve(_system_named("step"), tiny_model, log_dir=tmp_path) as running:
         before = systems.scrape_metrics(running.server.metrics_url)
         run = loadgen.run_closed_loop(running.target, [SPEC, SPEC], concurrency=2)
         after = systems.scrape_metrics(running.server.metrics_url)
+        left = wait_until(lambda: client_threads() <= threads, 10)
+    assert left, f"closed streams left {len(client_threads() - threads)} gRPC thread(s) behind"
     for record in run.records:
         assert record.ok, record.check_error()
         assert record.num_final_flags == 1 and record.num_final_outputs == 1
