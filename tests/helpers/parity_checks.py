@@ -225,11 +225,17 @@ def assert_close_images(actual: np.ndarray, expected: np.ndarray, to_uint8) -> f
     """
     diff = image_diff(actual, expected)
     assert diff <= FLOAT_BOUND, f"max abs diff {diff:.3g} > {FLOAT_BOUND}"
-    levels = np.abs(to_uint8(actual).astype(np.int16) - to_uint8(expected).astype(np.int16))
-    assert levels.max() <= 1, f"uint8 images differ by {levels.max()} levels"
-    changed = float((levels > 0).mean())
-    assert changed <= MAX_UINT8_CHANGED_FRACTION, f"{changed:.3%} of uint8 values differ"
+    assert_within_one_level(to_uint8(actual), to_uint8(expected))
     return diff
+
+
+def assert_within_one_level(actual: np.ndarray, expected: np.ndarray, what: Any = "") -> None:
+    """uint8 images at most 1 level apart, in at most MAX_UINT8_CHANGED_FRACTION of their values: what
+    batch-size dependent CPU kernels may change. `what` names the image in the failure."""
+    levels = np.abs(actual.astype(np.int16) - expected.astype(np.int16))
+    assert levels.max() <= 1, f"{what} uint8 images differ by {levels.max()} levels"
+    changed = float((levels > 0).mean())
+    assert changed <= MAX_UINT8_CHANGED_FRACTION, f"{what} {changed:.3%} of uint8 values differ"
 
 
 # -- the shared parity suite ---------------------------------------------------------------

@@ -28,7 +28,7 @@ from engine_lib.request import DiffusionRequest
 from engine_lib.runner import ModelRunner
 from tests.helpers.parity_checks import (Arrival, load_tiny_adapter, parse, run_arrivals, run_steps, solo_steps,
                                          step_engine, with_cfg_batching)
-from tests.helpers.step_cache_checks import STEPS, cached_inputs, rows_into
+from tests.helpers.step_cache_checks import STEPS, cached_inputs, lora_runner, rows_into, with_parameters
 
 PREDICTED = [step for step in range(STEPS) if not taylorseer.computes(step)]  # [3, 5]
 BASE = {"prompt": "a cat", "num_inference_steps": STEPS, "height": 64, "width": 64, "cache": "taylorseer"}
@@ -127,15 +127,7 @@ def test_prompts_of_other_lengths_joining_and_leaving_keep_each_request_as_it_ru
     its TaylorSeer factors keep its own tokens (`taylorseer.fit`). A TaylorSeer request joined by one with a longer
     prompt, or outliving it, at a step where it computes or predicts, stays within one level of its solo run, and
     so does the other (also of another size, packed)."""
-    adapter = qwen
-    if packed:
-        from engine_lib.config import EngineConfig
-        from engine_lib.pipelines.registry import load_adapter
-        from engine_lib.pipelines.tiny_models import ensure_model
-
-        adapter = load_adapter(EngineConfig.of(pipeline="qwen_image", model_path=str(ensure_model("qwen_image", "tiny")),
-                                               device="cpu", dtype="float32", step_execution=True,
-                                               max_num_seqs=8, mixed_size_batching=True))
+    adapter = with_parameters(qwen, mixed_size_batching=True) if packed else qwen
     short = {**BASE, "seed": 1, "prompt": "a cat"}
     long = {**BASE, "seed": 2, "prompt": "a long prompt about a bowl of fruit on a wooden table in the morning light",
             **({"height": 96} if packed else {})}
@@ -149,18 +141,13 @@ def test_prompts_of_other_lengths_joining_and_leaving_keep_each_request_as_it_ru
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
-def test_packed_with_a_lora_row_the_rows_that_compute_alone_take_their_own_loras(pipeline):
+def test_packed_with_a_lora_row_the_rows_that_compute_alone_take_their_own_loras(pipeline, qwen):
     """Packed (mixed sizes), a TaylorSeer request without a LoRA and one with a LoRA of another size: at a step
     where one predicts, the other's attention runs alone, its text stream one row [1, L, ...], which the LoRA
     hooks took for the packed image stream (the batched forward failed and ran again one by one). Each forward
     stays shared and each image within one level of its solo run."""
-    from engine_lib.config import EngineConfig
-    from engine_lib.pipelines.registry import load_adapter
-    from engine_lib.pipelines.tiny_models import ensure_model
-
-    adapter = load_adapter(EngineConfig.of(pipeline=pipeline, model_path=str(ensure_model(pipeline, "tiny")),
-                                           device="cpu", dtype="float32", step_execution=True, max_num_seqs=8,
-                                           mixed_size_batching=True))
+    cls, _ = PIPELINES[pipeline]
+    adapter = lora_runner(qwen if pipeline == "qwen_image" else load_tiny_adapter(pipeline, cls), pipeline)
     requests = {"plain": {**BASE, "seed": 1, "num_inference_steps": 8},
                 "lora": {**BASE, "seed": 2, "height": 96, "width": 96, "lora_name": "toy_a", "lora_scale": 0.6}}
     result = run_steps(adapter, [Arrival(0, "lora", requests["lora"]), Arrival(2, "plain", requests["plain"])])
